@@ -1,0 +1,110 @@
+"""flash_attn_func (and the packed variants) against an independent float64
+implementation written here from the flash-attn 2 documentation."""
+import math
+
+import pytest
+import torch
+
+import torch_metal_flash as tmf
+from torch_metal_flash.testing import assert_matches_oracle
+
+
+def naive_flash_attn(q, k, v, dtype, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                     alibi_slopes=None):
+    """Materialised attention in ``dtype``; q (B, Lq, H, D), k/v (B, Lk, Hk, D)."""
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    B, Lq, H, D = q.shape
+    Lk, Hk = k.shape[1], k.shape[2]
+    k = k.repeat_interleave(H // Hk, dim=2)
+    v = v.repeat_interleave(H // Hk, dim=2)
+    scale = softmax_scale if softmax_scale is not None else 1 / math.sqrt(D)
+    s = torch.einsum("bihd,bjhd->bhij", q, k) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    row = torch.arange(Lq).view(-1, 1) + (Lk - Lq)  # bottom-right alignment
+    col = torch.arange(Lk).view(1, -1)
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(dtype).view(-1 if alibi_slopes.dim() == 2 else 1, H, 1, 1)
+        s = s - slopes * (row - col).abs().to(dtype)
+    left, right = window_size
+    if causal:
+        right = 0
+    hidden = torch.zeros(Lq, Lk, dtype=torch.bool)
+    if left >= 0:
+        hidden |= col < row - left
+    if right >= 0:
+        hidden |= col > row + right
+    s = s.masked_fill(hidden, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)
+    out = torch.einsum("bhij,bjhd->bihd", p, v)
+    return out, torch.where(torch.isneginf(lse), math.inf, lse)
+
+
+CASES = [
+    dict(),
+    dict(causal=True),
+    dict(window_size=(5, 3)),
+    dict(window_size=(7, 0)),
+    dict(causal=True, window_size=(4, -1)),
+    dict(window_size=(-1, 2)),
+    dict(softcap=3.0),
+    dict(causal=True, softcap=1.5),
+    dict(alibi="heads"),
+    dict(alibi="batch", causal=True),
+    dict(softmax_scale=0.2),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("lq,lk", [(1, 1), (1, 17), (3, 17), (17, 3), (113, 203), (203, 113), (129, 129)])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_flash_attn_func(dtype, lq, lk, case):
+    kw = dict(CASES[case])
+    g = torch.Generator().manual_seed(1000 * case + lq + lk)
+    B, H, Hk, D = 2, 4, 2, 24
+    q = torch.randn(B, lq, H, D, generator=g).to(dtype)
+    k = torch.randn(B, lk, Hk, D, generator=g).to(dtype)
+    v = torch.randn(B, lk, Hk, D, generator=g).to(dtype)
+    alibi = kw.pop("alibi", None)
+    if alibi:
+        kw["alibi_slopes"] = torch.rand(H if alibi == "heads" else (B, H), generator=g)
+    out, lse, probs = tmf.flash_attn_func(q, k, v, return_attn_probs=True, **kw)
+    assert probs is None and out.shape == q.shape and out.dtype == dtype and out.is_contiguous()
+    assert lse.shape == (B, H, lq) and lse.dtype == torch.float32
+    ref_out, ref_lse = naive_flash_attn(q, k, v, torch.float64, **kw)
+    low_out, low_lse = naive_flash_attn(q, k, v, dtype, **kw)
+    assert_matches_oracle("out", out, ref_out, low_out, dtype=dtype)
+    assert_matches_oracle("lse", lse, ref_lse, low_lse, dtype=dtype)
+
+
+def test_rows_outside_the_band_are_zero_with_inf_lse():
+    # Lq > Lk with bottom-right causal: the first Lq - Lk rows see nothing.
+    q, k = torch.randn(1, 6, 2, 8), torch.randn(1, 2, 2, 8)
+    out, lse, _ = tmf.flash_attn_func(q, k, k, causal=True, return_attn_probs=True)
+    assert torch.equal(out[:, :4], torch.zeros_like(out[:, :4]))
+    assert torch.isposinf(lse[:, :, :4]).all() and torch.isfinite(lse[:, :, 4:]).all()
+
+
+def test_packed_variants():
+    torch.manual_seed(0)
+    qkv = torch.randn(2, 11, 3, 4, 16)
+    expect = tmf.flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=True)
+    torch.testing.assert_close(tmf.flash_attn_qkvpacked_func(qkv, causal=True), expect)
+    torch.testing.assert_close(tmf.flash_attn_kvpacked_func(qkv[:, :, 0], qkv[:, :, 1:], causal=True), expect)
+
+
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(window_size=(3, 2), softcap=2.0), dict(alibi=True)])
+def test_gradients_against_float64(kw):
+    kw = dict(kw)
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 9, 4, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 13, 1, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 13, 1, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    if kw.pop("alibi", False):
+        kw["alibi_slopes"] = torch.rand(4, generator=g)
+    dout = torch.randn(2, 9, 4, 16, generator=g, dtype=torch.float64)
+    ours = torch.autograd.grad(tmf.flash_attn_func(q, k, v, **kw), (q, k, v), dout)
+    ref = torch.autograd.grad(naive_flash_attn(q, k, v, torch.float64, **kw)[0], (q, k, v), dout)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b)

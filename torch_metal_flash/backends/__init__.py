@@ -1,0 +1,138 @@
+"""Which backend executes an op, and the fallback policy.
+
+``metal`` encodes plans on the MPS stream, ``emulator`` runs the same plans on
+the CPU, ``reference`` is plain PyTorch.  The choice comes from, in order: the
+innermost :func:`backend` context, ``TORCH_METAL_FLASH_BACKEND``, then
+``auto`` (MPS tensors -> metal, everything else -> reference).
+
+When the chosen backend cannot run a call (the planner's reason, a missing
+extension, a device it does not serve), the call falls back to the reference
+path with a one-time warning naming the reason; in strict mode it raises
+:class:`UnsupportedError` instead.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import contextvars
+import os
+import threading
+import warnings
+from typing import Iterator, Optional
+
+import torch
+
+BACKENDS = ("auto", "metal", "emulator", "reference")
+
+_choice: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("tmf_backend", default=None)
+_strict: contextvars.ContextVar[Optional[bool]] = contextvars.ContextVar("tmf_strict", default=None)
+
+
+class UnsupportedError(RuntimeError):
+    """Raised in strict mode when a call cannot run on the selected backend."""
+
+
+class FallbackWarning(UserWarning):
+    """A call ran on the reference path instead of the selected backend."""
+
+
+def _check_name(name: str, source: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"{source}: unknown backend {name!r}; expected one of {', '.join(BACKENDS)}")
+    return name
+
+
+def requested() -> str:
+    """The backend name asked for (may be ``auto``)."""
+    name = _choice.get()
+    if name is None:
+        name = _check_name(os.environ.get("TORCH_METAL_FLASH_BACKEND", "auto").strip().lower() or "auto",
+                           "TORCH_METAL_FLASH_BACKEND")
+    return name
+
+
+def is_strict() -> bool:
+    strict = _strict.get()
+    if strict is None:
+        strict = os.environ.get("TORCH_METAL_FLASH_STRICT", "0").strip().lower() not in ("", "0", "false", "no")
+    return strict
+
+
+@contextlib.contextmanager
+def backend(name: str, *, strict: Optional[bool] = None) -> Iterator[None]:
+    """Run the enclosed calls on backend ``name`` (``auto|metal|emulator|reference``).
+
+    ``strict=True`` raises :class:`UnsupportedError` instead of falling back.
+    """
+    token = _choice.set(_check_name(name, "backend()"))
+    strict_token = _strict.set(strict) if strict is not None else None
+    try:
+        yield
+    finally:
+        _choice.reset(token)
+        if strict_token is not None:
+            _strict.reset(strict_token)
+
+
+def set_strict(strict: bool) -> None:
+    """Process-wide strict mode (same as ``TORCH_METAL_FLASH_STRICT=1``)."""
+    os.environ["TORCH_METAL_FLASH_STRICT"] = "1" if strict else "0"
+
+
+_runs: collections.Counter = collections.Counter()
+
+
+def record_run(name: str) -> None:
+    """Count one op call executed by backend ``name``."""
+    _runs[name] += 1
+
+
+def run_counts(reset: bool = False) -> dict[str, int]:
+    """How many op calls each backend executed (``reference`` includes fallbacks)."""
+    counts = dict(_runs)
+    if reset:
+        _runs.clear()
+    return counts
+
+
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def fallback(reason: str) -> None:
+    """Record that a call runs on the reference path; warn once per reason."""
+    if is_strict():
+        raise UnsupportedError(f"torch_metal_flash (strict): {reason}")
+    with _warned_lock:
+        if reason in _warned:
+            return
+        _warned.add(reason)
+    warnings.warn(f"torch_metal_flash: falling back to the reference path: {reason}",
+                  FallbackWarning, stacklevel=3)
+
+
+def resolve(device: torch.device):
+    """The backend object that serves tensors on ``device``, or None for reference.
+
+    Calls :func:`fallback` when the requested backend cannot serve the device.
+    """
+    name = requested()
+    if name == "auto":
+        name = "metal" if device.type == "mps" else "reference"
+    if name == "reference":
+        return None
+    if name == "metal":
+        from . import metal
+        why = metal.unavailable_reason(device)
+    else:
+        from . import emulator
+        why = None if device.type == "cpu" else f"the emulator backend runs on CPU tensors, got {device.type}"
+    if why is not None:
+        fallback(why)
+        return None
+    if name not in _instances:
+        _instances[name] = metal.MetalBackend() if name == "metal" else emulator.EmulatorBackend()
+    return _instances[name]
+
+
+_instances: dict = {}

@@ -1,0 +1,100 @@
+"""Argument checks shared by the public faces: clear errors naming the argument."""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def tensor(name: str, t, ndim: Optional[Sequence[int]] = None) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() not in ndim:
+        want = " or ".join(f"{n}-D" for n in ndim)
+        raise ValueError(f"{name}: expected a {want} tensor, got shape {tuple(t.shape)}")
+    return t
+
+
+def float_dtype(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name}: expected dtype float16, bfloat16, float32 or float64, got {t.dtype}")
+
+
+def same(names: Sequence[str], tensors: Sequence[torch.Tensor], what: str) -> None:
+    values = [getattr(t, what) for t in tensors]
+    if any(v != values[0] for v in values[1:]):
+        listed = ", ".join(f"{n}={v}" for n, v in zip(names, values))
+        raise ValueError(f"{', '.join(names)}: expected the same {what}, got {listed}")
+
+
+def last_dim_contiguous(name: str, t: torch.Tensor) -> None:
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name}: expected a contiguous last dimension (stride 1), got strides {t.stride()}; "
+                         f"call .contiguous() first")
+
+
+def dim_equal(name: str, got: int, want: int, what: str) -> None:
+    if got != want:
+        raise ValueError(f"{name}: expected {what} {want}, got {got}")
+
+
+def gqa_heads(q_heads: int, kv_heads: int, q_name: str = "query", kv_name: str = "key/value") -> None:
+    if kv_heads == 0 or q_heads % kv_heads != 0:
+        raise ValueError(f"{q_name} has {q_heads} heads and {kv_name} {kv_heads}: the number of query heads "
+                         f"must be a multiple of the number of key/value heads")
+
+
+def dropout(p) -> float:
+    if not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout_p: expected a float in [0, 1], got {p!r}")
+    return float(p)
+
+
+def broadcastable(name: str, t: torch.Tensor, shape: Sequence[int]) -> None:
+    if t.dim() > len(shape) or any(a not in (1, b) for a, b in zip(reversed(t.shape), reversed(shape))):
+        raise ValueError(f"{name}: shape {tuple(t.shape)} does not broadcast to {tuple(shape)} "
+                         f"(batch, heads, seqlen_q, seqlen_k)")
+
+
+def window(window_size) -> tuple[int, int]:
+    try:
+        left, right = (int(w) for w in window_size)
+    except (TypeError, ValueError):
+        raise ValueError(f"window_size: expected a pair (left, right) of ints, got {window_size!r}") from None
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size: expected values >= 0 or -1 (unbounded), got {window_size!r}")
+    return left, right
+
+
+def alibi(alibi_slopes, batch: int, heads: int, device: torch.device) -> Optional[torch.Tensor]:
+    if alibi_slopes is None:
+        return None
+    tensor("alibi_slopes", alibi_slopes)
+    if alibi_slopes.dtype != torch.float32:
+        raise TypeError(f"alibi_slopes: expected dtype float32, got {alibi_slopes.dtype}")
+    if tuple(alibi_slopes.shape) not in ((heads,), (batch, heads)):
+        raise ValueError(f"alibi_slopes: expected shape ({heads},) or ({batch}, {heads}), "
+                         f"got {tuple(alibi_slopes.shape)}")
+    if alibi_slopes.device != device:
+        raise ValueError(f"alibi_slopes: expected device {device}, got {alibi_slopes.device}")
+    return alibi_slopes
+
+
+def sinks(s, heads: int, device: torch.device) -> Optional[torch.Tensor]:
+    if s is None:
+        return None
+    tensor("sinks", s)
+    float_dtype("sinks", s)
+    if tuple(s.shape) != (heads,):
+        raise ValueError(f"sinks: expected shape ({heads},) (one logit per query head), got {tuple(s.shape)}")
+    if s.device != device:
+        raise ValueError(f"sinks: expected device {device}, got {s.device}")
+    return s
+
+
+def softcap(value) -> float:
+    if not isinstance(value, (int, float)) or value < 0:
+        raise ValueError(f"softcap: expected a float >= 0 (0 = off), got {value!r}")
+    return float(value)

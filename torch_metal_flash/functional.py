@@ -1,0 +1,165 @@
+"""The public faces: ``scaled_dot_product_attention`` (torch semantics) and the
+``flash_attn`` package API.  Both check their arguments here and map onto the
+one ``metal_flash.fwd`` op without copying or transposing memory."""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Optional
+
+import torch
+
+from . import checks, ops, reference  # noqa: F401  (ops registers torch.ops.metal_flash)
+from .spec import make_spec
+
+_dropout_warned = False
+
+
+def _warn_dropout() -> None:
+    global _dropout_warned
+    if not _dropout_warned:
+        _dropout_warned = True
+        warnings.warn("torch_metal_flash: dropout_p > 0 runs on the reference path (no dropout kernel yet); "
+                      "it materialises the attention scores", UserWarning, stacklevel=3)
+
+
+def _attention(q, k, v, mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right, softcap,
+               dropout_p):
+    """(out, lse) for (B, H, L, D)-indexed views."""
+    if dropout_p > 0:
+        _warn_dropout()
+        spec = make_spec(q, k, v, mask, alibi_slopes, sinks, scale=scale, diag_offset=diag_offset,
+                         window_left=window_left, window_right=window_right, softcap=softcap)
+        return reference.dropout_attention(spec, dropout_p)
+    return torch.ops.metal_flash.fwd(q, k, v, mask, alibi_slopes, sinks, scale, diag_offset, window_left,
+                                     window_right, softcap)
+
+
+def _as_4d(t: torch.Tensor) -> torch.Tensor:
+    """SDPA accepts (..., L, E); the op wants (B, H, L, E)."""
+    if t.dim() == 4:
+        return t
+    if t.dim() < 4:
+        return t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))
+    return t.reshape((-1,) + tuple(t.shape[-3:]))
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                 enable_gqa=False):
+    """Drop-in for :func:`torch.nn.functional.scaled_dot_product_attention` (torch 2.13 semantics).
+
+    ``query`` (..., Hq, L, E), ``key`` (..., Hkv, S, E), ``value`` (..., Hkv, S, Ev).
+    ``is_causal`` aligns the mask top-left (query i sees keys j <= i).  A bool
+    ``attn_mask`` marks the pairs that take part (True); a float one is added to
+    the scaled scores; both broadcast to (..., Hq, L, S).  ``enable_gqa`` lets
+    Hq be a multiple of Hkv (K/V are never repeated in memory).  Rows with no
+    visible key return zeros.  Returns (..., Hq, L, Ev) in the query's dtype.
+    """
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        checks.tensor(name, t)
+        if t.dim() < 2:
+            raise ValueError(f"{name}: expected at least 2 dims (..., L, E), got shape {tuple(t.shape)}")
+        checks.float_dtype(name, t)
+        checks.last_dim_contiguous(name, t)
+    checks.same(("query", "key", "value"), (query, key, value), "dtype")
+    checks.same(("query", "key", "value"), (query, key, value), "device")
+    checks.same(("query", "key", "value"), (query, key, value), "ndim")
+    checks.dim_equal("key", key.shape[-1], query.shape[-1], "embedding size (last dim) equal to query's")
+    checks.dim_equal("value", value.shape[-2], key.shape[-2], "sequence length (dim -2) equal to key's")
+    dropout_p = checks.dropout(dropout_p)
+    if is_causal and attn_mask is not None:
+        raise ValueError("attn_mask: must be None when is_causal=True (as in torch's SDPA)")
+    lead = query.shape[:-3]
+    if key.shape[:-3] != lead or value.shape[:-3] != lead:
+        raise ValueError(f"key/value: expected batch dims {tuple(lead)} like query's, "
+                         f"got {tuple(key.shape[:-3])} and {tuple(value.shape[:-3])}")
+    q, k, v = _as_4d(query), _as_4d(key), _as_4d(value)
+    hq, hkv = q.shape[1], k.shape[1]
+    checks.dim_equal("value", v.shape[1], hkv, "number of heads (dim -3) equal to key's")
+    if hq != hkv and hkv != 1:
+        if not enable_gqa:
+            raise ValueError(f"key/value have {hkv} heads and query {hq}: pass enable_gqa=True for "
+                             f"grouped-query attention")
+        checks.gqa_heads(hq, hkv)
+    L, S = q.shape[2], k.shape[2]
+    mask = None
+    if attn_mask is not None:
+        checks.tensor("attn_mask", attn_mask)
+        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+            raise TypeError(f"attn_mask: expected dtype bool or a float dtype, got {attn_mask.dtype}")
+        checks.same(("query", "attn_mask"), (query, attn_mask), "device")
+        checks.broadcastable("attn_mask", attn_mask, tuple(query.shape[:-2]) + (L, S))
+        mask = _as_4d(attn_mask.expand(tuple(query.shape[:-2]) + (L, S)))
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    out, _ = _attention(q, k, v, mask, None, None, scale, 0, -1, 0 if is_causal else -1, 0.0, dropout_p)
+    return out.reshape(tuple(query.shape[:-1]) + (value.shape[-1],))
+
+
+def _flash_checks(q, k, v):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        checks.tensor(name, t, ndim=(4,))
+        checks.float_dtype(name, t)
+        checks.last_dim_contiguous(name, t)
+    checks.same(("q", "k", "v"), (q, k, v), "dtype")
+    checks.same(("q", "k", "v"), (q, k, v), "device")
+    checks.dim_equal("k", k.shape[0], q.shape[0], "batch size equal to q's")
+    checks.dim_equal("v", v.shape[0], q.shape[0], "batch size equal to q's")
+    checks.dim_equal("k", k.shape[3], q.shape[3], "head dim equal to q's")
+    checks.dim_equal("v", v.shape[3], q.shape[3], "head dim equal to q's")
+    checks.dim_equal("v", v.shape[1], k.shape[1], "seqlen equal to k's")
+    checks.dim_equal("v", v.shape[2], k.shape[2], "number of heads equal to k's")
+    checks.gqa_heads(q.shape[2], k.shape[2], "q", "k/v")
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """Drop-in for ``flash_attn.flash_attn_func`` (flash-attn 2 semantics).
+
+    Arguments:
+        q: (batch, seqlen_q, nheads, headdim)
+        k, v: (batch, seqlen_k, nheads_k, headdim); nheads a multiple of nheads_k (MQA/GQA).
+        dropout_p: dropout probability (reference path for now; 0.0 for evaluation).
+        softmax_scale: scaling of QK^T before softmax, default 1 / sqrt(headdim).
+        causal: causal mask aligned to the bottom-right corner of the score matrix.
+        window_size: (left, right); when not (-1, -1), query i attends keys in
+            [i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right].
+        softcap: > 0 applies ``softcap * tanh(scores / softcap)``.
+        alibi_slopes: float32 (nheads,) or (batch, nheads); adds
+            ``-slope * |i + seqlen_k - seqlen_q - j|`` to the scores.
+        deterministic: accepted for compatibility; the backward is always deterministic.
+        return_attn_probs: also return the log-sum-exp (and None for the probabilities).
+    Returns:
+        out (batch, seqlen_q, nheads, headdim); with ``return_attn_probs``,
+        ``(out, softmax_lse (batch, nheads, seqlen_q) float32, None)``.
+    """
+    _flash_checks(q, k, v)
+    dropout_p = checks.dropout(dropout_p)
+    left, right = checks.window(window_size)
+    if causal:
+        right = 0
+    softcap = checks.softcap(softcap)
+    batch, seqlen_q, heads, head_dim = q.shape
+    alibi_slopes = checks.alibi(alibi_slopes, batch, heads, q.device)
+    scale = head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
+    out, lse = _attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, alibi_slopes, None, scale,
+                          k.shape[1] - seqlen_q, left, right, softcap, dropout_p)
+    out = out.transpose(1, 2)
+    return (out, lse, None) if return_attn_probs else out
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """``flash_attn.flash_attn_kvpacked_func``: ``kv`` is (batch, seqlen_k, 2, nheads_k, headdim)."""
+    checks.tensor("kv", kv, ndim=(5,))
+    checks.dim_equal("kv", kv.shape[2], 2, "size of dim 2 (k and v)")
+    return flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """``flash_attn.flash_attn_qkvpacked_func``: ``qkv`` is (batch, seqlen, 3, nheads, headdim)."""
+    checks.tensor("qkv", qkv, ndim=(5,))
+    checks.dim_equal("qkv", qkv.shape[2], 3, "size of dim 2 (q, k and v)")
+    return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal, window_size,
+                           softcap, alibi_slopes, deterministic, return_attn_probs)

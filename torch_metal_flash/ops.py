@@ -1,0 +1,132 @@
+"""The ``torch.ops.metal_flash`` custom ops: schemas, fake kernels, autograd.
+
+``fwd`` returns ``(out, lse)``; ``bwd`` returns ``(dq, dk, dv, dbias, dsinks)``.
+Both take the general problem of :mod:`torch_metal_flash.spec` so that the
+SDPA and flash-attn faces map onto them without copies.  Each call plans the
+kernels for the selected backend and falls back to the reference path (with
+a one-time warning naming the reason) when the kernels do not cover it.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import backends, reference
+from .layout import empty_in_layout
+from .plan import Unsupported
+from .spec import AttentionSpec, make_spec, stats_dtype
+
+
+def _spec(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right,
+          softcap) -> AttentionSpec:
+    return make_spec(q, k, v, attn_mask, alibi_slopes, sinks, scale=scale, diag_offset=diag_offset,
+                     window_left=window_left, window_right=window_right, softcap=softcap)
+
+
+def _planner():
+    from . import planner
+    return planner
+
+
+def _run_kernels(spec: AttentionSpec, plan_name: str, *plan_args) -> bool:
+    """Plan and run on the selected backend; False means: use the reference path."""
+    backend = backends.resolve(spec.q.device)
+    if backend is not None and spec.q.numel() > 0 and spec.seqlen_k > 0:
+        plan = getattr(_planner(), plan_name)(spec, *plan_args)
+        if not isinstance(plan, Unsupported):
+            backend.run(plan)
+            backends.record_run(backend.name)
+            return True
+        backends.fallback(plan.reason)
+    # Also empty problems: nothing for a kernel to do, the reference fills zeros / lse.
+    backends.record_run("reference")
+    return False
+
+
+@torch.library.custom_op("metal_flash::fwd", mutates_args=())
+def fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], alibi_slopes: Optional[Tensor],
+        sinks: Optional[Tensor], scale: float, diag_offset: int, window_left: int, window_right: int,
+        softcap: float) -> tuple[Tensor, Tensor]:
+    """Attention forward on (B, H, L, D)-indexed tensors; see :mod:`torch_metal_flash.spec`."""
+    spec = _spec(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right,
+                 softcap)
+    out, lse = _fwd_buffers(q, v)
+    if not _run_kernels(spec, "plan_forward", out, lse):
+        ref_out, ref_lse = reference.forward(spec)
+        out.copy_(ref_out)
+        lse.copy_(ref_lse)
+    return out, lse
+
+
+def _fwd_buffers(q: Tensor, v: Tensor):
+    return empty_in_layout(q, v.shape[-1]), q.new_empty(q.shape[:3], dtype=stats_dtype(q.dtype))
+
+
+@fwd.register_fake
+def _(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right, softcap):
+    return _fwd_buffers(q, v)
+
+
+@torch.library.custom_op("metal_flash::bwd", mutates_args=())
+def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
+        attn_mask: Optional[Tensor], alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], scale: float,
+        diag_offset: int, window_left: int, window_right: int, softcap: float,
+        compute_dbias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of :func:`fwd`: ``dq, dk, dv`` in the inputs' dtypes and layouts,
+    ``dbias`` (B, H, Lq, Lk) when ``compute_dbias`` else empty, ``dsinks`` (H,)
+    when ``sinks`` is given else empty; both float32 (float64 for float64 inputs)."""
+    spec = _spec(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right,
+                 softcap)
+    grads = _bwd_buffers(spec, compute_dbias)
+    if not _run_kernels(spec, "plan_backward", dout, out, lse, dlse, *grads):
+        for buf, ref in zip(grads, reference.backward(spec, dout, out, lse, dlse, compute_dbias)):
+            buf.copy_(ref)
+    return grads
+
+
+def _bwd_buffers(spec: AttentionSpec, compute_dbias: bool):
+    q = spec.q
+    B, H, Lq, Lk = spec.batch, spec.heads, spec.seqlen_q, spec.seqlen_k
+    return (empty_in_layout(q), empty_in_layout(spec.k), empty_in_layout(spec.v),
+            q.new_empty((B, H, Lq, Lk) if compute_dbias else (0,), dtype=stats_dtype(q.dtype)),
+            q.new_empty((H,) if spec.sinks is not None else (0,), dtype=stats_dtype(q.dtype)))
+
+
+@bwd.register_fake
+def _(dout, q, k, v, out, lse, dlse, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left,
+      window_right, softcap, compute_dbias):
+    spec = _spec(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right,
+                 softcap)
+    return _bwd_buffers(spec, compute_dbias)
+
+
+_FWD_ARGS = ("q", "k", "v", "attn_mask", "alibi_slopes", "sinks", "scale", "diag_offset", "window_left",
+             "window_right", "softcap")
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, attn_mask, alibi_slopes, sinks = inputs[:6]
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask, alibi_slopes, sinks)
+    ctx.scalars = inputs[6:]
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, attn_mask, alibi_slopes, sinks = ctx.saved_tensors
+    needs = dict(zip(_FWD_ARGS, ctx.needs_input_grad))
+    if needs["alibi_slopes"]:
+        raise NotImplementedError("metal_flash.fwd: gradients for alibi_slopes are not supported")
+    if dout is None:
+        dout = torch.zeros_like(out)
+    compute_dbias = bool(needs["attn_mask"])
+    dq, dk, dv, dbias, dsinks = torch.ops.metal_flash.bwd(
+        dout, q, k, v, out, lse, dlse, attn_mask, alibi_slopes, sinks, *ctx.scalars, compute_dbias)
+    dmask = dbias.sum_to_size(attn_mask.shape).to(attn_mask.dtype) if compute_dbias else None
+    dsinks = dsinks.to(sinks.dtype) if needs["sinks"] else None
+    return dq, dk, dv, dmask, None, dsinks, None, None, None, None, None
+
+
+torch.library.register_autograd("metal_flash::fwd", _backward, setup_context=_setup_context)

@@ -1,0 +1,55 @@
+"""The seam between the planner and the backends.
+
+A planner turns op arguments into a :class:`Plan`: an ordered list of kernel
+launches, each fully described (shader file, kernel host name, function
+constants, bound buffers, grid, threadgroup size).  A backend only executes
+plans: the Metal backend encodes them on the MPS stream, the emulator runs the
+same ``.metal`` sources on the CPU.  Nothing kernel-specific lives in a backend.
+
+When the kernels do not cover a configuration, a planner returns an
+:class:`Unsupported` with a human-readable reason instead of a plan.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Union
+
+import torch
+
+Bindable = Union[torch.Tensor, bytes]
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One ``dispatchThreadgroups`` of one kernel."""
+
+    source: str  # shader file name under shaders/, e.g. "flash_fwd.metal"
+    kernel: str  # [[host_name]] of the instantiation
+    threadgroups: tuple[int, int, int]  # threadgroups per grid
+    threadgroup: tuple[int, int, int]  # threads per threadgroup
+    # [[buffer(i)]] -> tensor (bound at storage_offset * element_size) or packed bytes
+    buffers: dict[int, Bindable]
+    # [[function_constant(i)]] -> value
+    function_constants: dict[int, Union[bool, int, float]] = dataclasses.field(default_factory=dict)
+    # [[threadgroup(i)]] -> bytes of dynamically sized threadgroup memory
+    threadgroup_memory: dict[int, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def grid_threads(self) -> tuple[int, int, int]:
+        """The grid in threads (dispatchThreads convention)."""
+        return tuple(g * t for g, t in zip(self.threadgroups, self.threadgroup))
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    launches: tuple[Launch, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Unsupported:
+    """Why the kernels cannot run a configuration (shown in the fallback warning)."""
+
+    reason: str
+
+    def __str__(self) -> str:
+        return self.reason
