@@ -5,11 +5,14 @@ emulator (which compiles the shipped .metal sources with clang at run time).
 The shaders and the emulator's C++ runtime ship as package data, from the
 repo's shaders/ and csrc/ folders.
 """
+import os
 import sys
 
 from setuptools import find_packages, setup
 
-PACKAGE_DATA_DIRS = {"torch_metal_flash.shaders": "shaders", "torch_metal_flash._csrc": "csrc"}
+PACKAGE_DATA_DIRS = {name: folder for name, folder in
+                     {"torch_metal_flash.shaders": "shaders", "torch_metal_flash._csrc": "csrc"}.items()
+                     if os.path.isdir(folder)}
 
 
 def ext_modules():
