@@ -108,3 +108,37 @@ def test_gradients_against_float64(kw):
     ref = torch.autograd.grad(naive_flash_attn(q, k, v, torch.float64, **kw)[0], (q, k, v), dout)
     for a, b in zip(ours, ref):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (3, 1))])
+def test_varlen_matches_per_sequence_oracle(causal, window):
+    g = torch.Generator().manual_seed(11)
+    lens_q, lens_k = [3, 0, 17, 1], [5, 4, 9, 1]
+    H, Hk, D = 4, 2, 16
+    q = torch.randn(sum(lens_q), H, D, generator=g, requires_grad=True)
+    k = torch.randn(sum(lens_k), Hk, D, generator=g, requires_grad=True)
+    v = torch.randn(sum(lens_k), Hk, D, generator=g, requires_grad=True)
+    cu_q = torch.tensor([0, 3, 3, 20, 21], dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, 9, 18, 19], dtype=torch.int32)
+    out, lse, _ = tmf.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 17, 9, causal=causal, window_size=window,
+                                             return_attn_probs=True)
+    assert out.shape == q.shape and lse.shape == (H, q.shape[0])
+    expect = torch.cat([naive_flash_attn(q[None, a:b], k[None, c:d], v[None, c:d], torch.float64, causal=causal,
+                                         window_size=window)[0][0]
+                        for a, b, c, d in zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:])])
+    torch.testing.assert_close(out, expect.float(), atol=1e-5, rtol=1e-5)
+    out.sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+def test_varlen_errors():
+    q, k = torch.randn(5, 2, 8), torch.randn(6, 2, 8)
+    good_q, good_k = torch.tensor([0, 5], dtype=torch.int32), torch.tensor([0, 6], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seqlens_q: expected non-decreasing offsets from 0 to 5"):
+        tmf.flash_attn_varlen_func(q, k, k, torch.tensor([0, 4], dtype=torch.int32), good_k, 5, 6)
+    with pytest.raises(ValueError, match="cu_seqlens_k: a sequence is longer than the max_seqlen"):
+        tmf.flash_attn_varlen_func(q, k, k, good_q, good_k, 5, 3)
+    with pytest.raises(TypeError, match="cu_seqlens_q: expected dtype int32"):
+        tmf.flash_attn_varlen_func(q, k, k, good_q.float(), good_k, 5, 6)
+    with pytest.raises(ValueError, match="expected the same batch size"):
+        tmf.flash_attn_varlen_func(q, k, k, good_q, torch.tensor([0, 3, 6], dtype=torch.int32), 5, 6)

@@ -6,7 +6,7 @@ Faces: :func:`scaled_dot_product_attention` (torch semantics),
 """
 from .backends import FallbackWarning, UnsupportedError, backend, run_counts, set_strict
 from .functional import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
-                         scaled_dot_product_attention)
+                         flash_attn_varlen_func, scaled_dot_product_attention)
 
 __version__ = "0.1.0"
 
@@ -17,6 +17,7 @@ __all__ = [
     "flash_attn_func",
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
     "run_counts",
     "scaled_dot_product_attention",
     "set_strict",

@@ -163,3 +163,57 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     checks.dim_equal("qkv", qkv.shape[2], 3, "size of dim 2 (q, k and v)")
     return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal, window_size,
                            softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None):
+    """``flash_attn.flash_attn_varlen_func``: sequences of different lengths packed along dim 0.
+
+    Arguments:
+        q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim).
+        cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) cumulative sequence lengths, starting at 0.
+        max_seqlen_q, max_seqlen_k: the largest lengths (checked against cu_seqlens).
+        The other arguments are those of :func:`flash_attn_func`, applied per sequence
+        (causal and windows aligned to each sequence's bottom-right corner).
+    Returns:
+        out (total_q, nheads, headdim); with ``return_attn_probs``,
+        ``(out, softmax_lse (nheads, total_q) float32, None)``.
+
+    Each sequence runs as its own call on views of the packed tensors (no
+    copies of q/k/v; the sequence boundaries are read on the host).
+    """
+    if block_table is not None:
+        raise NotImplementedError("flash_attn_varlen_func: paged KV (block_table) is not supported yet")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        checks.tensor(name, t, ndim=(3,))
+    bounds = []
+    for name, cu, total, longest in (("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q),
+                                     ("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)):
+        checks.tensor(name, cu, ndim=(1,))
+        if cu.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{name}: expected dtype int32, got {cu.dtype}")
+        cu = cu.tolist()
+        if len(cu) < 1 or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] != total:
+            raise ValueError(f"{name}: expected non-decreasing offsets from 0 to {total}, got {cu}")
+        if any(b - a > longest for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"{name}: a sequence is longer than the max_seqlen given ({longest})")
+        bounds.append(cu)
+    if len(bounds[0]) != len(bounds[1]):
+        raise ValueError(f"cu_seqlens_q, cu_seqlens_k: expected the same batch size, got "
+                         f"{len(bounds[0]) - 1} and {len(bounds[1]) - 1}")
+    batch = len(bounds[0]) - 1
+    alibi_slopes = checks.alibi(alibi_slopes, batch, q.shape[1], q.device)
+    outs, lses = [], []
+    for b in range(batch):
+        (q0, q1), (k0, k1) = bounds[0][b:b + 2], bounds[1][b:b + 2]
+        slopes = alibi_slopes[b] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
+        out, lse, _ = flash_attn_func(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], dropout_p, softmax_scale,
+                                      causal, window_size, softcap, slopes, deterministic, True)
+        outs.append(out[0])
+        lses.append(lse[0])
+    if batch == 0:
+        out, lse = q.new_empty(q.shape), q.new_empty((q.shape[1], 0), dtype=torch.float32)
+    else:
+        out, lse = torch.cat(outs), torch.cat(lses, dim=1)
+    return (out, lse, None) if return_attn_probs else out

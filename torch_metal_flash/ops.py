@@ -34,7 +34,9 @@ def _run_kernels(spec: AttentionSpec, plan_name: str, *plan_args) -> bool:
     """Plan and run on the selected backend; False means: use the reference path."""
     backend = backends.resolve(spec.q.device)
     if backend is not None and spec.q.numel() > 0 and spec.seqlen_k > 0:
-        plan = getattr(_planner(), plan_name)(spec, *plan_args)
+        # The tile tables are per GPU family; the emulator plans like an M2 ("apple8").
+        family = getattr(backend, "family", "apple8")
+        plan = getattr(_planner(), plan_name)(spec, *plan_args, family=family)
         if not isinstance(plan, Unsupported):
             backend.run(plan)
             backends.record_run(backend.name)

@@ -34,6 +34,7 @@ class MetalBackend:
     def __init__(self):
         self._C = _extension()
         self._C.set_shader_dir(str(shaders_dir()))
+        self.family = self._C.gpu_family()  # selects the tile tables
 
     def run(self, plan: Plan) -> None:
         for launch in plan.launches:
