@@ -112,3 +112,16 @@ def test_unsupported_plan_falls_back_with_its_reason(monkeypatch):
     assert backend.plans == []
     monkeypatch.undo()
     torch.testing.assert_close(out, tmf.flash_attn_func(q, k, v))
+
+
+def test_unsupported_reason_probe(monkeypatch):
+    q, k, v = (t.transpose(1, 2) for t in _qkv())
+    args = (q, k, v, None, None, None, 0.3, 0, -1, 0, 0.0)
+    assert ops.unsupported_reason(*args) == "the reference backend is selected"
+    with tmf.backend("metal"):
+        assert "metal backend runs on MPS tensors" in ops.unsupported_reason(*args)
+    _seam(monkeypatch, lambda spec, out, lse: Unsupported("head dim 300 > 256"))
+    monkeypatch.setattr(backends, "select", lambda device: (RecordingBackend(), None))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a probe never warns
+        assert ops.unsupported_reason(*args) == "head dim 300 > 256"

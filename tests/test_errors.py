@@ -26,8 +26,6 @@ SDPA_BAD = [
      "attn_mask: shape .* does not broadcast"),
     (dict(query=t(1, 2, 3, 8), key=t(1, 2, 3, 8), value=t(1, 2, 3, 8), attn_mask=torch.ones(3, 3, dtype=torch.int64)),
      TypeError, "attn_mask: expected dtype bool"),
-    (dict(query=t(1, 2, 3, 8), key=t(1, 2, 3, 8), value=t(1, 2, 3, 8), attn_mask=t(3, 3), is_causal=True), ValueError,
-     "attn_mask: must be None when is_causal"),
     (dict(query=t(1, 2, 3, 16)[..., ::2], key=t(1, 2, 3, 8), value=t(1, 2, 3, 8)), ValueError,
      "query: expected a contiguous last dimension"),
     (dict(query=[1.0], key=t(1, 2, 3, 8), value=t(1, 2, 3, 8)), TypeError, "query: expected a torch.Tensor"),

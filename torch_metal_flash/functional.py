@@ -51,7 +51,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     ``query`` (..., Hq, L, E), ``key`` (..., Hkv, S, E), ``value`` (..., Hkv, S, Ev).
     ``is_causal`` aligns the mask top-left (query i sees keys j <= i).  A bool
     ``attn_mask`` marks the pairs that take part (True); a float one is added to
-    the scaled scores; both broadcast to (..., Hq, L, S).  ``enable_gqa`` lets
+    the scaled scores; both broadcast to (..., Hq, L, S) and combine with
+    ``is_causal`` when both are given (as torch 2.13 does).  ``enable_gqa`` lets
     Hq be a multiple of Hkv (K/V are never repeated in memory).  Rows with no
     visible key return zeros.  Returns (..., Hq, L, Ev) in the query's dtype.
     """
@@ -67,8 +68,6 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     checks.dim_equal("key", key.shape[-1], query.shape[-1], "embedding size (last dim) equal to query's")
     checks.dim_equal("value", value.shape[-2], key.shape[-2], "sequence length (dim -2) equal to key's")
     dropout_p = checks.dropout(dropout_p)
-    if is_causal and attn_mask is not None:
-        raise ValueError("attn_mask: must be None when is_causal=True (as in torch's SDPA)")
     lead = query.shape[:-3]
     if key.shape[:-3] != lead or value.shape[:-3] != lead:
         raise ValueError(f"key/value: expected batch dims {tuple(lead)} like query's, "

@@ -30,6 +30,31 @@ def _planner():
     return planner
 
 
+def unsupported_reason(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right,
+                       softcap) -> Optional[str]:
+    """None when the selected backend would run the kernels for this call (and,
+    when an input requires grad, for its backward); else why the op would take
+    the reference path.  Plans without launching, warns about nothing."""
+    backend, why = backends.select(q.device)
+    if backend is None:
+        return why or "the reference backend is selected"
+    spec = _spec(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right,
+                 softcap)
+    family = getattr(backend, "family", "apple8")
+    out, lse = _fwd_buffers(q, v)
+    plan = _planner().plan_forward(spec, out, lse, family=family)
+    if isinstance(plan, Unsupported):
+        return plan.reason
+    tensors = (q, k, v, attn_mask, sinks)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        compute_dbias = attn_mask is not None and attn_mask.requires_grad
+        plan = _planner().plan_backward(spec, torch.empty_like(out), out, lse, None,
+                                        *_bwd_buffers(spec, compute_dbias), family=family)
+        if isinstance(plan, Unsupported):
+            return f"backward: {plan.reason}"
+    return None
+
+
 def _run_kernels(spec: AttentionSpec, plan_name: str, *plan_args) -> bool:
     """Plan and run on the selected backend; False means: use the reference path."""
     backend = backends.resolve(spec.q.device)

@@ -111,16 +111,15 @@ def fallback(reason: str) -> None:
                   FallbackWarning, stacklevel=3)
 
 
-def resolve(device: torch.device):
-    """The backend object that serves tensors on ``device``, or None for reference.
-
-    Calls :func:`fallback` when the requested backend cannot serve the device.
-    """
+def select(device: torch.device):
+    """``(backend, None)`` for the backend that serves tensors on ``device``;
+    ``(None, None)`` when the reference path is the choice, ``(None, reason)``
+    when the requested backend cannot serve the device."""
     name = requested()
     if name == "auto":
         name = "metal" if device.type == "mps" else "reference"
     if name == "reference":
-        return None
+        return None, None
     if name == "metal":
         from . import metal
         why = metal.unavailable_reason(device)
@@ -128,11 +127,18 @@ def resolve(device: torch.device):
         from . import emulator
         why = None if device.type == "cpu" else f"the emulator backend runs on CPU tensors, got {device.type}"
     if why is not None:
-        fallback(why)
-        return None
+        return None, why
     if name not in _instances:
         _instances[name] = metal.MetalBackend() if name == "metal" else emulator.EmulatorBackend()
-    return _instances[name]
+    return _instances[name], None
+
+
+def resolve(device: torch.device):
+    """Like :func:`select`, but reports a backend that cannot serve (see :func:`fallback`)."""
+    chosen, why = select(device)
+    if why is not None:
+        fallback(why)
+    return chosen
 
 
 _instances: dict = {}
