@@ -5,8 +5,13 @@ Faces: :func:`scaled_dot_product_attention` (torch semantics),
 ``torch.ops.metal_flash`` ops, and the integrations.  See the README.
 """
 from .backends import FallbackWarning, UnsupportedError, backend, run_counts, set_strict
+from . import nn
+from .flash_attn_shim import install_flash_attn_shim, is_flash_attn_shim_installed, uninstall_flash_attn_shim
 from .functional import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
                          flash_attn_varlen_func, scaled_dot_product_attention)
+from .kvcache import flash_attn_with_kvcache
+from .sdpa_override import (disable_sdpa, enable_sdpa, is_sdpa_enabled, reset_sdpa_stats, sdpa_override,
+                            sdpa_stats)
 
 __version__ = "0.1.0"
 
@@ -14,11 +19,22 @@ __all__ = [
     "FallbackWarning",
     "UnsupportedError",
     "backend",
+    "disable_sdpa",
+    "enable_sdpa",
     "flash_attn_func",
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",
     "flash_attn_varlen_func",
+    "flash_attn_with_kvcache",
+    "install_flash_attn_shim",
+    "is_flash_attn_shim_installed",
+    "is_sdpa_enabled",
+    "nn",
+    "reset_sdpa_stats",
     "run_counts",
     "scaled_dot_product_attention",
+    "sdpa_override",
+    "sdpa_stats",
     "set_strict",
+    "uninstall_flash_attn_shim",
 ]

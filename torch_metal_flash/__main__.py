@@ -25,14 +25,12 @@ def pick_backend() -> tuple[str, torch.device, str]:
         if why is None:
             return "metal", torch.device("mps"), "Apple GPU via the MPS stream"
         return "reference", torch.device("mps"), why
+    from torch_metal_flash import emulator
     try:
-        from torch_metal_flash import emulator
         compiler = emulator.find_compiler()
-    except (ImportError, AttributeError) as exc:
-        return "reference", torch.device("cpu"), f"emulator unavailable: {exc}"
-    except Exception as exc:  # the emulator's own "no compiler" error carries the install hint
+    except emulator.CompilerNotFoundError as exc:  # its message says how to install one
         return "reference", torch.device("cpu"), str(exc)
-    return "emulator", torch.device("cpu"), f"Metal kernels in the CPU emulator ({compiler})"
+    return "emulator", torch.device("cpu"), f"the Metal kernels in the CPU emulator ({compiler.ident})"
 
 
 CASES = [

@@ -21,7 +21,21 @@ Bindable = Union[torch.Tensor, bytes]
 
 @dataclasses.dataclass(frozen=True)
 class Launch:
-    """One ``dispatchThreadgroups`` of one kernel."""
+    """One ``dispatchThreadgroups`` of one kernel.
+
+    Conventions both backends follow (the Metal launcher checks them):
+
+    * ``function_constants`` values are typed by their Python type: ``bool`` ->
+      ``constant bool``, ``int`` (32-bit) -> ``constant int``, ``float`` ->
+      ``constant float``.
+    * ``buffers`` indices run 0..30.  A tensor is bound at
+      ``storage_offset * element_size`` of its storage; declare it as a ``device``
+      pointer (macOS wants 256-byte aligned offsets for ``constant`` buffers).
+      ``bytes`` (1..4096 of them, e.g. a packed params struct) are bound by value.
+    * ``threadgroup_memory`` lengths are rounded up to a multiple of 16 bytes.
+    * Threads per threadgroup must not exceed the pipeline's limit, nor
+      threadgroup memory the device's (32 KiB): both backends raise otherwise.
+    """
 
     source: str  # shader file name under shaders/, e.g. "flash_fwd.metal"
     kernel: str  # [[host_name]] of the instantiation

@@ -1,0 +1,203 @@
+"""Backward kernels: device bytes moved, threadgroup memory, extra memory vs L.
+
+    python bench/backward_bytes.py            # all three tables (a few minutes, emulator)
+    python bench/backward_bytes.py --quick    # smaller shapes
+
+Writes markdown tables to stdout and to bench/results/backward.md.
+
+1. **Bytes moved** -- exact device bytes read + written by every launch of the
+   backward plan (emulator, checked mode: every load and store is counted),
+   divided by the compulsory minimum: read q, k, v, out, dO and lse once, write
+   dq, dk, dv once.  FlashAttention-2's backward re-reads K/V once per query
+   block (dQ kernel) and Q/dO once per key block (dK/dV kernel), so the ratio
+   grows like L / block; on a GPU most of those re-reads hit the L2 cache.
+2. **Threadgroup memory per variant** -- from the tile table, and the peak the
+   emulator measured for the variants the shapes above ran.
+3. **Extra memory vs L** -- peak bytes the *allocator* hands out during
+   forward + backward beyond the inputs, minus the results themselves (out,
+   dq, dk, dv), measured with ``torch.profiler`` memory events (every CPU
+   allocation and free, replayed in time order to get the running peak).  Ours
+   runs the kernels in the emulator (fast mode); the kernels themselves
+   allocate nothing, so this is what the plan allocates (lse, delta, lse2).
+   It is compared with ``F.scaled_dot_product_attention`` on CPU with
+   gradients under the MATH backend -- the composite path PyTorch's MPS SDPA
+   takes as soon as a gradient is needed -- and under CPU's default choice
+   (its own fused flash kernel).  The emulator's staging copies of bound
+   tensors are made by its C++ runtime outside the torch allocator and are
+   not counted (they do not exist on the Metal backend).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import test_backward_kernels as bk  # noqa: E402
+from torch_metal_flash import backends, emulator  # noqa: E402
+from torch_metal_flash.planner.backward_tiles import (DSINKS_THREADS, backward_variants)  # noqa: E402
+from torch_metal_flash.spec import make_spec  # noqa: E402
+
+PARAMS_INDEX = {"pre": 6, "dq": 6, "dkv": 6, "dsinks": 6}
+DT = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.2f}"
+
+
+def bytes_table(quick: bool) -> tuple[str, dict]:
+    rows = []
+    peaks = {}
+    configs = [
+        # dtype, B, Hq, Hkv, L, D, masking
+        ("f16", 1, 4, 4, 256, 64, "none"),
+        ("f16", 1, 4, 4, 256, 64, "causal"),
+        ("f16", 1, 8, 2, 256, 64, "causal"),
+        ("f16", 1, 4, 4, 256, 128, "none"),
+        ("f32", 1, 4, 4, 256, 64, "none"),
+        ("f16", 1, 4, 4, 128, 64, "none"),
+    ]
+    if not quick:
+        configs += [("f16", 1, 4, 4, 512, 64, "none"), ("f16", 1, 4, 4, 1024, 64, "causal"),
+                    ("bf16", 1, 4, 1, 512, 128, "causal")]
+    g = torch.Generator().manual_seed(0)
+    for dt, B, Hq, Hkv, L, D, masking in configs:
+        dtype = DT[dt]
+        q = torch.randn(B, Hq, L, D, generator=g).to(dtype)
+        k = torch.randn(B, Hkv, L, D, generator=g).to(dtype)
+        v = torch.randn(B, Hkv, L, D, generator=g).to(dtype)
+        kw = dict(window_right=0) if masking == "causal" else {}
+        spec = make_spec(q, k, v, scale=D ** -0.5, **kw)
+        out, lse = bk.saved_forward(spec)
+        dout = torch.randn(out.shape, generator=g).to(dtype)
+        t0 = time.time()
+        _, stats = bk.run_backward(spec, dout, out, lse, checked=True)
+        secs = time.time() - t0
+        es = dtype.itemsize
+        minimum = es * (q.numel() * 2 + k.numel() * 2 + v.numel() * 2 + out.numel() + dout.numel()) + 4 * lse.numel()
+        # Device buffers only: the params struct is in the constant address
+        # space (cached and broadcast on the GPU), but the emulator counts
+        # every thread's read of it.
+        def moved(s):
+            return sum(n for i, n in s.bytes_read.items() if i != PARAMS_INDEX[s.kernel.split("_")[2]]) + \
+                sum(n for i, n in s.bytes_written.items() if i != PARAMS_INDEX[s.kernel.split("_")[2]])
+        total = sum(moved(s) for s in stats)
+        names = {"m0": "dkv", "m1": "dk", "m2": "dv"}
+        per = {names.get(s.kernel.split("_")[-1], s.kernel.split("_")[2]): moved(s) for s in stats}
+        for s in stats:
+            peaks[s.kernel] = max(peaks.get(s.kernel, 0), s.threadgroup_memory)
+        mma = sum(s.mma for s in stats)
+        rows.append(f"| {dt} | {B}x{Hq}:{Hkv}x{L}x{D} | {masking} | {_mib(minimum)} | {_mib(total)} | "
+                    f"**{total / minimum:.2f}** | " + " / ".join(f"{k} {v / minimum:.2f}" for k, v in per.items())
+                    + f" | {mma} | {secs:.1f} |")
+    head = ("| dtype | B x Hq:Hkv x L x D | mask | minimum MiB | moved MiB | ratio | per kernel (x minimum) "
+            "| 8x8 MMAs | emulator s |\n|---|---|---|---|---|---|---|---|---|")
+    return head + "\n" + "\n".join(rows), peaks
+
+
+def tgmem_table(peaks: dict) -> str:
+    rows = []
+    for t in backward_variants():
+        kind = "dQ" if t.kernel.startswith("flash_bwd_dq") else \
+            {0: "dK+dV", 1: "dK", 2: "dV"}[t.mode]
+        meas = peaks.get(t.kernel)
+        rows.append(f"| `{t.kernel}` | {kind} | {t.threads} | {t.threadgroup_memory} "
+                    f"({t.threadgroup_memory / 1024:.1f} KiB) | {'' if meas is None else meas} |")
+    for name, size in (("flash_bwd_pre_*", 0), ("flash_bwd_dsinks", 4 * DSINKS_THREADS)):
+        rows.append(f"| `{name}` | {'preprocess' if 'pre' in name else 'dsinks'} | 256 | {size} | "
+                    f"{peaks.get(name, '')} |")
+    head = ("| kernel | computes | threads | threadgroup bytes (table) | measured peak (emulator) |\n"
+            "|---|---|---|---|---|")
+    return head + "\n" + "\n".join(rows)
+
+
+def _peak_alloc(fn) -> int:
+    """Peak of (bytes allocated - bytes freed) by torch's CPU allocator during
+    fn(): the profiler's memory events (signed sizes), replayed in time order."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events.sort(key=lambda e: e.start_ns())
+    cur = peak = 0
+    for e in events:
+        cur += e.nbytes()
+        peak = max(peak, cur)
+    return peak
+
+
+def memory_table(quick: bool) -> str:
+    import torch_metal_flash as tmf
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    B, H, D = 1, 2, 32
+    lengths = (128, 256, 512) if quick else (128, 256, 512, 1024, 2048)
+    rows = []
+    g = torch.Generator().manual_seed(1)
+    for L in lengths:
+        q, k, v = (torch.randn(B, H, L, D, generator=g).requires_grad_() for _ in range(3))
+        dout = torch.randn(B, H, L, D, generator=g)
+        results = 4 * 4 * q.numel()  # out, dq, dk, dv (float32)
+
+        def ours():
+            with backends.backend("emulator", strict=True), emulator.settings(checked=False):
+                o = tmf.scaled_dot_product_attention(q, k, v, is_causal=True)
+                o.backward(dout)
+
+        def sdpa(kind):
+            def run():
+                with sdpa_kernel([kind]):
+                    o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                    o.backward(dout)
+            return run
+
+        t0 = time.time()
+        ours_b = _peak_alloc(ours) - results
+        t_ours = time.time() - t0
+        math_b = _peak_alloc(sdpa(SDPBackend.MATH)) - results
+        flash_b = _peak_alloc(sdpa(SDPBackend.FLASH_ATTENTION)) - results
+        bhl = B * H * L
+        rows.append(f"| {L} | {ours_b} | {ours_b / bhl:.1f} | {math_b} ({_mib(math_b)} MiB) | "
+                    f"{math_b / (B * H * L * L):.1f} | {flash_b} | {t_ours:.1f} |")
+        for t in (q, k, v):
+            t.grad = None
+    head = (f"B={B}, H={H}, D={D}, float32, causal, forward + backward.\n\n"
+            "| L | ours: extra bytes | ours / (B·H·L) | SDPA MATH (MPS training path): extra bytes "
+            "| MATH / (B·H·L²) | SDPA CPU flash: extra bytes | ours emulator s |\n|---|---|---|---|---|---|---|")
+    return head + "\n" + "\n".join(rows)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-memory", action="store_true")
+    args = ap.parse_args()
+    parts = ["# Backward kernels: bytes moved, threadgroup memory, extra memory\n",
+             "Generated by `python bench/backward_bytes.py" + (" --quick" if args.quick else "") + "`.\n"]
+    table, peaks = bytes_table(args.quick)
+    parts += ["## Device bytes moved vs the compulsory minimum (emulator, checked mode)\n",
+              "Minimum = read q, k, v, out, dO, lse once + write dq, dk, dv once.  Moved = every device buffer "
+              "the kernels read or write (the delta/lse2 scratch included), not the params struct (constant "
+              "address space, cached on the GPU; the emulator counts each thread's read of it).\n", table, ""]
+    parts += ["## Threadgroup memory per variant\n", tgmem_table(peaks), ""]
+    if not args.no_memory:
+        parts += ["## Extra memory vs sequence length (torch allocator peak, fwd + bwd, minus out/dq/dk/dv)\n",
+                  memory_table(args.quick), ""]
+    text = "\n".join(parts)
+    print(text)
+    out = ROOT / "bench" / "results" / "backward.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""Device bytes moved by the decode kernels relative to the compulsory minimum.
+
+Runs ``flash_attn_with_kvcache``'s kernels (split-K partial + combine, through
+``plan_decode``) in the emulator's checked mode, whose byte counters are exact,
+and divides the device bytes read + written by all launches by the compulsory
+bytes: q, the L rows of K and V of every KV head, out and lse, once each.
+Target (issue 7): <= 1.1 at B=1, H=32, H_kv=8, D=128, L=4096, one query row.
+
+    python bench/decode_bytes.py                 # L = 512 ... 8192 (fp16)
+    python bench/decode_bytes.py --lengths 512,1024,2048,4096,8192,16384,32768
+    python bench/decode_bytes.py --quick         # the target row only
+    python bench/decode_bytes.py --mps           # macOS: decode steps/s vs F.scaled_dot_product_attention
+
+Writes the table to stdout and to bench/results/decode_bytes.md.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from torch_metal_flash import emulator  # noqa: E402
+from torch_metal_flash.backends.emulator import EmulatorBackend  # noqa: E402
+from torch_metal_flash.planner.decode import DecodeProblem, compulsory_bytes, plan_decode  # noqa: E402
+
+
+def measure(B=1, H=32, Hkv=8, D=128, L=4096, Lq=1, dtype=torch.float16, num_splits=0, paged=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Lq, H, D, generator=g).to(dtype)
+    if paged:
+        nblk = B * (-(-L // paged))
+        kc = torch.randn(nblk, paged, Hkv, D, generator=g).to(dtype)
+        vc = torch.randn(nblk, paged, Hkv, D, generator=g).to(dtype)
+        bt = torch.randperm(nblk, generator=g).reshape(B, -1).to(torch.int32)
+    else:
+        kc = torch.randn(B, L, Hkv, D, generator=g).to(dtype)
+        vc = torch.randn(B, L, Hkv, D, generator=g).to(dtype)
+        bt = None
+    out = torch.empty_like(q)
+    lse = torch.empty(B, H, Lq, dtype=torch.float32)
+    pb = DecodeProblem(q=q.transpose(1, 2), k_cache=kc, v_cache=vc, out=out.transpose(1, 2), lse=lse,
+                       seqlens_k=torch.full((B,), L, dtype=torch.int32), leftpad=None, batch_idx=None,
+                       block_table=bt, alibi_slopes=None, scale=D ** -0.5, window_left=-1,
+                       window_right=0, softcap=0.0, max_seqlen_k=L)
+    plan = plan_decode(pb, num_splits=num_splits)
+    backend = EmulatorBackend()
+    t = time.time()
+    with emulator.settings(checked=True):
+        backend.run(plan)
+    secs = time.time() - t
+    moved = sum(s.device_bytes for s in backend.last_stats)
+    need = compulsory_bytes(pb)
+    kv = backend.last_stats[0].bytes_read.get(1, 0) + backend.last_stats[0].bytes_read.get(2, 0)
+    splits = plan.launches[0].threadgroups[0]
+    return dict(B=B, H=H, Hkv=Hkv, D=D, L=L, Lq=Lq, dtype=str(dtype).replace("torch.", ""), paged=paged or "-",
+                splits=splits, launches=len(plan.launches), moved=moved, compulsory=need, ratio=moved / need,
+                kv_read=kv, seconds=secs)
+
+
+def time_mps(lengths, B=1, H=32, Hkv=8, D=128, dtype=torch.float16, iters=200) -> list[str]:
+    """macOS only: one decode step (append 1 token + attend) per call, ours vs torch's SDPA
+    on the same cache (SDPA reads the valid prefix of the cache through enable_gqa)."""
+    import torch.nn.functional as F
+
+    from torch_metal_flash import backend, flash_attn_with_kvcache
+
+    dev = torch.device("mps")
+    lines = ["| L | ours steps/s | SDPA steps/s | speed-up |", "|---|---|---|---|"]
+    for L in lengths:
+        q = torch.randn(B, 1, H, D, device=dev, dtype=dtype)
+        kc = torch.randn(B, L + 1, Hkv, D, device=dev, dtype=dtype)
+        vc = torch.randn_like(kc)
+        kn, vn = torch.randn(B, 1, Hkv, D, device=dev, dtype=dtype), torch.randn(B, 1, Hkv, D, device=dev, dtype=dtype)
+        seqlens = torch.full((B,), L, dtype=torch.int32, device=dev)
+
+        def ours():
+            with backend("metal", strict=True):
+                flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=seqlens, causal=True)
+
+        def sdpa():
+            kc[:, L:L + 1] = kn
+            vc[:, L:L + 1] = vn
+            F.scaled_dot_product_attention(q.transpose(1, 2), kc[:, :L + 1].transpose(1, 2),
+                                           vc[:, :L + 1].transpose(1, 2), enable_gqa=True)
+
+        rates = []
+        for fn in (ours, sdpa):
+            for _ in range(10):
+                fn()
+            torch.mps.synchronize()
+            t = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            torch.mps.synchronize()
+            rates.append(iters / (time.perf_counter() - t))
+        line = f"| {L} | {rates[0]:.0f} | {rates[1]:.0f} | {rates[0] / rates[1]:.2f}x |"
+        print(line, flush=True)
+        lines.append(line)
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", default="512,1024,2048,4096,8192")
+    ap.add_argument("--quick", action="store_true", help="only the target configuration (L=4096)")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "decode_bytes.md"))
+    ap.add_argument("--mps", action="store_true", help="macOS: time decode steps against torch's SDPA")
+    args = ap.parse_args()
+    if args.mps:
+        lines = time_mps([int(x) for x in args.lengths.split(",")])
+        out = Path(args.out).with_name("decode_mps.md")
+        out.write_text("# Decode steps per second on MPS (B=1, H=32, H_kv=8, D=128, fp16)\n\n" + "\n".join(lines) + "\n")
+        print(f"\nwritten to {out}")
+        return
+    rows = []
+    configs = [dict(L=4096)] if args.quick else [dict(L=int(x)) for x in args.lengths.split(",")]
+    if not args.quick:
+        configs += [dict(L=4096, Lq=5), dict(L=4096, num_splits=1), dict(L=4096, num_splits=16),
+                    dict(L=4096, paged=256), dict(L=4096, dtype=torch.float32), dict(L=4096, dtype=torch.bfloat16),
+                    dict(L=4096, H=32, Hkv=32), dict(L=4096, H=32, Hkv=1), dict(L=2048, B=4)]
+    header = ("| B | H | H_kv | D | L | q rows | dtype | paged | splits | launches | device bytes | compulsory | "
+              "ratio | emulator s |")
+    lines = [header, "|" + "---|" * 14]
+    print(header)
+    for cfg in configs:
+        r = measure(**cfg)
+        rows.append(r)
+        line = (f"| {r['B']} | {r['H']} | {r['Hkv']} | {r['D']} | {r['L']} | {r['Lq']} | {r['dtype']} | {r['paged']} | "
+                f"{r['splits']} | {r['launches']} | {r['moved']:,} | {r['compulsory']:,} | **{r['ratio']:.4f}** | "
+                f"{r['seconds']:.1f} |")
+        lines.append(line)
+        print(line, flush=True)
+    text = ("# Decode kernels: device bytes / compulsory bytes\n\n"
+            "Emulator, checked mode (exact byte counters), all launches of one call (split-K partial kernel "
+            "and, when split, the combine kernel).  Compulsory = q + K and V rows of every KV head + out + lse, "
+            "once; the numerator counts every buffer, including the params struct and the per-row index "
+            "vectors (read once per threadgroup, shared through threadgroup memory) and the float32 partials.  Causal, one batch row per cache row, `num_splits=0` (heuristic, 10 GPU cores) unless a "
+            "splits value is forced.  Command: `python bench/decode_bytes.py " +
+            ("--quick" if args.quick else f"--lengths {args.lengths}") + "`.\n\n" + "\n".join(lines) + "\n")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(text)
+    print(f"\nwritten to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

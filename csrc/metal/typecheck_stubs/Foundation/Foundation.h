@@ -1,0 +1,12 @@
+#pragma once
+#include "../objc_base.h"
+#include <dispatch/dispatch.h>
+@interface NSString : NSObject
++ (instancetype)stringWithUTF8String:(const char*)nullTerminatedCString;
+@property(readonly) const char* UTF8String;
+@end
+@interface NSError : NSObject
+@property(readonly, copy) NSString* localizedDescription;
+@end
+@interface NSDictionary<KeyType, ObjectType> : NSObject
+@end

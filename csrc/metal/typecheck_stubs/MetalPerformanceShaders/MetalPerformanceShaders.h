@@ -1,0 +1,4 @@
+#pragma once
+#include <Metal/Metal.h>
+@interface MPSCommandBuffer : NSObject <MTLCommandBuffer>
+@end

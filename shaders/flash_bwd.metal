@@ -1,0 +1,667 @@
+// FlashAttention-2 backward: deterministic (no atomics), recomputing the
+// probabilities from the saved lse, with simdgroup-matrix (8x8) multiplies and
+// float32 accumulation.  Gradients are written in the input dtype.
+//
+// Kernels (in launch order, see torch_metal_flash/planner/backward.py):
+//
+//  1. flash_bwd_pre_<dt>: one simdgroup per query row (B*Hq*Lq rows):
+//       delta[r] = rowsum(dO * O) - dlse[r]         (float32 scratch)
+//       lse2[r]  = lse[r] * log2(e), or kEmpty for rows that see nothing
+//     (lse = +inf).  kEmpty is a large finite number: exp2(s - kEmpty) = 0
+//     without computing with infinities (fast math).
+//  2. flash_bwd_dq_<dt>_d<BD>_q<BQ>_k<BK>: grid (ceil(Lq/BQ), Hq, B), one
+//     simdgroup per 8 query rows; Q (pre-scaled), dO and the dQ accumulator
+//     live in registers; K and V tiles of BK rows stream through threadgroup
+//     memory.  Per key block: S = Q K^T, P = exp2(S - lse2), dP = dO V^T,
+//     dS = P (dP - delta) (written to dbias when asked), softcap chain rule,
+//     dQ += scale * dS K.  Also writes the zeros of dbias outside the band.
+//  3. flash_bwd_dkv_<dt>_d<BD>_k<BK>_q<BQ>_m<MODE>: grid (ceil(Lk/BK), Hkv, B),
+//     one simdgroup per 8 key rows; K (pre-scaled), V and the dK / dV
+//     accumulators in registers; loops over every query head of the GQA
+//     group and over the query blocks of the band, streaming Q and dO tiles
+//     (and their lse2 / delta) through threadgroup memory.  Every dK / dV row
+//     has exactly one writer.  MODE 0 computes dK and dV, MODE 1 only dK,
+//     MODE 2 only dV (split variants for large head dims, against spills).
+//  4. flash_bwd_dsinks: one threadgroup per head, a fixed-order reduction
+//     dsinks[h] = -sum_{b,i} exp(sink[h] - lse[b,h,i]) * delta[b,h,i].
+//
+// Element (row i, key j) of the score (the forward's definition):
+//   x = scale * q.k; x = cap * tanh(x / cap); x -= slope |i + diag - j|;
+//   x += bias[i, j]; visible iff band and bool mask.
+// computed here in the log2 domain (q.k scaled by FlashBwdParams::qk_scale2).
+//
+// Function constants: 0-6 as in flash_fwd.metal (mask, mask kind, ALiBi,
+// sinks, softcap, band, dims aligned), 7 has_dbias, 8 has_dlse.
+// Threadgroup memory per variant: planner/backward_tiles.py and
+// bench/results/backward.md (all <= 17.3 KiB).
+#include "flash_common.h"
+#include "flash_bwd_params.h"
+
+constant bool has_mask [[function_constant(0)]];
+constant int mask_kind [[function_constant(1)]];
+constant bool has_alibi [[function_constant(2)]];
+constant bool has_sinks [[function_constant(3)]];
+constant bool has_softcap [[function_constant(4)]];
+constant bool has_band [[function_constant(5)]];
+// head_dim == head_dim_v == BD: the tile loaders need no column guard.
+constant bool dims_aligned [[function_constant(6)]];
+constant bool has_dbias [[function_constant(7)]];
+constant bool has_dlse [[function_constant(8)]];
+
+namespace flash_bwd {
+
+// lse2 of a row with nothing visible: exp2(s - kEmpty) == 0 for any score.
+constant constexpr float kEmpty = 3.0e38f;
+// Finite "minus infinity" for invisible scores.
+constant constexpr float kNeg = -1.0e38f;
+
+// The transformed score in log2 units of element (i, j) given the raw
+// product x (already multiplied by qk_scale), and the tanh for the softcap
+// chain rule.  `vis` is and-ed with the band / bool mask / bounds.
+// a += b, element-wise (every lane its two elements).
+inline void frag_add(thread simdgroup_float8x8& a, simdgroup_float8x8 b) {
+  a.thread_elements()[0] += b.thread_elements()[0];
+  a.thread_elements()[1] += b.thread_elements()[1];
+}
+
+// tanh(x) written with exp2 so that it stays finite for any |x| under fast
+// math; below |x| = 0.25 an odd Taylor polynomial (error < 2e-8 relative)
+// avoids the cancellation in 1 - exp2(-2|x| log2 e).
+inline float tanh_exp2(float x) {
+  const float ax = abs(x);
+  if (ax < 0.25f) {
+    const float x2 = x * x;
+    // x - x^3/3 + 2x^5/15 - 17x^7/315 + 62x^9/2835
+    return x * (1.0f + x2 * (-0.33333333f + x2 * (0.13333333f + x2 * (-0.053968254f + x2 * 0.021869488f))));
+  }
+  const float t = exp2(-2.0f * flash::kLog2e * ax);
+  return copysign((1.0f - t) / (1.0f + t), x);
+}
+
+struct Score {
+  float s;   // log2-domain score
+  float th;  // tanh (softcap) or 0
+};
+
+inline Score transform(float x, int i, int j, float slope2, long mask_off,
+                       const device uchar* mask, constant FlashFwdParams& f, float cap_log2,
+                       thread bool& vis) {
+  Score r;
+  r.th = 0.0f;
+  float s = x;
+  if (has_softcap) {
+    r.th = tanh_exp2(x);
+    s = r.th * cap_log2;
+  }
+  if (has_alibi) s -= slope2 * float(abs(i + f.diag_offset - j));
+  if (has_mask && vis) {
+    if (mask_kind == flash::kMaskBool) {
+      vis = mask[mask_off] != 0;
+    } else {
+      s += flash::read_float_mask(mask, mask_off, mask_kind) * flash::kLog2e;
+    }
+  }
+  r.s = s;
+  return r;
+}
+
+
+// Cooperative tile loader (scalar; own copy so that this file does not depend
+// on the forward's loader signature): ROWS x COLS elements, rows >= rows_valid
+// and columns >= cols_valid written as zero and never read.  No barrier.
+template <typename T, int ROWS, int COLS, int NT>
+inline void load_tile(threadgroup T* dst, int dst_ld, const device T* src, long src_ld,
+                      int rows_valid, int cols_valid, bool cols_aligned, ushort tid) {
+  constexpr int kTotal = ROWS * COLS;
+  if (cols_aligned && rows_valid >= ROWS) {
+    for (int idx = tid; idx < kTotal; idx += NT) {
+      const int r = idx / COLS;
+      const int c = idx - r * COLS;
+      dst[r * dst_ld + c] = src[long(r) * src_ld + c];
+    }
+  } else {
+    for (int idx = tid; idx < kTotal; idx += NT) {
+      const int r = idx / COLS;
+      const int c = idx - r * COLS;
+      T x = T(0);
+      if (r < rows_valid && c < cols_valid) x = src[long(r) * src_ld + c];
+      dst[r * dst_ld + c] = x;
+    }
+  }
+}
+
+}  // namespace flash_bwd
+
+// ---------------------------------------------------------------------------
+// 1. Preprocess: delta = rowsum(dO * O) - dlse, lse2 = lse * log2(e).
+// ---------------------------------------------------------------------------
+#define FLASH_BWD_PRE_ARGS(T)                                                  \
+  const device T* dout [[buffer(0)]], const device T* out [[buffer(1)]],       \
+      const device float* lse [[buffer(2)]],                                   \
+      const device float* dlse [[buffer(3), function_constant(has_dlse)]],     \
+      device float* delta [[buffer(4)]], device float* lse2 [[buffer(5)]],     \
+      constant FlashBwdParams& p [[buffer(6)]],                                \
+      uint3 tgid [[threadgroup_position_in_grid]],                             \
+      ushort sg [[simdgroup_index_in_threadgroup]],                            \
+      ushort lane [[thread_index_in_simdgroup]]
+
+constant constexpr int kPreRowsPerGroup = 8;  // simdgroups (rows) per threadgroup
+
+template <typename T>
+[[kernel]] void flash_bwd_pre(FLASH_BWD_PRE_ARGS(T)) {
+  const int row = int(tgid.x) * kPreRowsPerGroup + int(sg);
+  if (row >= p.rows) return;  // uniform over the simdgroup
+  const int Lq = p.f.seqlen_q;
+  const int i = row % Lq;
+  const int bh = row / Lq;
+  const int h = bh % p.f.heads;
+  const int b = bh / p.f.heads;
+  const device T* dop = dout + long(b) * p.do_stride_b + long(h) * p.do_stride_h + long(i) * p.do_stride_l;
+  const device T* op = out + long(b) * p.f.o_stride_b + long(h) * p.f.o_stride_h + long(i) * p.f.o_stride_l;
+  float acc = 0.0f;
+  for (int d = lane; d < p.f.head_dim_v; d += 32) {
+    acc += float(dop[d]) * float(op[d]);
+  }
+  acc = simd_sum(acc);
+  if (lane == 0) {
+    float dd = acc;
+    if (has_dlse) dd -= dlse[row];
+    delta[row] = dd;
+    const float l = lse[row];
+    const bool finite = (as_type<uint>(l) & 0x7f800000u) != 0x7f800000u;
+    lse2[row] = finite ? l * flash::kLog2e : flash_bwd::kEmpty;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// 2. dQ (and dbias).
+// ---------------------------------------------------------------------------
+#define FLASH_BWD_DQ_ARGS(T)                                                     \
+  const device T* q [[buffer(0)]], const device T* k [[buffer(1)]],              \
+      const device T* v [[buffer(2)]], const device T* dout [[buffer(3)]],       \
+      const device float* lse2 [[buffer(4)]], const device float* delta [[buffer(5)]], \
+      constant FlashBwdParams& p [[buffer(6)]],                                  \
+      const device uchar* mask [[buffer(7), function_constant(has_mask)]],       \
+      const device float* alibi [[buffer(8), function_constant(has_alibi)]],     \
+      device T* dq [[buffer(9)]],                                                \
+      device float* dbias [[buffer(10), function_constant(has_dbias)]],          \
+      uint3 tgid [[threadgroup_position_in_grid]],                               \
+      ushort tid [[thread_index_in_threadgroup]],                                \
+      ushort sg [[simdgroup_index_in_threadgroup]],                              \
+      ushort lane [[thread_index_in_simdgroup]]
+
+template <typename T, int BD, int BQ, int BK>
+[[kernel]] void flash_bwd_dq(FLASH_BWD_DQ_ARGS(T)) {
+  constexpr int WM = BQ / 8;
+  constexpr int NT = WM * 32;
+  constexpr int LD = BD + flash::TilePad<T>::value;
+  constexpr int NF = BD / 8;
+  constexpr int NK = BK / 8;
+  static_assert(BQ % 8 == 0 && BK % 8 == 0 && BD % 16 == 0, "tile sizes (two chains over BD)");
+
+  threadgroup T smem[2 * BK * LD];
+  threadgroup T* Ks = smem;
+  threadgroup T* Vs = smem + BK * LD;
+
+  constant FlashFwdParams& f = p.f;
+  const bool aligned = dims_aligned;  // (a plain bool argument below)
+  const int b = int(tgid.z);
+  const int h = int(tgid.y);
+  const int kvh = h / f.gqa;
+  const int Lq = f.seqlen_q;
+  const int Lk = f.seqlen_k;
+  const int q0 = int(tgid.x) * BQ;
+  const int r0 = q0 + int(sg) * 8;
+  const flash::FragCoord fc = flash::frag_coord(lane);
+  const int my_row = r0 + fc.row;
+  const bool row_ok = my_row < Lq;
+  const int i_last = min(q0 + BQ, Lq) - 1;
+
+  const device T* qp = q + long(b) * f.q_stride_b + long(h) * f.q_stride_h + long(r0) * f.q_stride_l;
+  const device T* dop = dout + long(b) * p.do_stride_b + long(h) * p.do_stride_h + long(r0) * p.do_stride_l;
+  const device T* kp = k + long(b) * f.k_stride_b + long(kvh) * f.k_stride_h;
+  const device T* vp = v + long(b) * f.v_stride_b + long(kvh) * f.v_stride_h;
+
+  simdgroup_float8x8 Qf[NF];
+  simdgroup_float8x8 dOf[NF];
+  simdgroup_float8x8 dQf[NF];
+  for (int dd = 0; dd < NF; ++dd) {
+    flash::load_frag_device(Qf[dd], qp + dd * 8, f.q_stride_l, Lq - r0, f.head_dim - dd * 8, fc,
+                            p.qk_scale2);
+    flash::load_frag_device(dOf[dd], dop + dd * 8, p.do_stride_l, Lq - r0, f.head_dim_v - dd * 8, fc,
+                            1.0f);
+    dQf[dd] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  }
+
+  const long row_idx = (long(b) * f.heads + h) * long(Lq) + my_row;
+  const float my_lse2 = row_ok ? lse2[row_idx] : flash_bwd::kEmpty;
+  const float my_delta = row_ok ? delta[row_idx] : 0.0f;
+
+  float slope2 = 0.0f;
+  if (has_alibi) slope2 = alibi[long(b) * f.a_stride_b + long(h) * f.a_stride_h] * flash::kLog2e;
+  long mask_row = 0;
+  if (has_mask) mask_row = long(b) * f.m_stride_b + long(h) * f.m_stride_h + long(my_row) * f.m_stride_q;
+  device float* db_row = nullptr;
+  if (has_dbias) {
+    db_row = dbias + long(b) * p.db_stride_b + long(h) * p.db_stride_h + long(my_row) * p.db_stride_q;
+  }
+
+  const flash::Band band{f.diag_offset, f.window_left, f.window_right};
+  int k_lo = 0;
+  int k_hi = Lk;
+  if (has_band) band.key_range(q0, i_last, Lk, k_lo, k_hi);
+  const int kb_begin = (k_lo / BK) * BK;
+  int kb_end = kb_begin;
+
+  for (int kb = kb_begin; kb < k_hi; kb += BK) {
+    kb_end = kb + BK;
+    const int k_valid = Lk - kb;
+    flash_bwd::load_tile<T, BK, BD, NT>(Ks, LD, kp + long(kb) * f.k_stride_l, f.k_stride_l, k_valid,
+                                    f.head_dim, aligned, tid);
+    flash_bwd::load_tile<T, BK, BD, NT>(Vs, LD, vp + long(kb) * f.v_stride_l, f.v_stride_l, k_valid,
+                                    f.head_dim_v, aligned, tid);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    const int sg_last = min(r0 + 7, Lq - 1);
+    bool sg_active = r0 < Lq;
+    bool need_band = false;
+    if (has_band && sg_active) {
+      int lo, hi;
+      band.key_range(r0, sg_last, Lk, lo, hi);
+      sg_active = kb < hi && kb + BK > lo;
+      need_band = !band.block_inside(r0, sg_last, kb, kb + BK - 1);
+    }
+    if (sg_active) {
+      simdgroup_float8x8 S[NK];
+      simdgroup_float8x8 dP[NK];
+      for (int kk = 0; kk < NK; ++kk) {
+        // Two accumulation chains (even / odd head-dim fragments), summed at
+        // the end: half the rounding-error growth of one chain over BD.
+        simdgroup_float8x8 s1 = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+        simdgroup_float8x8 p1 = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+        S[kk] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+        dP[kk] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+        for (int dd = 0; dd < NF; dd += 2) {
+          simdgroup_float8x8 Kt;
+          simdgroup_float8x8 Vt;
+          flash::load_frag_t(Kt, Ks + kk * 8 * LD + dd * 8, LD, fc);
+          simdgroup_multiply_accumulate(S[kk], Qf[dd], Kt, S[kk]);
+          flash::load_frag_t(Vt, Vs + kk * 8 * LD + dd * 8, LD, fc);
+          simdgroup_multiply_accumulate(dP[kk], dOf[dd], Vt, dP[kk]);
+          flash::load_frag_t(Kt, Ks + kk * 8 * LD + dd * 8 + 8, LD, fc);
+          simdgroup_multiply_accumulate(s1, Qf[dd + 1], Kt, s1);
+          flash::load_frag_t(Vt, Vs + kk * 8 * LD + dd * 8 + 8, LD, fc);
+          simdgroup_multiply_accumulate(p1, dOf[dd + 1], Vt, p1);
+        }
+        flash_bwd::frag_add(S[kk], s1);
+        flash_bwd::frag_add(dP[kk], p1);
+      }
+      // dS, element-wise (kept in S).
+      const bool need_bounds = kb + BK > Lk;
+      for (int kk = 0; kk < NK; ++kk) {
+        for (int e = 0; e < 2; ++e) {
+          const int j = kb + kk * 8 + fc.col + e;
+          bool vis = row_ok;
+          if (need_bounds) vis = vis && j < Lk;
+          if (need_band) vis = vis && band.visible(my_row, j);
+          const flash_bwd::Score sc = flash_bwd::transform(
+              S[kk].thread_elements()[e], my_row, j, slope2, mask_row + long(j) * f.m_stride_k, mask, f, p.cap_log2, vis);
+          float ds = 0.0f;
+          if (vis) {
+            const float pr = exp2(sc.s - my_lse2);
+            ds = pr * (dP[kk].thread_elements()[e] - my_delta);
+          }
+          if (has_dbias && row_ok && j < Lk) db_row[j] = ds;
+          if (has_softcap) ds *= 1.0f - sc.th * sc.th;
+          S[kk].thread_elements()[e] = ds * p.scale;
+        }
+      }
+      // dQ += dS K.
+      for (int kk = 0; kk < NK; ++kk) {
+        for (int dd = 0; dd < NF; ++dd) {
+          simdgroup_float8x8 Kf;
+          flash::load_frag(Kf, Ks + kk * 8 * LD + dd * 8, LD, fc);
+          simdgroup_multiply_accumulate(dQf[dd], S[kk], Kf, dQf[dd]);
+        }
+      }
+    } else if (has_dbias && row_ok) {
+      for (int kk = 0; kk < NK; ++kk) {
+        for (int e = 0; e < 2; ++e) {
+          const int j = kb + kk * 8 + fc.col + e;
+          if (j < Lk) db_row[j] = 0.0f;
+        }
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+
+  // dbias is zero outside the key blocks the band touches.
+  if (has_dbias) {
+    const int hi_start = min(kb_end, Lk);
+    for (int rr = 0; rr < 8; ++rr) {
+      const int i = r0 + rr;
+      if (i >= Lq) break;
+      device float* drow = dbias + long(b) * p.db_stride_b + long(h) * p.db_stride_h + long(i) * p.db_stride_q;
+      for (int j = lane; j < kb_begin && j < Lk; j += 32) drow[j] = 0.0f;
+      for (int j = hi_start + lane; j < Lk; j += 32) drow[j] = 0.0f;
+    }
+  }
+
+  device T* dqp = dq + long(b) * p.dq_stride_b + long(h) * p.dq_stride_h + long(r0) * p.dq_stride_l;
+  for (int dd = 0; dd < NF; ++dd) {
+    flash::store_frag_device(dQf[dd], dqp + dd * 8, p.dq_stride_l, Lq - r0, f.head_dim - dd * 8, fc, 1.0f);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// 3. dK and dV.
+// ---------------------------------------------------------------------------
+#define FLASH_BWD_DKV_ARGS(T)                                                    \
+  const device T* q [[buffer(0)]], const device T* k [[buffer(1)]],              \
+      const device T* v [[buffer(2)]], const device T* dout [[buffer(3)]],       \
+      const device float* lse2 [[buffer(4)]], const device float* delta [[buffer(5)]], \
+      constant FlashBwdParams& p [[buffer(6)]],                                  \
+      const device uchar* mask [[buffer(7), function_constant(has_mask)]],       \
+      const device float* alibi [[buffer(8), function_constant(has_alibi)]],     \
+      device T* dk [[buffer(9)]], device T* dv [[buffer(10)]],                   \
+      uint3 tgid [[threadgroup_position_in_grid]],                               \
+      ushort tid [[thread_index_in_threadgroup]],                                \
+      ushort sg [[simdgroup_index_in_threadgroup]],                              \
+      ushort lane [[thread_index_in_simdgroup]]
+
+template <typename T, int BD, int BK, int BQ, int MODE>
+[[kernel]] void flash_bwd_dkv(FLASH_BWD_DKV_ARGS(T)) {
+  constexpr int WM = BK / 8;
+  constexpr int NT = WM * 32;
+  constexpr int LD = BD + flash::TilePad<T>::value;
+  constexpr int NF = BD / 8;
+  constexpr int NQ = BQ / 8;
+  constexpr bool kDK = MODE != 2;
+  constexpr bool kDV = MODE != 1;
+  static_assert(BQ % 8 == 0 && BK % 8 == 0 && BD % 16 == 0, "tile sizes (two chains over BD)");
+
+  threadgroup T smem[2 * BQ * LD];
+  threadgroup float stats[2 * BQ];
+  threadgroup T* Qs = smem;
+  threadgroup T* dOs = smem + BQ * LD;
+  threadgroup float* lse2s = stats;
+  threadgroup float* deltas = stats + BQ;
+
+  constant FlashFwdParams& f = p.f;
+  const bool aligned = dims_aligned;  // (a plain bool argument below)
+  const int b = int(tgid.z);
+  const int kvh = int(tgid.y);
+  const int Lq = f.seqlen_q;
+  const int Lk = f.seqlen_k;
+  const int kb0 = int(tgid.x) * BK;
+  const int c0 = kb0 + int(sg) * 8;  // first key row of this simdgroup
+  const flash::FragCoord fc = flash::frag_coord(lane);
+  const int my_key = c0 + fc.row;
+  const bool key_ok = my_key < Lk;
+
+  const device T* kp = k + long(b) * f.k_stride_b + long(kvh) * f.k_stride_h + long(c0) * f.k_stride_l;
+  const device T* vp = v + long(b) * f.v_stride_b + long(kvh) * f.v_stride_h + long(c0) * f.v_stride_l;
+
+  simdgroup_float8x8 Kf[NF];
+  simdgroup_float8x8 Vf[NF];
+  simdgroup_float8x8 dKf[NF];
+  simdgroup_float8x8 dVf[NF];
+  for (int dd = 0; dd < NF; ++dd) {
+    flash::load_frag_device(Kf[dd], kp + dd * 8, f.k_stride_l, Lk - c0, f.head_dim - dd * 8, fc, p.qk_scale2);
+    if (kDK) {
+      flash::load_frag_device(Vf[dd], vp + dd * 8, f.v_stride_l, Lk - c0, f.head_dim_v - dd * 8, fc, 1.0f);
+      dKf[dd] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    }
+    if (kDV) dVf[dd] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  }
+
+  // Query rows whose band reaches this threadgroup's keys, and this simdgroup's.
+  const flash::Band band{f.diag_offset, f.window_left, f.window_right};
+  const int kb_last = min(kb0 + BK, Lk) - 1;
+  int q_lo = 0;
+  int q_hi = Lq;
+  if (has_band) flash::query_range(band, kb0, kb_last, Lq, q_lo, q_hi);
+  const int qb_begin = (q_lo / BQ) * BQ;
+  const int sg_klast = min(c0 + 7, Lk - 1);
+  int sq_lo = 0;
+  int sq_hi = Lq;
+  if (has_band && c0 < Lk) flash::query_range(band, c0, sg_klast, Lq, sq_lo, sq_hi);
+
+  for (int g = 0; g < f.gqa; ++g) {
+    const int h = kvh * f.gqa + g;
+    const device T* qp = q + long(b) * f.q_stride_b + long(h) * f.q_stride_h;
+    const device T* dop = dout + long(b) * p.do_stride_b + long(h) * p.do_stride_h;
+    const long stat_base = (long(b) * f.heads + h) * long(Lq);
+    float slope2 = 0.0f;
+    if (has_alibi) slope2 = alibi[long(b) * f.a_stride_b + long(h) * f.a_stride_h] * flash::kLog2e;
+    long mask_base = 0;
+    if (has_mask) mask_base = long(b) * f.m_stride_b + long(h) * f.m_stride_h + long(my_key) * f.m_stride_k;
+
+    for (int qb = qb_begin; qb < q_hi; qb += BQ) {
+      const int q_valid = Lq - qb;
+      flash_bwd::load_tile<T, BQ, BD, NT>(Qs, LD, qp + long(qb) * f.q_stride_l, f.q_stride_l, q_valid,
+                                      f.head_dim, aligned, tid);
+      flash_bwd::load_tile<T, BQ, BD, NT>(dOs, LD, dop + long(qb) * p.do_stride_l, p.do_stride_l, q_valid,
+                                      f.head_dim_v, aligned, tid);
+      for (int t = tid; t < BQ; t += NT) {
+        const bool ok = qb + t < Lq;
+        lse2s[t] = ok ? lse2[stat_base + qb + t] : flash_bwd::kEmpty;
+        deltas[t] = ok ? delta[stat_base + qb + t] : 0.0f;
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+
+      bool sg_active = c0 < Lk;
+      bool need_band = false;
+      if (has_band && sg_active) {
+        sg_active = qb < sq_hi && qb + BQ > sq_lo;
+        need_band = !band.block_inside(qb, qb + BQ - 1, c0, c0 + 7);
+      }
+      if (sg_active) {
+        // S^T (8 keys x BQ queries) = K Q^T; dP^T = V dO^T.
+        simdgroup_float8x8 St[NQ];
+        simdgroup_float8x8 dPt[NQ];
+        for (int qq = 0; qq < NQ; ++qq) {
+          // Two accumulation chains, as in the dQ kernel.
+          simdgroup_float8x8 s1 = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+          simdgroup_float8x8 p1 = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+          St[qq] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+          if (kDK) dPt[qq] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+          for (int dd = 0; dd < NF; dd += 2) {
+            simdgroup_float8x8 Qt;
+            flash::load_frag_t(Qt, Qs + qq * 8 * LD + dd * 8, LD, fc);
+            simdgroup_multiply_accumulate(St[qq], Kf[dd], Qt, St[qq]);
+            flash::load_frag_t(Qt, Qs + qq * 8 * LD + dd * 8 + 8, LD, fc);
+            simdgroup_multiply_accumulate(s1, Kf[dd + 1], Qt, s1);
+            if (kDK) {
+              simdgroup_float8x8 dOt;
+              flash::load_frag_t(dOt, dOs + qq * 8 * LD + dd * 8, LD, fc);
+              simdgroup_multiply_accumulate(dPt[qq], Vf[dd], dOt, dPt[qq]);
+              flash::load_frag_t(dOt, dOs + qq * 8 * LD + dd * 8 + 8, LD, fc);
+              simdgroup_multiply_accumulate(p1, Vf[dd + 1], dOt, p1);
+            }
+          }
+          flash_bwd::frag_add(St[qq], s1);
+          if (kDK) flash_bwd::frag_add(dPt[qq], p1);
+        }
+        const bool need_bounds = qb + BQ > Lq || c0 + 8 > Lk;
+        for (int qq = 0; qq < NQ; ++qq) {
+          for (int e = 0; e < 2; ++e) {
+            const int ii = qq * 8 + fc.col + e;  // query within the block
+            const int i = qb + ii;
+            bool vis = true;
+            if (need_bounds) vis = key_ok && i < Lq;
+            if (need_band) vis = vis && band.visible(i, my_key);
+            const flash_bwd::Score sc = flash_bwd::transform(
+                St[qq].thread_elements()[e], i, my_key, slope2, mask_base + long(i) * f.m_stride_q, mask, f, p.cap_log2, vis);
+            float pr = 0.0f;
+            float ds = 0.0f;
+            if (vis) {
+              pr = exp2(sc.s - lse2s[ii]);
+              if (kDK) {
+                ds = pr * (dPt[qq].thread_elements()[e] - deltas[ii]);
+                if (has_softcap) ds *= 1.0f - sc.th * sc.th;
+                ds *= p.scale;
+              }
+            }
+            St[qq].thread_elements()[e] = pr;
+            if (kDK) dPt[qq].thread_elements()[e] = ds;
+          }
+        }
+        // dV += P^T dO; dK += dS^T Q.
+        for (int qq = 0; qq < NQ; ++qq) {
+          for (int dd = 0; dd < NF; ++dd) {
+            if (kDV) {
+              simdgroup_float8x8 dOf;
+              flash::load_frag(dOf, dOs + qq * 8 * LD + dd * 8, LD, fc);
+              simdgroup_multiply_accumulate(dVf[dd], St[qq], dOf, dVf[dd]);
+            }
+            if (kDK) {
+              simdgroup_float8x8 Qf;
+              flash::load_frag(Qf, Qs + qq * 8 * LD + dd * 8, LD, fc);
+              simdgroup_multiply_accumulate(dKf[dd], dPt[qq], Qf, dKf[dd]);
+            }
+          }
+        }
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+    }
+  }
+
+  if (kDK) {
+    device T* dkp = dk + long(b) * p.dk_stride_b + long(kvh) * p.dk_stride_h + long(c0) * p.dk_stride_l;
+    for (int dd = 0; dd < NF; ++dd) {
+      flash::store_frag_device(dKf[dd], dkp + dd * 8, p.dk_stride_l, Lk - c0, f.head_dim - dd * 8, fc, 1.0f);
+    }
+  }
+  if (kDV) {
+    device T* dvp = dv + long(b) * p.dv_stride_b + long(kvh) * p.dv_stride_h + long(c0) * p.dv_stride_l;
+    for (int dd = 0; dd < NF; ++dd) {
+      flash::store_frag_device(dVf[dd], dvp + dd * 8, p.dv_stride_l, Lk - c0, f.head_dim_v - dd * 8, fc, 1.0f);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// 4. dsinks[h] = -sum_{b,i} exp2(sink[h] log2e - lse2) * delta, fixed order.
+// ---------------------------------------------------------------------------
+#define FLASH_BWD_DSINKS_ARGS                                                    \
+  const device float* lse2 [[buffer(0)]], const device float* delta [[buffer(1)]], \
+      const device float* sinks [[buffer(2)]], device float* dsinks [[buffer(3)]], \
+      constant FlashBwdParams& p [[buffer(6)]],                                  \
+      uint3 tgid [[threadgroup_position_in_grid]],                               \
+      ushort tid [[thread_index_in_threadgroup]]
+
+template <int NT>
+[[kernel]] void flash_bwd_dsinks(FLASH_BWD_DSINKS_ARGS) {
+  threadgroup float part[NT];
+  const int h = int(tgid.x);
+  const int Lq = p.f.seqlen_q;
+  const int n = p.f.batch * Lq;
+  const float sink2 = sinks[h] * flash::kLog2e;
+  float acc = 0.0f;
+  for (int idx = tid; idx < n; idx += NT) {
+    const int b = idx / Lq;
+    const int i = idx - b * Lq;
+    const long r = (long(b) * p.f.heads + h) * long(Lq) + i;
+    acc += exp2(sink2 - lse2[r]) * delta[r];
+  }
+  part[tid] = acc;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (int s = NT / 2; s > 0; s /= 2) {
+    if (tid < s) part[tid] += part[tid + s];
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  if (tid == 0) dsinks[h] = -part[0];
+}
+
+// ---------------------------------------------------------------------------
+// Instantiations.  Every entry of torch_metal_flash/planner/backward_tiles.py
+// must appear here (a test checks).
+// ---------------------------------------------------------------------------
+#define FLASH_BWD_PRE_INSTANTIATE(tname, T)                                     \
+  template [[host_name("flash_bwd_pre_" #tname)]] [[kernel]] void flash_bwd_pre<T>(FLASH_BWD_PRE_ARGS(T));
+
+#define FLASH_BWD_DQ_INSTANTIATE(tname, T, BD, BQ, BK)                                          \
+  template [[host_name("flash_bwd_dq_" #tname "_d" #BD "_q" #BQ "_k" #BK)]] [[kernel]] void     \
+  flash_bwd_dq<T, BD, BQ, BK>(FLASH_BWD_DQ_ARGS(T));
+
+#define FLASH_BWD_DKV_INSTANTIATE(tname, T, BD, BK, BQ, MODE)                                           \
+  template [[host_name("flash_bwd_dkv_" #tname "_d" #BD "_k" #BK "_q" #BQ "_m" #MODE)]] [[kernel]] void \
+  flash_bwd_dkv<T, BD, BK, BQ, MODE>(FLASH_BWD_DKV_ARGS(T));
+
+template [[host_name("flash_bwd_dsinks")]] [[kernel]] void flash_bwd_dsinks<256>(FLASH_BWD_DSINKS_ARGS);
+
+FLASH_BWD_PRE_INSTANTIATE(f32, float)
+FLASH_BWD_PRE_INSTANTIATE(f16, half)
+FLASH_BWD_PRE_INSTANTIATE(bf16, bfloat)
+
+// dQ (T, BD, BQ, BK): K + V tiles of BK x (BD + pad) elements.
+FLASH_BWD_DQ_INSTANTIATE(f32, float, 32, 64, 32)
+FLASH_BWD_DQ_INSTANTIATE(f32, float, 64, 64, 32)
+FLASH_BWD_DQ_INSTANTIATE(f32, float, 80, 64, 16)
+FLASH_BWD_DQ_INSTANTIATE(f32, float, 96, 64, 16)
+FLASH_BWD_DQ_INSTANTIATE(f32, float, 128, 64, 16)
+FLASH_BWD_DQ_INSTANTIATE(f32, float, 160, 32, 8)
+FLASH_BWD_DQ_INSTANTIATE(f32, float, 192, 32, 8)
+FLASH_BWD_DQ_INSTANTIATE(f32, float, 256, 32, 8)
+FLASH_BWD_DQ_INSTANTIATE(f16, half, 32, 64, 32)
+FLASH_BWD_DQ_INSTANTIATE(f16, half, 64, 64, 32)
+FLASH_BWD_DQ_INSTANTIATE(f16, half, 80, 64, 32)
+FLASH_BWD_DQ_INSTANTIATE(f16, half, 96, 64, 32)
+FLASH_BWD_DQ_INSTANTIATE(f16, half, 128, 64, 32)
+FLASH_BWD_DQ_INSTANTIATE(f16, half, 160, 32, 16)
+FLASH_BWD_DQ_INSTANTIATE(f16, half, 192, 32, 16)
+FLASH_BWD_DQ_INSTANTIATE(f16, half, 256, 32, 16)
+FLASH_BWD_DQ_INSTANTIATE(bf16, bfloat, 32, 64, 32)
+FLASH_BWD_DQ_INSTANTIATE(bf16, bfloat, 64, 64, 32)
+FLASH_BWD_DQ_INSTANTIATE(bf16, bfloat, 80, 64, 32)
+FLASH_BWD_DQ_INSTANTIATE(bf16, bfloat, 96, 64, 32)
+FLASH_BWD_DQ_INSTANTIATE(bf16, bfloat, 128, 64, 32)
+FLASH_BWD_DQ_INSTANTIATE(bf16, bfloat, 160, 32, 16)
+FLASH_BWD_DQ_INSTANTIATE(bf16, bfloat, 192, 32, 16)
+FLASH_BWD_DQ_INSTANTIATE(bf16, bfloat, 256, 32, 16)
+
+// dK/dV (T, BD, BK, BQ, MODE): Q + dO tiles of BQ x (BD + pad) elements; fused
+// (MODE 0) up to BD 64, split into a dK (MODE 1) and a dV (MODE 2) kernel above.
+FLASH_BWD_DKV_INSTANTIATE(f32, float, 32, 64, 32, 0)
+FLASH_BWD_DKV_INSTANTIATE(f32, float, 64, 64, 32, 0)
+FLASH_BWD_DKV_INSTANTIATE(f32, float, 80, 64, 16, 1)
+FLASH_BWD_DKV_INSTANTIATE(f32, float, 80, 64, 16, 2)
+FLASH_BWD_DKV_INSTANTIATE(f32, float, 96, 64, 16, 1)
+FLASH_BWD_DKV_INSTANTIATE(f32, float, 96, 64, 16, 2)
+FLASH_BWD_DKV_INSTANTIATE(f32, float, 128, 64, 16, 1)
+FLASH_BWD_DKV_INSTANTIATE(f32, float, 128, 64, 16, 2)
+FLASH_BWD_DKV_INSTANTIATE(f32, float, 160, 32, 8, 1)
+FLASH_BWD_DKV_INSTANTIATE(f32, float, 160, 32, 8, 2)
+FLASH_BWD_DKV_INSTANTIATE(f32, float, 192, 32, 8, 1)
+FLASH_BWD_DKV_INSTANTIATE(f32, float, 192, 32, 8, 2)
+FLASH_BWD_DKV_INSTANTIATE(f32, float, 256, 32, 8, 1)
+FLASH_BWD_DKV_INSTANTIATE(f32, float, 256, 32, 8, 2)
+FLASH_BWD_DKV_INSTANTIATE(f16, half, 32, 64, 32, 0)
+FLASH_BWD_DKV_INSTANTIATE(f16, half, 64, 64, 32, 0)
+FLASH_BWD_DKV_INSTANTIATE(f16, half, 80, 64, 32, 1)
+FLASH_BWD_DKV_INSTANTIATE(f16, half, 80, 64, 32, 2)
+FLASH_BWD_DKV_INSTANTIATE(f16, half, 96, 64, 32, 1)
+FLASH_BWD_DKV_INSTANTIATE(f16, half, 96, 64, 32, 2)
+FLASH_BWD_DKV_INSTANTIATE(f16, half, 128, 64, 32, 1)
+FLASH_BWD_DKV_INSTANTIATE(f16, half, 128, 64, 32, 2)
+FLASH_BWD_DKV_INSTANTIATE(f16, half, 160, 32, 16, 1)
+FLASH_BWD_DKV_INSTANTIATE(f16, half, 160, 32, 16, 2)
+FLASH_BWD_DKV_INSTANTIATE(f16, half, 192, 32, 16, 1)
+FLASH_BWD_DKV_INSTANTIATE(f16, half, 192, 32, 16, 2)
+FLASH_BWD_DKV_INSTANTIATE(f16, half, 256, 32, 16, 1)
+FLASH_BWD_DKV_INSTANTIATE(f16, half, 256, 32, 16, 2)
+FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 32, 64, 32, 0)
+FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 64, 64, 32, 0)
+FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 80, 64, 32, 1)
+FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 80, 64, 32, 2)
+FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 96, 64, 32, 1)
+FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 96, 64, 32, 2)
+FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 128, 64, 32, 1)
+FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 128, 64, 32, 2)
+FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 160, 32, 16, 1)
+FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 160, 32, 16, 2)
+FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 192, 32, 16, 1)
+FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 192, 32, 16, 2)
+FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 256, 32, 16, 1)
+FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 256, 32, 16, 2)

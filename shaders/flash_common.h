@@ -1,0 +1,265 @@
+// Reusable pieces of the FlashAttention kernels (forward and backward):
+// 8x8 simdgroup-matrix fragments with the lane layout, cooperative tile
+// loaders (device -> threadgroup, guarded and zero-padded), the band/mask
+// logic and the score transforms.  Plain MSL; every pointer carries its
+// address space.
+#pragma once
+
+#include <metal_stdlib>
+#include "flash_params.h"
+
+using namespace metal;
+
+namespace flash {
+
+constant constexpr float kLog2e = 1.4426950408889634f;
+constant constexpr float kLn2 = 0.6931471805599453f;
+
+// Element padding of threadgroup tile rows: 16 bytes per row against bank
+// conflicts (4 floats, 8 halves/bfloats).
+template <typename T>
+struct TilePad {
+  static constant constexpr int value = 16 / sizeof(T);
+};
+
+// ---------------------------------------------------------------------------
+// Fragment lane layout (DESIGN.md section 3).  Lane l owns the elements
+// (row, col) and (row, col + 1) of every 8x8 simdgroup matrix, where
+//   qid = l / 4; row = (qid & 4) + (l / 2) % 4; col = (qid & 2) * 2 + (l % 2) * 2.
+// The lanes that share a row differ in bits 0 and 3 of the lane id.
+// ---------------------------------------------------------------------------
+struct FragCoord {
+  short row;
+  short col;
+};
+
+inline FragCoord frag_coord(ushort lane) {
+  const short qid = short(lane / 4);
+  FragCoord c;
+  c.row = short((qid & 4) + (lane / 2) % 4);
+  c.col = short((qid & 2) * 2 + (lane % 2) * 2);
+  return c;
+}
+
+// x == -inf, tested on the bits (fast math may assume no infinities and fold
+// a floating-point comparison away).
+inline bool is_neg_inf(float x) {
+  return as_type<uint>(x) == 0xff800000u;
+}
+
+// Reductions over the 4 lanes that share a fragment row.
+inline float row_max(float x) {
+  x = max(x, simd_shuffle_xor(x, ushort(1)));
+  x = max(x, simd_shuffle_xor(x, ushort(8)));
+  return x;
+}
+
+inline float row_sum(float x) {
+  x += simd_shuffle_xor(x, ushort(1));
+  x += simd_shuffle_xor(x, ushort(8));
+  return x;
+}
+
+// Load an 8x8 float fragment from a row-major threadgroup tile of T whose
+// top-left element is src (leading dimension ld): m[r][c] = src[r * ld + c].
+template <typename T>
+inline void load_frag(thread simdgroup_float8x8& m, const threadgroup T* src, int ld,
+                      FragCoord fc) {
+  const threadgroup T* p = src + fc.row * ld + fc.col;
+  m.thread_elements()[0] = float(p[0]);
+  m.thread_elements()[1] = float(p[1]);
+}
+
+// Transposed: m[r][c] = src[c * ld + r].
+template <typename T>
+inline void load_frag_t(thread simdgroup_float8x8& m, const threadgroup T* src, int ld,
+                        FragCoord fc) {
+  const threadgroup T* p = src + fc.col * ld + fc.row;
+  m.thread_elements()[0] = float(p[0]);
+  m.thread_elements()[1] = float(p[ld]);
+}
+
+// Load an 8x8 fragment straight from device memory (rows of stride ld),
+// rows >= rows_valid and cols >= cols_valid read as zero, scaled by `scale`.
+template <typename T>
+inline void load_frag_device(thread simdgroup_float8x8& m, const device T* src, long ld,
+                             int rows_valid, int cols_valid, FragCoord fc, float scale) {
+  float e0 = 0.0f, e1 = 0.0f;
+  if (fc.row < rows_valid) {
+    const device T* p = src + long(fc.row) * ld + fc.col;
+    if (fc.col < cols_valid) e0 = float(p[0]) * scale;
+    if (fc.col + 1 < cols_valid) e1 = float(p[1]) * scale;
+  }
+  m.thread_elements()[0] = e0;
+  m.thread_elements()[1] = e1;
+}
+
+// Per-lane-row variants: each lane passes the start of its own fragment row
+// (rows need not be equally spaced, e.g. packed GQA heads).
+template <typename T>
+inline void load_frag_rows(thread simdgroup_float8x8& m, const device T* row, bool row_valid,
+                           int cols_valid, FragCoord fc, float scale) {
+  float e0 = 0.0f, e1 = 0.0f;
+  if (row_valid) {
+    if (fc.col < cols_valid) e0 = float(row[fc.col]) * scale;
+    if (fc.col + 1 < cols_valid) e1 = float(row[fc.col + 1]) * scale;
+  }
+  m.thread_elements()[0] = e0;
+  m.thread_elements()[1] = e1;
+}
+
+template <typename T>
+inline void store_frag_rows(thread simdgroup_float8x8& m, device T* row, bool row_valid,
+                            int cols_valid, FragCoord fc, float scale) {
+  if (row_valid) {
+    if (fc.col < cols_valid) row[fc.col] = T(m.thread_elements()[0] * scale);
+    if (fc.col + 1 < cols_valid) row[fc.col + 1] = T(m.thread_elements()[1] * scale);
+  }
+}
+
+// Store an 8x8 fragment to device memory as T, guarded like load_frag_device.
+template <typename T>
+inline void store_frag_device(thread simdgroup_float8x8& m, device T* dst, long ld,
+                              int rows_valid, int cols_valid, FragCoord fc, float scale) {
+  if (fc.row < rows_valid) {
+    device T* p = dst + long(fc.row) * ld + fc.col;
+    if (fc.col < cols_valid) p[0] = T(m.thread_elements()[0] * scale);
+    if (fc.col + 1 < cols_valid) p[1] = T(m.thread_elements()[1] * scale);
+  }
+}
+
+inline void frag_scale(thread simdgroup_float8x8& m, float s) {
+  m.thread_elements()[0] *= s;
+  m.thread_elements()[1] *= s;
+}
+
+// ---------------------------------------------------------------------------
+// Cooperative tile loader: ROWS x COLS elements from device (row stride
+// src_ld, contiguous columns) into a threadgroup tile (row stride dst_ld),
+// by NT threads.  Rows >= rows_valid and columns >= cols_valid are written as
+// zero and never read from device.  Every thread of the threadgroup must call
+// it (it contains no barrier).
+//
+// vec_ok: src and src_ld are aligned to 4 elements and dst_ld, COLS are
+// multiples of 4, so full tiles move as 4-element vectors.
+// ---------------------------------------------------------------------------
+template <typename T, int ROWS, int COLS, int NT>
+inline void load_tile(threadgroup T* dst, int dst_ld, const device T* src, long src_ld,
+                      int rows_valid, int cols_valid, bool cols_aligned, bool vec_ok, ushort tid) {
+  constexpr int kTotal = ROWS * COLS;
+  if (cols_aligned && rows_valid >= ROWS) {
+    if (vec_ok) {
+      static_assert(COLS % 4 == 0, "vector loads need COLS % 4 == 0");
+      for (int idx = tid; idx < kTotal / 4; idx += NT) {
+        const int r = (idx * 4) / COLS;
+        const int c = idx * 4 - r * COLS;
+        *(threadgroup vec<T, 4>*)(dst + r * dst_ld + c) =
+            *(const device vec<T, 4>*)(src + long(r) * src_ld + c);
+      }
+    } else {
+      for (int idx = tid; idx < kTotal; idx += NT) {
+        const int r = idx / COLS;
+        const int c = idx - r * COLS;
+        dst[r * dst_ld + c] = src[long(r) * src_ld + c];
+      }
+    }
+  } else {
+    for (int idx = tid; idx < kTotal; idx += NT) {
+      const int r = idx / COLS;
+      const int c = idx - r * COLS;
+      T x = T(0.0f);
+      if (r < rows_valid && c < cols_valid) x = src[long(r) * src_ld + c];
+      dst[r * dst_ld + c] = x;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// The band: visible iff (wl < 0 || j >= i + diag - wl) && (wr < 0 || j <= i + diag + wr).
+// ---------------------------------------------------------------------------
+struct Band {
+  int diag;
+  int wl;
+  int wr;
+
+  bool visible(int i, int j) const {
+    const int rel = j - (i + diag);
+    return (wl < 0 || rel >= -wl) && (wr < 0 || rel <= wr);
+  }
+
+  // Keys [lo, hi) that any query row in [i0, i1] (inclusive) can see,
+  // clamped to [0, lk).  hi <= lo means none.
+  void key_range(int i0, int i1, int lk, thread int& lo, thread int& hi) const {
+    lo = 0;
+    hi = lk;
+    if (wl >= 0) lo = max(lo, i0 + diag - wl);
+    if (wr >= 0) hi = min(hi, i1 + diag + wr + 1);
+  }
+
+  // True when every (i, j) with i in [i0, i1] and j in [j0, j1] is visible.
+  bool block_inside(int i0, int i1, int j0, int j1) const {
+    return (wl < 0 || j0 - (i1 + diag) >= -wl) && (wr < 0 || j1 - (i0 + diag) <= wr);
+  }
+};
+
+// Query positions covered by packed rows [ra, rb] (inclusive), where packed
+// row r is position r % lq of head r / lq: exact within one head, all
+// positions when the span crosses a head boundary.
+inline void packed_row_span(int ra, int rb, int lq, thread int& i0, thread int& i1) {
+  if (ra / lq == rb / lq) {
+    i0 = ra % lq;
+    i1 = rb % lq;
+  } else {
+    i0 = 0;
+    i1 = lq - 1;
+  }
+}
+
+// Query rows [i0, i1] (inclusive) whose band intersects keys [j0, j1].
+// Used by backward kernels iterating over query blocks for a key block.
+inline void query_range(Band band, int j0, int j1, int lq, thread int& lo, thread int& hi) {
+  lo = 0;
+  hi = lq;
+  // j <= i + diag + wr  <=>  i >= j - diag - wr (for the smallest j)
+  if (band.wr >= 0) lo = max(lo, j0 - band.diag - band.wr);
+  // j >= i + diag - wl  <=>  i <= j - diag + wl (for the largest j)
+  if (band.wl >= 0) hi = min(hi, j1 - band.diag + band.wl + 1);
+}
+
+// tanh(x) that stays accurate and finite for every x under fast math: an odd
+// Taylor polynomial for |x| < 0.25 (relative error < 2e-8; the exp2 form
+// loses relative precision there through the cancellation in 1 - t), else
+// (1 - t) / (1 + t) with t = exp2(-2 |x| log2e), which never overflows.
+inline float tanh_stable(float x) {
+  const float ax = abs(x);
+  if (ax < 0.25f) {
+    const float x2 = x * x;
+    return x * (1.0f + x2 * (-1.0f / 3.0f + x2 * (2.0f / 15.0f + x2 * (-17.0f / 315.0f +
+                                                                        x2 * (62.0f / 2835.0f)))));
+  }
+  const float t = exp2(-2.0f * kLog2e * ax);
+  return copysign((1.0f - t) / (1.0f + t), x);
+}
+
+// The softcapped score: cap * tanh(x), x = scale * q.k / cap.
+inline float softcap_tanh(float x, float cap) {
+  return tanh_stable(x) * cap;
+}
+
+// Mask element kinds (function constant mask_kind).
+enum MaskKind : int {
+  kMaskNone = 0,
+  kMaskBool = 1,  // 1 byte, nonzero = visible
+  kMaskF32 = 2,
+  kMaskF16 = 3,
+  kMaskBF16 = 4,
+};
+
+// Read the additive float mask element at `off` (elements) of kind `kind`.
+inline float read_float_mask(const device uchar* base, long off, int kind) {
+  if (kind == kMaskF32) return ((const device float*)base)[off];
+  if (kind == kMaskF16) return float(((const device half*)base)[off]);
+  return float(((const device bfloat*)base)[off]);
+}
+
+}  // namespace flash

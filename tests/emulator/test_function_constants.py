@@ -1,0 +1,45 @@
+"""Function constants by name or index, optional buffers, derived constants,
+is_function_constant_defined; one build serves every value when possible."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from emu_helpers import KERNELS
+from torch_metal_flash import emulator
+from torch_metal_flash.emulator import library
+
+
+@pytest.mark.parametrize("checked", [True, False])
+def test_launch_time_constants_behave_like_compile_time_ones(checked):
+    x = torch.randn(64)
+    bias = torch.randn(64)
+    builds_before = len(library._build_cache)
+    cases = [
+        (dict(has_bias=False, scale=2.0, mode=0), (), x * 2),
+        ({0: True, 1: 3.0, 2: 0}, (bias,), x * 3 + bias),
+        ({"has_bias": True, 2: 2}, (bias,), -(x + bias) + 2000),  # scale undefined -> 1
+        (dict(has_bias=False, mode=5), (), x + 5000),
+    ]
+    for fcs, extra, ref in cases:
+        lib = emulator.compile_shader(KERNELS / "constants.metal", function_constants=fcs)
+        y = torch.zeros(64)
+        lib.fc_kernel(x, y, *extra, grid=64, threadgroup=32, checked=checked)
+        torch.testing.assert_close(y, ref)
+    # one shared build for all four combinations
+    assert len(library._build_cache) - builds_before <= 1
+    lib = emulator.compile_shader(KERNELS / "constants.metal", function_constants=dict(has_bias=True, mode=0))
+    assert lib.function_constants == {"has_bias": 0, "scale": 1, "mode": 2}
+    with pytest.raises(emulator.LaunchError, match="bias"):
+        lib.fc_kernel(x, torch.zeros(64), grid=64, threadgroup=32)  # has_bias: the optional buffer is required
+    with pytest.raises(emulator.LaunchError, match="no function constant named"):
+        emulator.compile_shader(KERNELS / "constants.metal", function_constants={"nope": 1})
+
+
+def test_constants_needed_at_compile_time_get_their_own_build():
+    x = torch.arange(16, dtype=torch.float32)
+    for tile, fast in ((4, False), (8, True)):
+        lib = emulator.compile_shader(KERNELS / "constants_static.metal", function_constants={0: tile, 1: fast})
+        y = torch.zeros(32)
+        lib.fc_static(x, y, grid=32, threadgroup=32)
+        assert torch.all(y == x[:tile].sum() + (0.5 if fast else 0))

@@ -1,0 +1,111 @@
+"""An independent implementation of ``flash_attn_with_kvcache`` for the tests.
+
+Written from the flash-attn documentation with explicit loops (per batch row
+and head), in any dtype: float64 is the oracle, the inputs' own dtype is the
+"plain low-precision math" error budget of the DESIGN.md §5 rule.  It shares
+no code with ``torch_metal_flash``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def rotate(x, cos, sin, pos, interleaved):
+    """x (L, H, D) at positions pos (L,); cos/sin (seqlen_ro, rd/2), all in x's dtype."""
+    half = cos.shape[1]
+    out = x.clone()
+    for t in range(x.shape[0]):
+        c, s = cos[pos[t]], sin[pos[t]]
+        for f in range(half):
+            if interleaved:
+                a, b = 2 * f, 2 * f + 1
+            else:
+                a, b = f, f + half
+            x0, x1 = x[t, :, a], x[t, :, b]
+            out[t, :, a] = x0 * c[f] - x1 * s[f]
+            out[t, :, b] = x0 * s[f] + x1 * c[f]
+    return out
+
+
+def kvcache_attention(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+                      cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
+                      window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None,
+                      dtype=torch.float64):
+    """Returns (out (B, Lq, Hq, D), lse (B, Hq, Lq), new k_cache, new v_cache), all in ``dtype``."""
+    cast = (lambda t: None if t is None else t.detach().cpu().to(dtype))
+    q, kc, vc, k, v = cast(q), cast(k_cache), cast(v_cache), cast(k), cast(v)
+    cos, sin = cast(rotary_cos), cast(rotary_sin)
+    B, Lq, Hq, D = q.shape
+    Hkv = kc.shape[2]
+    G = Hq // Hkv
+    paged = block_table is not None
+    if paged:
+        page = kc.shape[1]
+        cap = block_table.shape[1] * page
+    else:
+        cap = kc.shape[1]
+    if cache_seqlens is None:
+        seqlens = [cap] * B
+    elif isinstance(cache_seqlens, int):
+        seqlens = [cache_seqlens] * B
+    else:
+        seqlens = [int(x) for x in cache_seqlens]
+    lp = [0] * B if cache_leftpad is None else [int(x) for x in cache_leftpad]
+    rows = list(range(B)) if cache_batch_idx is None else [int(x) for x in cache_batch_idx]
+    lnew = 0 if k is None else k.shape[1]
+    scale = D ** -0.5 if softmax_scale is None else softmax_scale
+    left, right = window_size
+    if causal:
+        right = 0
+    local = causal or left >= 0 or right >= 0
+
+    def slot(b, p):  # (cache tensor index, row index) of logical position p of batch row b
+        if paged:
+            return int(block_table[b, p // page]), p % page
+        return rows[b], p
+
+    out = torch.zeros(B, Lq, Hq, D, dtype=dtype)
+    lse = torch.full((B, Hq, Lq), math.inf, dtype=dtype)
+    for b in range(B):
+        s0 = seqlens[b]
+        qb = q[b]
+        if k is not None:
+            kb = k[b]
+            if cos is not None:
+                kb = rotate(kb, cos, sin, [s0 + t for t in range(lnew)], rotary_interleaved)
+                qpos = [s0 + i for i in range(Lq)] if local else [s0] * Lq
+                qb = rotate(qb, cos, sin, qpos, rotary_interleaved)
+            for t in range(lnew):
+                ci, ri = slot(b, s0 + t)
+                kc[ci, ri] = kb[t]
+                vc[ci, ri] = v[b, t]
+        start, end = lp[b], s0 + lnew
+        Lk = end - start
+        if Lk <= 0:
+            continue
+        keys = torch.stack([kc[slot(b, p)] for p in range(start, end)])  # (Lk, Hkv, D)
+        vals = torch.stack([vc[slot(b, p)] for p in range(start, end)])
+        for h in range(Hq):
+            g = h // G
+            s = (qb[:, h] @ keys[:, g].T) * scale  # (Lq, Lk)
+            if softcap > 0:
+                s = softcap * torch.tanh(s / softcap)
+            i = torch.arange(Lq)[:, None]
+            j = torch.arange(Lk)[None, :]
+            if alibi_slopes is not None:
+                sl = alibi_slopes[h] if alibi_slopes.dim() == 1 else alibi_slopes[b, h]
+                s = s - float(sl) * (i + Lk - Lq - j).abs().to(dtype)
+            vis = torch.ones(Lq, Lk, dtype=torch.bool)
+            if left >= 0:
+                vis &= j >= i + Lk - Lq - left
+            if right >= 0:
+                vis &= j <= i + Lk - Lq + right
+            s = s.masked_fill(~vis, -math.inf)
+            m = torch.logsumexp(s, dim=-1)
+            p = torch.exp(s - m[:, None])
+            p = torch.where(vis.any(-1, keepdim=True), p, torch.zeros_like(p))
+            out[b, :, h] = p @ vals[:, g]
+            lse[b, h] = torch.where(vis.any(-1), m, torch.full_like(m, math.inf))
+    return out, lse, kc, vc

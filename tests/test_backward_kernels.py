@@ -1,0 +1,510 @@
+"""The fused backward kernels (shaders/flash_bwd.metal) in the emulator,
+against float64 autograd of a plain composite attention (DESIGN.md §5 rule on
+dq, dk, dv, dbias, dsinks), through ``plan_backward``, in checked mode
+(poisoned threadgroup memory, bounds and race checks) and in two schedule
+orders per case; the two runs must agree bit for bit (determinism).
+
+The forward issue's matrix (tests/forward_cases.py) is sampled with a fixed
+seed, plus GQA ratios 1/2/4/8 and MQA, dlse, fully-masked rows, both layouts.
+``bench/sweep_backward.py`` runs the full sweep.  These tests need the
+emulator: they fail (not skip) when it or its compiler is missing.
+"""
+from __future__ import annotations
+
+import math
+import random
+import re
+import sys
+import zlib
+from pathlib import Path
+from typing import Optional
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import forward_cases as fc  # noqa: E402
+from torch_metal_flash import reference  # noqa: E402
+from torch_metal_flash._paths import shaders_dir  # noqa: E402
+from torch_metal_flash.layout import empty_in_layout  # noqa: E402
+from torch_metal_flash.plan import Plan, Unsupported  # noqa: E402
+from torch_metal_flash.spec import AttentionSpec, make_spec  # noqa: E402
+from torch_metal_flash.testing import ATOL, error_budget  # noqa: E402
+
+SEED = 20261129
+ORDER_PAIRS = (("forward", "reverse"), ("reverse", "random"), ("random", "forward"))
+DTYPES = fc.DTYPES
+GQA_BWD = ((1, 1), (2, 1), (4, 2), (4, 1), (8, 1), (8, 4), (6, 3))
+
+
+# ---------------------------------------------------------------------------
+# Oracle: autograd of a plain composite attention in a chosen dtype.
+# ---------------------------------------------------------------------------
+def composite(spec: AttentionSpec, q, k, v, mask, sinks, dtype):
+    """(out, lse) of the spec's math in ``dtype`` with autograd (scores materialised)."""
+    B, H, Lq, Lk = spec.batch, spec.heads, spec.seqlen_q, spec.seqlen_k
+    G = H // spec.kv_heads
+    kk = k.repeat_interleave(G, dim=1)  # fine for an oracle
+    vv = v.repeat_interleave(G, dim=1)
+    s = (q @ kk.transpose(-1, -2)) * spec.scale
+    if spec.softcap > 0:
+        s = spec.softcap * torch.tanh(s / spec.softcap)
+    i = torch.arange(Lq).unsqueeze(-1)
+    j = torch.arange(Lk)
+    if spec.alibi_slopes is not None:
+        dist = (i + spec.diag_offset - j).abs().to(dtype)
+        s = s - spec.alibi_slopes.to(dtype)[:, :, None, None] * dist
+    vis = spec.visible(i, j).expand(B, H, Lq, Lk)
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            vis = vis & mask
+        else:
+            s = s + mask
+    s = s.masked_fill(~vis, float("-inf"))
+    empty = ~vis.any(-1)
+    if sinks is not None:
+        s_all = torch.cat([s, sinks.to(dtype)[None, :, None, None].expand(B, H, Lq, 1)], dim=-1)
+        empty = torch.zeros_like(empty)
+    else:
+        s_all = s
+    lse = torch.logsumexp(s_all.masked_fill(empty[..., None], 0.0), dim=-1)
+    p = torch.exp(s - lse[..., None]).masked_fill(~vis, 0.0)
+    out = p @ vv
+    return out, lse.masked_fill(empty, float("inf")), empty
+
+
+def oracle_grads(spec: AttentionSpec, dout, dlse, compute_dbias: bool, dtype):
+    """(dq, dk, dv, dbias (B,H,Lq,Lk) or None, dsinks or None) by autograd in ``dtype``."""
+    B, H, Lq, Lk = spec.batch, spec.heads, spec.seqlen_q, spec.seqlen_k
+    q, k, v = (t.detach().to(dtype).requires_grad_() for t in (spec.q, spec.k, spec.v))
+    mask = spec.mask
+    leaves = [q, k, v]
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            mask = mask.expand(B, H, Lq, Lk)
+        else:
+            mask = mask.detach().to(dtype).expand(B, H, Lq, Lk).contiguous().requires_grad_(compute_dbias)
+            if compute_dbias:
+                leaves.append(mask)
+    sinks = None
+    if spec.sinks is not None:
+        sinks = spec.sinks.detach().to(dtype).requires_grad_()
+        leaves.append(sinks)
+    out, lse, empty = composite(spec, q, k, v, mask, sinks, dtype)
+    outs, grads = [out], [dout.to(dtype)]
+    if dlse is not None:
+        outs.append(lse.masked_fill(empty, 0.0))
+        grads.append(dlse.to(dtype).masked_fill(empty, 0.0))
+    g = torch.autograd.grad(outs, leaves, grads, allow_unused=True)
+    g = [torch.zeros_like(x) if gx is None else gx for gx, x in zip(g, leaves)]
+    dq, dk, dv = g[:3]
+    rest = g[3:]
+    dbias = rest.pop(0) if (mask is not None and mask.dtype != torch.bool and compute_dbias) else None
+    dsinks = rest.pop(0) if sinks is not None else None
+    return dq, dk, dv, dbias, dsinks
+
+
+def saved_forward(spec: AttentionSpec):
+    """What the forward saved: out in the inputs' dtype and layout, lse float32
+    (from the float64 oracle, so the backward is tested on its own)."""
+    out64, lse64 = reference.forward(_cast(spec, torch.float64))
+    out = empty_in_layout(spec.q, spec.head_dim_v).copy_(out64)
+    return out, lse64.to(torch.float32)
+
+
+def _cast(spec: AttentionSpec, dtype):
+    from torch_metal_flash.testing import cast_spec
+    return cast_spec(spec, dtype)
+
+
+# ---------------------------------------------------------------------------
+# Running the plan in the emulator.
+# ---------------------------------------------------------------------------
+_LIBS: dict = {}
+
+
+def _library(source: str, constants: dict):
+    from torch_metal_flash import emulator
+    key = (source, tuple(sorted(constants.items())))
+    lib = _LIBS.get(key)
+    if lib is None:
+        lib = emulator.compile_shader(shaders_dir() / source, include_dirs=(str(shaders_dir()),),
+                                      function_constants=dict(constants))
+        _LIBS[key] = lib
+    return lib
+
+
+def run_plan(plan: Plan, order: str = "forward", checked: bool = True) -> list:
+    """Run every launch of the plan in order; returns the emulator's stats per launch."""
+    stats = []
+    for launch in plan.launches:
+        lib = _library(launch.source, launch.function_constants)
+        stats.append(getattr(lib, launch.kernel)(buffers=launch.buffers, grid=launch.grid_threads,
+                                                 threadgroup=launch.threadgroup, order=order,
+                                                 checked=checked))
+    return stats
+
+
+def grad_buffers(spec: AttentionSpec, compute_dbias: bool, poison: bool = True):
+    """Gradients as ops.bwd allocates them (layout-preserving), poisoned with NaN."""
+    from torch_metal_flash.ops import _bwd_buffers
+    bufs = _bwd_buffers(spec, compute_dbias)
+    if poison:
+        for b in bufs:
+            if b.is_floating_point():
+                b.fill_(float("nan"))
+    return bufs
+
+
+def plan_for(spec, dout, out, lse, dlse=None, compute_dbias=False, family="apple8"):
+    from torch_metal_flash.planner.backward import plan_backward
+    grads = grad_buffers(spec, compute_dbias)
+    plan = plan_backward(spec, dout, out, lse, dlse, *grads, family=family)
+    assert isinstance(plan, Plan), f"unsupported: {plan}"
+    return plan, grads
+
+
+def run_backward(spec, dout, out, lse, dlse=None, compute_dbias=False, order="forward", checked=True):
+    plan, grads = plan_for(spec, dout, out, lse, dlse, compute_dbias)
+    stats = run_plan(plan, order=order, checked=checked)
+    return grads, stats
+
+
+# ---------------------------------------------------------------------------
+# Cases.
+# ---------------------------------------------------------------------------
+def build_case(c: dict, seed: Optional[int] = None):
+    """spec, dout, out, lse, dlse for a case dict (forward_cases' axes plus
+    ``dlse`` and ``dbias`` flags)."""
+    seed = zlib.crc32(case_id(c).encode()) if seed is None else seed
+    spec = fc.build_spec(c, seed=seed)
+    out, lse = saved_forward(spec)
+    g = torch.Generator().manual_seed(seed + 1)
+    dout = empty_in_layout(out).copy_(torch.randn(out.shape, generator=g))
+    dlse = torch.randn(lse.shape, generator=g) if c.get("dlse") else None
+    return spec, dout, out, lse, dlse
+
+
+def case_id(c: dict) -> str:
+    extra = ("-dlse" if c.get("dlse") else "") + ("-dbias" if c.get("dbias") else "")
+    return fc.case_id(c) + extra
+
+
+def fa2_lowp_grads(spec, dout, out, lse, dlse, compute_dbias: bool):
+    """The plain-PyTorch FlashAttention-2 formulation (``reference.backward``:
+    delta = rowsum(dO * O) from the saved out/lse) with the kernels' float32
+    accumulation, results rounded to the inputs' dtype."""
+    dq, dk, dv, dbias, dsinks = reference.backward(_cast(spec, spec.q.dtype), dout, out, lse, dlse, compute_dbias)
+    return dq, dk, dv, dbias if compute_dbias else None, dsinks if spec.sinks is not None else None
+
+
+def check_grads(spec, dout, out, lse, dlse, grads, compute_dbias: bool):
+    """The §5 rule on each gradient.  The error budget is twice the larger error
+    of two plain-PyTorch computations in the inputs' dtype: autograd of the
+    composite attention (the flash-attn suite's baseline) and the FA2
+    formulation the kernels implement.  The second matters in float32 only:
+    there ``dS = P (dP - delta)`` cancels when dP is close to delta, and delta
+    computed from the saved O (rather than from P and dP, as autograd does)
+    carries ~1 ulp of |delta| that autograd's baseline does not have."""
+    dq, dk, dv, dbias, dsinks = grads
+    dtype = spec.q.dtype
+    ref = oracle_grads(spec, dout, dlse, compute_dbias, torch.float64)
+    low = oracle_grads(spec, dout, dlse, compute_dbias, dtype)
+    fa2 = fa2_lowp_grads(spec, dout, out, lse, dlse, compute_dbias)
+    checks = [("dq", dq, 0), ("dk", dk, 1), ("dv", dv, 2)]
+    if compute_dbias:
+        checks.append(("dbias", dbias, 3))
+    for name, got, i in checks:
+        assert got.shape == ref[i].shape
+        if i < 3:
+            assert got.dtype == dtype
+        err, allowed = error_budget(name, got, ref[i], low[i], dtype=dtype)
+        _, allowed_fa2 = error_budget(name, got, ref[i], fa2[i], dtype=dtype)
+        assert err <= max(allowed, allowed_fa2), \
+            f"{name}: max error {err:.3e} > allowed {max(allowed, allowed_fa2):.3e} (2 x low-precision error + atol)"
+    if spec.sinks is not None:
+        # dsinks sums over B*Lq rows: allow for float32 accumulation of that many terms.
+        n = spec.batch * spec.seqlen_q
+        atol = ATOL[dtype] + 1e-6 * n * max(1.0, ref[4].abs().max().item())
+        err, allowed = error_budget("dsinks", dsinks, ref[4], low[4], atol=atol, dtype=dtype)
+        _, allowed_fa2 = error_budget("dsinks", dsinks, ref[4], fa2[4], atol=atol, dtype=dtype)
+        assert err <= max(allowed, allowed_fa2), f"dsinks: max error {err:.3e} > allowed {max(allowed, allowed_fa2):.3e}"
+
+
+def run_and_check(c: dict, orders=("forward", "reverse"), checked: bool = True):
+    spec, dout, out, lse, dlse = build_case(c)
+    compute_dbias = bool(c.get("dbias")) and spec.mask is not None and spec.mask.is_floating_point()
+    first = None
+    for order in orders:
+        grads, _ = run_backward(spec, dout, out, lse, dlse, compute_dbias, order=order, checked=checked)
+        for name, t in zip(("dq", "dk", "dv", "dbias", "dsinks"), grads):
+            assert not t.isnan().any(), f"{name} has NaN (unwritten or computed)"
+        if first is None:
+            check_grads(spec, dout, out, lse, dlse, grads, compute_dbias)
+            first = [t.clone() for t in grads]
+        else:  # bitwise deterministic, whatever the schedule
+            for name, a, b in zip(("dq", "dk", "dv", "dbias", "dsinks"), first, grads):
+                assert torch.equal(a, b), f"{name} differs between schedule orders ({order})"
+    return spec
+
+
+def sample_cases(n: int, seed: int) -> list:
+    cases = fc.sample_cases(n, seed, seq_pairs=SMALL_SEQ_PAIRS)
+    rng = random.Random(seed + 1)
+    gqa = list(GQA_BWD)
+    rng.shuffle(gqa)
+    for i, c in enumerate(cases):
+        c["hq"], c["hkv"] = gqa[i % len(gqa)]
+        c["dlse"] = i % 3 == 0
+        c["dbias"] = c["feature"].startswith("bias")
+    return cases
+
+
+SMALL_SEQ_PAIRS = ((1, 1), (1, 39), (3, 17), (17, 3), (17, 17), (29, 65), (40, 33), (9, 100))
+SAMPLED = sample_cases(30, SEED)
+AWKWARD = [
+    dict(dtype="f16", d=64, lq=113, lk=127, masking="causal_br", hq=2, hkv=1, feature="none", layout="blhd",
+         batch=1),
+    dict(dtype="bf16", d=128, lq=129, lk=65, masking="causal_tl", hq=1, hkv=1, feature="bias_bcast",
+         layout="bhld", batch=1, dbias=True),
+    dict(dtype="f32", d=72, lq=17, lk=203, masking="window", hq=2, hkv=2, feature="sinks", layout="bhld",
+         batch=1, dlse=True),
+    dict(dtype="f16", d=40, lq=3, lk=257, masking="causal_br", hq=8, hkv=1, feature="alibi_h", layout="blhd",
+         batch=1),
+    dict(dtype="f32", d=256, lq=33, lk=20, masking="window_sym", hq=2, hkv=1, feature="softcap",
+         layout="blhd", batch=1),
+    dict(dtype="f16", d=32, lq=255, lk=113, masking="causal_tl", hq=1, hkv=1, feature="bool_keys",
+         layout="bhld", batch=1),
+    dict(dtype="bf16", d=64, lq=203, lk=255, masking="window", hq=2, hkv=1, feature="sinks", layout="blhd",
+         batch=1, dlse=True),
+]
+
+
+def _orders(i: int):
+    return ORDER_PAIRS[i % len(ORDER_PAIRS)]
+
+
+@pytest.mark.parametrize("i,case", list(enumerate(SAMPLED)), ids=[case_id(c) for c in SAMPLED])
+def test_sampled_matrix(i, case):
+    run_and_check(case, orders=_orders(i))
+
+
+@pytest.mark.parametrize("i,case", list(enumerate(AWKWARD)), ids=[case_id(c) for c in AWKWARD])
+def test_awkward_lengths(i, case):
+    run_and_check(case, orders=_orders(i))
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
+def test_every_head_dim_bucket(dtype):
+    """Every tile width (and the dK/dV split above 64) once, with unaligned tails."""
+    for d in (32, 64, 80, 96, 128, 160, 192, 256, 5, 72):
+        case = dict(dtype=dtype, d=d, lq=9, lk=11, masking="none", hq=2, hkv=1, feature="none",
+                    layout="bhld", batch=1)
+        run_and_check(case, orders=("reverse",))
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2), (4, 1), (8, 1), (8, 2)])
+def test_gqa_ratios(hq, hkv):
+    case = dict(dtype="f16", d=32, lq=19, lk=37, masking="causal_br", hq=hq, hkv=hkv, feature="none",
+                layout="blhd" if hq % 2 else "bhld", batch=2)
+    run_and_check(case, orders=("forward", "random"))
+
+
+def test_dv_differs_from_d():
+    case = dict(dtype="f16", d=64, dv=40, lq=21, lk=35, masking="causal_br", hq=4, hkv=2, feature="sinks",
+                layout="blhd", batch=2, dlse=True)
+    run_and_check(case, orders=("forward", "random"))
+
+
+@pytest.mark.parametrize("feature", ["bias_full", "bias_bcast", "bias_f32_rows"])
+def test_dbias(feature):
+    case = dict(dtype="bf16" if feature == "bias_full" else "f32", d=32, lq=23, lk=41, masking="window_sym",
+                hq=2, hkv=1, feature=feature, layout="bhld", batch=2, dbias=True)
+    run_and_check(case, orders=("reverse", "forward"))
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+def test_fully_masked_rows_zero_grads(dtype):
+    dt = DTYPES[dtype]
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 2, n, 16, generator=g).to(dt) for n in (19, 23, 23))
+    bias = torch.randn(2, 2, 19, 23, generator=g)
+    for kw, empty_rows in ((dict(window_right=0, diag_offset=-4), slice(0, 4)),
+                           (dict(window_left=2, window_right=0, diag_offset=-30), slice(0, 19))):
+        for mask in (None, bias.to(dt)):
+            spec = make_spec(q, k, v, mask=mask, scale=0.25, **kw)
+            out, lse = saved_forward(spec)
+            assert bool((lse[:, :, empty_rows] == math.inf).all())
+            dout = torch.randn(out.shape, generator=g).to(dt)
+            dlse = torch.randn(lse.shape, generator=g)
+            grads, _ = run_backward(spec, dout, out, lse, dlse, compute_dbias=mask is not None,
+                                    order="reverse")
+            dq, dk, dv, dbias, _ = grads
+            for t in (dq, dk, dv):
+                assert not t.isnan().any()
+            assert torch.equal(dq[:, :, empty_rows], torch.zeros_like(dq[:, :, empty_rows]))
+            if mask is not None:
+                assert torch.equal(dbias[:, :, empty_rows], torch.zeros_like(dbias[:, :, empty_rows]))
+            check_grads(spec, dout, out, lse, dlse, grads, mask is not None)
+    # A bool mask emptying whole rows and one whole key.
+    mask = torch.rand(2, 2, 19, 23, generator=g) > 0.4
+    mask[0, 1, 5] = False
+    mask[:, :, :, 7] = False
+    spec = make_spec(q, k, v, mask=mask, scale=0.25)
+    out, lse = saved_forward(spec)
+    dout = torch.randn(out.shape, generator=g).to(dt)
+    grads, _ = run_backward(spec, dout, out, lse, order="random")
+    assert torch.equal(grads[0][0, 1, 5], torch.zeros_like(grads[0][0, 1, 5]))
+    assert torch.equal(grads[1][:, :, 7], torch.zeros_like(grads[1][:, :, 7]))
+    assert torch.equal(grads[2][:, :, 7], torch.zeros_like(grads[2][:, :, 7]))
+    check_grads(spec, dout, out, lse, None, grads, False)
+
+
+def test_determinism_repeated_runs():
+    """Two runs of the same plan, same and different schedule: torch.equal."""
+    case = dict(dtype="f16", d=64, lq=70, lk=90, masking="none", hq=4, hkv=1, feature="sinks",
+                layout="bhld", batch=1)
+    spec, dout, out, lse, dlse = build_case(case)
+    a, _ = run_backward(spec, dout, out, lse, order="random")
+    b, _ = run_backward(spec, dout, out, lse, order="random")
+    c, _ = run_backward(spec, dout, out, lse, order="reverse", checked=True)
+    for x, y, z in zip(a, b, c):
+        assert torch.equal(x, y) and torch.equal(x, z)
+
+
+def test_layouts_bind_without_copies():
+    """A packed (B, L, 3, H, D) QKV and a broadcast mask are bound as the very
+    tensors; the gradients keep the inputs' layout."""
+    g = torch.Generator().manual_seed(7)
+    qkv = torch.randn(2, 33, 3, 4, 24, generator=g).to(torch.float16)
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+    mask = torch.rand(33, 1, generator=g) > 0.2
+    spec = make_spec(q, k, v, mask=mask, scale=0.2, window_right=0)
+    out, lse = saved_forward(spec)
+    dout = empty_in_layout(out).copy_(torch.randn(out.shape, generator=g))
+    plan, grads = plan_for(spec, dout, out, lse)
+    dq_launch = plan.launches[1]
+    for idx, t in ((0, q), (1, k), (2, v), (3, dout), (7, spec.mask), (9, grads[0])):
+        assert dq_launch.buffers[idx] is t
+    for t, ref in zip(grads[:3], (q, k, v)):
+        assert t.transpose(1, 2).is_contiguous() and t.shape == ref.shape
+    grads, _ = run_backward(spec, dout, out, lse, order="reverse")
+    check_grads(spec, dout, out, lse, None, grads, False)
+
+
+def test_band_skips_blocks():
+    """Blocks outside the band are not loaded: a sliding window reads far
+    fewer bytes than the full problem (emulator byte counters)."""
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(1, 1, 256, 32, generator=g) for _ in range(3))
+
+    def read_bytes(spec):
+        out, lse = saved_forward(spec)
+        _, stats = run_backward(spec, torch.randn(out.shape, generator=g), out, lse)
+        return sum(s.device_bytes_read for s in stats[1:])
+
+    full = read_bytes(make_spec(q, k, v, scale=0.2))
+    window = read_bytes(make_spec(q, k, v, scale=0.2, window_left=16, window_right=0))
+    assert window < 0.45 * full, (window, full)
+
+
+def test_threadgroup_memory_under_limit():
+    from torch_metal_flash.planner.backward_tiles import backward_variants
+    for t in backward_variants():
+        assert t.threadgroup_memory <= 20 * 1024, t
+
+
+def test_every_table_entry_is_instantiated():
+    from torch_metal_flash.planner.backward_tiles import backward_variants
+    src = (shaders_dir() / "flash_bwd.metal").read_text()
+    names = {f"flash_bwd_dq_{t}_d{bd}_q{bq}_k{bk}" for t, bd, bq, bk in
+             re.findall(r"^FLASH_BWD_DQ_INSTANTIATE\((\w+), \w+, (\d+), (\d+), (\d+)\)", src, re.M)}
+    names |= {f"flash_bwd_dkv_{t}_d{bd}_k{bk}_q{bq}_m{m}" for t, bd, bk, bq, m in
+              re.findall(r"^FLASH_BWD_DKV_INSTANTIATE\((\w+), \w+, (\d+), (\d+), (\d+), (\d)\)", src, re.M)}
+    for t in backward_variants():
+        assert t.kernel in names, f"{t.kernel} is in the tile table but not instantiated"
+
+
+def test_params_layout():
+    """The ctypes mirror of FlashBwdParams matches the header (sizeof/offsetof
+    written by a kernel compiled in the emulator)."""
+    import ctypes
+
+    from torch_metal_flash import emulator
+    from torch_metal_flash.planner.backward import FlashBwdParams
+
+    names = [n for n, _ in FlashBwdParams._fields_ if n != "f"]
+    body = "\n".join(f"  out[{i + 1}] = offsetof(FlashBwdParams, {n});" for i, n in enumerate(names))
+    src = ('#include "flash_bwd_params.h"\n#include <metal_stdlib>\nusing namespace metal;\n'
+           '#define offsetof(T, m) __builtin_offsetof(T, m)\n'
+           "kernel void layout(device long* out [[buffer(0)]], uint tid [[thread_position_in_grid]]) {\n"
+           "  if (tid != 0) return;\n  out[0] = sizeof(FlashBwdParams);\n" + body + "\n}\n")
+    lib = emulator.compile_shader(src, include_dirs=(str(shaders_dir()),))
+    out = torch.zeros(len(names) + 1, dtype=torch.int64)
+    lib.layout(buffers={0: out}, grid=(1,), threadgroup=(1,))
+    assert out[0].item() == ctypes.sizeof(FlashBwdParams)
+    for i, n in enumerate(names):
+        assert out[i + 1].item() == getattr(FlashBwdParams, n).offset, n
+
+
+def test_unsupported_reasons():
+    from torch_metal_flash.planner.backward import plan_backward
+    q = torch.randn(1, 2, 5, 8, dtype=torch.float64)
+    spec = make_spec(q, q, q, scale=0.3)
+    out, lse = torch.empty_like(q), torch.empty(1, 2, 5, dtype=torch.float64)
+    r = plan_backward(spec, q, out, lse, None, q, q, q, None, None)
+    assert isinstance(r, Unsupported) and "float64" in str(r)
+    q = torch.randn(1, 2, 5, 300)
+    spec = make_spec(q, q, q, scale=0.3)
+    r = plan_backward(spec, q, q, torch.empty(1, 2, 5), None, q, q, q, None, None)
+    assert isinstance(r, Unsupported) and "head dim" in str(r)
+
+
+def test_op_backward_uses_kernels_and_opcheck():
+    """torch.ops.metal_flash.* autograd runs the kernels in the emulator backend."""
+    import torch_metal_flash  # noqa: F401
+    from torch_metal_flash import backends
+
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(1, 4, 13, 16, generator=g, requires_grad=True)
+    k = torch.randn(1, 2, 21, 16, generator=g, requires_grad=True)
+    v = torch.randn(1, 2, 21, 16, generator=g, requires_grad=True)
+    sinks = torch.randn(4, generator=g, requires_grad=True)
+    bias = torch.randn(1, 1, 13, 21, generator=g, requires_grad=True)
+    with backends.backend("emulator", strict=True):
+        out, lse = torch.ops.metal_flash.fwd(q, k, v, bias, None, sinks, 0.25, 8, -1, 0, 0.0)
+        (out.square().sum() + lse.sum()).backward()
+    grads = [t.grad.clone() for t in (q, k, v, sinks, bias)]
+    for t in (q, k, v, sinks, bias):
+        t.grad = None
+    out, lse = torch.ops.metal_flash.fwd(q, k, v, bias, None, sinks, 0.25, 8, -1, 0, 0.0)  # reference
+    (out.square().sum() + lse.sum()).backward()
+    for a, t in zip(grads, (q, k, v, sinks, bias)):
+        torch.testing.assert_close(a, t.grad, rtol=1e-4, atol=1e-5)
+    with backends.backend("emulator", strict=True):
+        dout = torch.randn(out.shape, generator=g)
+        args = (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), None, bias.detach(),
+                None, sinks.detach(), 0.25, 8, -1, 0, 0.0, True)
+        torch.library.opcheck(torch.ops.metal_flash.bwd.default, args,
+                              test_utils=("test_schema", "test_faketensor"))
+        # opcheck of the forward with requires_grad=True: its autograd and AOT
+        # checks run the backward op -- on the kernels (strict: no fallback).
+        qs, ks, vs = (torch.randn(*s, generator=g, requires_grad=True)
+                      for s in ((1, 2, 5, 8), (1, 1, 7, 8), (1, 1, 7, 8)))
+        sk = torch.randn(2, generator=g, requires_grad=True)
+        torch.library.opcheck(torch.ops.metal_flash.fwd.default,
+                              (qs, ks, vs, None, None, sk, 0.3, 2, 3, 0, 4.0))
+
+
+def test_expanded_dout_and_dlse():
+    """Autograd hands over expanded gradients (e.g. of ``out.sum()``): the
+    planner copies a dO whose last dim is not contiguous, and dlse of any strides."""
+    g = torch.Generator().manual_seed(13)
+    q, k, v = (torch.randn(1, 2, n, 16, generator=g) for n in (11, 14, 14))
+    spec = make_spec(q, k, v, scale=0.3, window_right=0, diag_offset=3)
+    out, lse = saved_forward(spec)
+    dout = torch.full((1,), 0.5).expand(out.shape)
+    dlse = torch.full((1,), -0.25).expand(lse.shape)
+    grads, _ = run_backward(spec, dout, out, lse, dlse, order="reverse")
+    check_grads(spec, dout.contiguous(), out, lse, dlse.contiguous(), grads, False)

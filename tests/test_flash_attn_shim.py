@@ -1,0 +1,205 @@
+"""The opt-in ``flash_attn`` shim: code written for the CUDA package runs unmodified.
+
+No real flash_attn exists on these machines; its documented semantics
+(bottom-right causal, windows, softcap, GQA, (B, L, H, D) layout) are checked
+against explicit float64 math written from the flash_attn docstrings.
+"""
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+import torch_metal_flash  # noqa: F401
+from torch_metal_flash import functional
+from torch_metal_flash.flash_attn_shim import (install_flash_attn_shim, is_flash_attn_shim_installed,
+                                               uninstall_flash_attn_shim)
+
+
+@pytest.fixture
+def shim():
+    module = install_flash_attn_shim()
+    yield module
+    uninstall_flash_attn_shim()
+
+
+def _ref(q, k, v, causal=False, window=(-1, -1), softcap=0.0, scale=None):
+    """flash_attn semantics in float64: (B, L, H, D), bottom-right aligned causal/window."""
+    q, k, v = (t.double().transpose(1, 2) for t in (q, k, v))
+    hq, hk = q.shape[1], k.shape[1]
+    k = k.repeat_interleave(hq // hk, dim=1)
+    v = v.repeat_interleave(hq // hk, dim=1)
+    lq, lk = q.shape[2], k.shape[2]
+    s = (q @ k.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    i = torch.arange(lq)[:, None] + (lk - lq)
+    j = torch.arange(lk)[None, :]
+    left, right = window
+    if causal:
+        right = 0
+    ok = torch.ones(lq, lk, dtype=torch.bool)
+    if left >= 0:
+        ok &= j >= i - left
+    if right >= 0:
+        ok &= j <= i + right
+    s = s.masked_fill(~ok, float("-inf"))
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    return (p @ v).transpose(1, 2)
+
+
+def test_not_installed_on_import():
+    code = ("import sys, torch_metal_flash, torch_metal_flash.flash_attn_shim;"
+            "assert 'flash_attn' not in sys.modules;"
+            "import importlib.util; assert importlib.util.find_spec('flash_attn') is None")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_imports_resolve_to_ours(shim):
+    import flash_attn
+    from flash_attn import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache  # noqa: F401
+    from flash_attn.flash_attn_interface import flash_attn_func as f2, flash_attn_qkvpacked_func  # noqa: F401
+    assert flash_attn is shim and is_flash_attn_shim_installed()
+    assert flash_attn_func is functional.flash_attn_func and f2 is flash_attn_func
+    assert flash_attn.__version__.startswith("2.")
+    import importlib.util
+    assert importlib.util.find_spec("flash_attn") is not None
+
+
+def test_uninstall_and_idempotent():
+    install_flash_attn_shim()
+    install_flash_attn_shim()
+    uninstall_flash_attn_shim()
+    assert "flash_attn" not in sys.modules and "flash_attn.flash_attn_interface" not in sys.modules
+    with pytest.raises(ImportError):
+        import flash_attn  # noqa: F401
+
+
+def test_refuses_to_replace_another_flash_attn():
+    real = types.ModuleType("flash_attn")
+    real.__file__ = "/somewhere/flash_attn/__init__.py"
+    sys.modules["flash_attn"] = real
+    try:
+        with pytest.raises(RuntimeError, match="already imported"):
+            install_flash_attn_shim()
+        install_flash_attn_shim(force=True)
+        import flash_attn
+        assert flash_attn is not real
+        uninstall_flash_attn_shim()
+        assert sys.modules["flash_attn"] is real
+    finally:
+        sys.modules.pop("flash_attn", None)
+
+
+CASES = {
+    "plain": dict(),
+    "causal_q_lt_k": dict(causal=True, lq=5, lk=11),
+    "causal_q_gt_k": dict(causal=True, lq=11, lk=5),
+    "window": dict(window=(3, 2), lq=13, lk=13),
+    "window_causal": dict(window=(4, -1), causal=True, lq=9, lk=14),
+    "softcap_gqa": dict(softcap=5.0, hq=6, hk=2),
+    "scale_mqa": dict(scale=0.2, hq=4, hk=1),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_flash_attn_func_semantics(shim, case):
+    from flash_attn import flash_attn_func
+    torch.manual_seed(0)
+    c = dict(CASES[case])
+    b, lq, lk, hq, hk, d = 2, c.pop("lq", 7), c.pop("lk", 9), c.pop("hq", 4), c.pop("hk", 4), 16
+    q = torch.randn(b, lq, hq, d)
+    k = torch.randn(b, lk, hk, d)
+    v = torch.randn(b, lk, hk, d)
+    window = c.get("window", (-1, -1))
+    out = flash_attn_func(q, k, v, softmax_scale=c.get("scale"), causal=c.get("causal", False), window_size=window,
+                          softcap=c.get("softcap", 0.0))
+    assert out.shape == (b, lq, hq, d) and out.is_contiguous()
+    torch.testing.assert_close(out.double(), _ref(q, k, v, **c), atol=1e-5, rtol=1e-5)
+
+
+def test_packed_and_backward(shim):
+    from flash_attn import flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+    torch.manual_seed(1)
+    qkv = torch.randn(2, 9, 3, 4, 16, requires_grad=True)
+    out, lse, probs = flash_attn_qkvpacked_func(qkv, causal=True, return_attn_probs=True)
+    assert lse.shape == (2, 4, 9) and lse.dtype == torch.float32 and probs is None
+    ref = _ref(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=True)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    g = torch.randn_like(out)
+    (dqkv,) = torch.autograd.grad(out, qkv, g)
+    qkv64 = qkv.detach().double().requires_grad_()
+    (dref,) = torch.autograd.grad(_ref(qkv64[:, :, 0], qkv64[:, :, 1], qkv64[:, :, 2], causal=True), qkv64,
+                                  g.double())
+    torch.testing.assert_close(dqkv.double(), dref, atol=1e-4, rtol=1e-4)
+    q, kv = qkv[:, :, 0].detach(), qkv[:, :, 1:].detach()
+    torch.testing.assert_close(flash_attn_kvpacked_func(q, kv).double(), _ref(q, kv[:, :, 0], kv[:, :, 1]),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_unimplemented_functions_name_what_is_missing(shim, monkeypatch):
+    """Missing implementations raise NotImplementedError naming what is missing..."""
+    import flash_attn
+    from flash_attn import flash_attn_interface
+    q = torch.randn(10, 2, 16)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    monkeypatch.delattr(functional, "flash_attn_varlen_func", raising=False)
+    monkeypatch.delattr(functional, "flash_attn_with_kvcache", raising=False)
+    monkeypatch.setattr(flash_attn_interface, "_PROVIDERS", {})
+    with pytest.raises(NotImplementedError, match="flash_attn_varlen_func.*cu_seqlens"):
+        flash_attn.flash_attn_varlen_func(q, q, q, cu, cu, 6, 6)
+    with pytest.raises(NotImplementedError, match="flash_attn_varlen_func"):
+        flash_attn.flash_attn_varlen_qkvpacked_func(torch.stack([q, q, q], 1), cu, 6)
+    with pytest.raises(NotImplementedError, match="flash_attn_with_kvcache.*KV cache"):
+        flash_attn.flash_attn_with_kvcache(q[None], q[None], q[None])
+    # ...and forward to torch_metal_flash.functional as soon as it provides them
+    seen = {}
+    monkeypatch.setattr(functional, "flash_attn_varlen_func", lambda *a, **kw: seen.setdefault("varlen", (a, kw)),
+                        raising=False)
+    monkeypatch.setattr(functional, "flash_attn_with_kvcache", lambda *a, **kw: seen.setdefault("kvcache", (a, kw)),
+                        raising=False)
+    flash_attn.flash_attn_varlen_kvpacked_func(q, torch.stack([q, q], 1), cu, cu, 6, 6, causal=True)
+    flash_attn.flash_attn_with_kvcache(q[None], q[None], q[None], cache_seqlens=3)
+    assert seen["varlen"][1]["causal"] is True and seen["kvcache"][1]["cache_seqlens"] == 3
+
+
+def test_bad_input_names_the_argument(shim):
+    from flash_attn import flash_attn_func
+    q = torch.randn(2, 5, 4, 16)
+    with pytest.raises(ValueError, match="^q: expected a 4-D"):
+        flash_attn_func(q[0], q, q)
+    with pytest.raises(ValueError, match="window_size"):
+        flash_attn_func(q, q, q, window_size=(-2, 0))
+    with pytest.raises(ValueError, match="k/v"):
+        flash_attn_func(q, q[:, :, :3], q[:, :, :3])
+
+
+def test_varlen_and_kvcache_forward_to_ours(shim):
+    """Once torch_metal_flash implements them, the shim's functions are ours (same results)."""
+    import flash_attn
+    torch.manual_seed(2)
+    if hasattr(functional, "flash_attn_varlen_func"):
+        lens = [3, 6]
+        q = torch.randn(sum(lens), 4, 16)
+        k = torch.randn(sum(lens), 2, 16)
+        v = torch.randn(sum(lens), 2, 16)
+        cu = torch.tensor([0, 3, 9], dtype=torch.int32)
+        out = flash_attn.flash_attn_varlen_func(q, k, v, cu, cu, 6, 6, causal=True)
+        for b in range(2):
+            s = slice(int(cu[b]), int(cu[b + 1]))
+            want = _ref(q[None, s], k[None, s], v[None, s], causal=True)[0]
+            torch.testing.assert_close(out[s].double(), want, atol=1e-5, rtol=1e-5)
+    try:
+        from torch_metal_flash.kvcache import flash_attn_with_kvcache as ours
+    except ImportError:
+        ours = getattr(functional, "flash_attn_with_kvcache", None)
+    if ours is not None:
+        q = torch.randn(2, 1, 4, 16)
+        kc, vc = torch.randn(2, 8, 2, 16), torch.randn(2, 8, 2, 16)
+        seqlens = torch.tensor([5, 8], dtype=torch.int32)
+        out = flash_attn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, causal=True)
+        for b in range(2):
+            n = int(seqlens[b])
+            want = _ref(q[b:b + 1], kc[b:b + 1, :n], vc[b:b + 1, :n], causal=True)[0]
+            torch.testing.assert_close(out[b].double(), want, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,26 @@
+"""The emulator: run unmodified Metal compute kernels on the CPU with GPU semantics.
+
+    from torch_metal_flash import emulator
+    lib = emulator.compile_shader(Path("kernels.metal"))
+    stats = lib.my_kernel(x, y, grid=(n,), threadgroup=(256,))
+
+Each GPU thread is a fiber; simdgroups of 32 lanes run independently and meet
+at simd collectives, simdgroup-matrix operations and threadgroup barriers.
+Checked mode (the default) instruments every load and store to count device
+bytes exactly and to find out-of-bounds accesses and data races.  See
+docs/emulator.md.  Importing this module has no side effects; the compiler is
+looked for on first use.
+"""
+from .compiler import compile_seconds, find_compiler
+from .config import default_checked, set_default_checked, settings
+from .errors import (CompileError, CompilerNotFoundError, DataRaceError, DivergentBarrierError, EmulatorError,
+                     KernelCrashError, KernelTimeoutError, LaunchError, OutOfBoundsError,
+                     SimdgroupMatrixDivergenceError, ThreadgroupMemoryError)
+from .library import KernelFunction, LaunchStats, Library, compile_shader
+
+__all__ = [
+    "CompileError", "CompilerNotFoundError", "DataRaceError", "DivergentBarrierError", "EmulatorError",
+    "KernelCrashError", "KernelFunction", "KernelTimeoutError", "LaunchError", "LaunchStats", "Library",
+    "OutOfBoundsError", "SimdgroupMatrixDivergenceError", "ThreadgroupMemoryError", "compile_seconds",
+    "compile_shader", "default_checked", "find_compiler", "set_default_checked", "settings",
+]

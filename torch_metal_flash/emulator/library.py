@@ -1,0 +1,390 @@
+"""compile_shader() and the kernel objects it returns."""
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import dataclasses
+import hashlib
+import re
+import threading
+import time
+from pathlib import Path
+from typing import Optional, Union
+
+from . import config, prepass
+from .binding import bind_arguments
+from .compiler import build_kernel_library, find_compiler, preprocess
+from .errors import (CompileError, DataRaceError, DivergentBarrierError, EmulatorError, KernelCrashError,
+                     KernelTimeoutError, LaunchError, OutOfBoundsError, SimdgroupMatrixDivergenceError,
+                     ThreadgroupMemoryError)
+from . import runtime as rt
+
+
+@dataclasses.dataclass
+class LaunchStats:
+    """What one launch did.  Byte counts are exact in checked mode and None in fast mode."""
+
+    kernel: str
+    grid: tuple
+    threadgroup: tuple
+    threadgroups: int
+    threads: int
+    checked: bool
+    order: str
+    device_bytes_read: Optional[int]
+    device_bytes_written: Optional[int]
+    bytes_read: Optional[dict]  # {buffer index: bytes}
+    bytes_written: Optional[dict]
+    threadgroup_bytes_read: Optional[int]
+    threadgroup_bytes_written: Optional[int]
+    threadgroup_memory: int  # peak bytes of threadgroup memory per threadgroup
+    barriers: int  # completed threadgroup barriers, summed over threadgroups
+    simd_collectives: int  # completed simd collectives, summed over simdgroups
+    simdgroup_barriers: int
+    simdgroup_matrix_multiplies: int  # 8x8 multiplies, summed over simdgroups
+    atomics: int
+    fiber_switches: int
+    seconds: float
+
+    @property
+    def device_bytes(self) -> Optional[int]:
+        if self.device_bytes_read is None:
+            return None
+        return self.device_bytes_read + self.device_bytes_written
+
+    @property
+    def mma(self) -> int:
+        return self.simdgroup_matrix_multiplies
+
+
+_ERRORS = {
+    rt.E_DIVERGENT_BARRIER: DivergentBarrierError,
+    rt.E_MMA_DIVERGENCE: SimdgroupMatrixDivergenceError,
+    rt.E_OUT_OF_BOUNDS: OutOfBoundsError,
+    rt.E_TG_MEMORY: ThreadgroupMemoryError,
+    rt.E_RACE: DataRaceError,
+    rt.E_TIMEOUT: KernelTimeoutError,
+    rt.E_CRASH: KernelCrashError,
+    rt.E_FPE: KernelCrashError,
+    rt.E_BAD_LAUNCH: LaunchError,
+}
+
+
+class _Build:
+    """One compiled kernel library (shared object), loaded."""
+
+    def __init__(self, path: Path, pre: prepass.Result, dynamic: bool):
+        self.path = path
+        self.pre = pre
+        self.dynamic = dynamic
+        rt.runtime_library()
+        self.dll = ctypes.CDLL(str(path))
+        self.lock = threading.Lock()  # function-constant globals are per library
+        self.entries = {}  # host name -> (entry address, param infos, Kernel)
+        for i, k in enumerate(pre.built):
+            fn = getattr(self.dll, f"__mtl_kernel_{i}")
+            kinfo = getattr(self.dll, f"__mtl_kinfo_{i}")
+            kinfo.restype = ctypes.c_int
+            arr = (rt.ParamInfo * max(1, len(k.params) + 8))()
+            n = kinfo(arr)
+            self.entries[k.host_name] = (ctypes.cast(fn, ctypes.c_void_p).value, [arr[j] for j in range(n)], k)
+        self.set_fcs = getattr(self.dll, "__mtl_set_fcs")
+        self.set_fcs.restype = None
+
+
+# Process-wide caches: each pre-processed source is built once per mode.
+_pre_cache: dict = {}
+_build_cache: dict = {}
+_dynamic_failed: set = set()
+_cache_lock = threading.Lock()
+
+
+def _norm_defines(defines) -> tuple:
+    if not defines:
+        return ()
+    if isinstance(defines, dict):
+        return tuple(sorted((str(k), None if v is None else str(v)) for k, v in defines.items()))
+    return tuple(sorted((str(d), None) for d in defines))
+
+
+def _chunks(names: list) -> list:
+    """Split a file's kernels into pieces compiled in parallel (one per CPU core;
+    a build of a big kernel file is dominated by optimising its instantiations)."""
+    n = max(1, min(config.default_workers(), len(names) // 3))
+    return [names[i::n] for i in range(n)]
+
+
+class Library:
+    """A compiled .metal source.  Kernels are attributes: ``lib.my_kernel(...)``."""
+
+    def __init__(self, name: str, pre_text: str, pre: prepass.Result, function_constants: dict):
+        self._name = name
+        self._pre_text = pre_text
+        self._pre = pre
+        self._kernels = {k.host_name: k for k in pre.kernels}
+        self._fc_values = function_constants  # {index: value}
+        self.kernel_names = [k.host_name for k in pre.kernels]
+        self.function_constants = {fc.name: fc.index for fc in pre.constants}
+
+    def __repr__(self):
+        return f"<emulator.Library {self._name}: {', '.join(self.kernel_names)}>"
+
+    def __dir__(self):
+        return list(super().__dir__()) + self.kernel_names
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        kernels = self.__dict__.get("_kernels", {})
+        if name in kernels:
+            return KernelFunction(self, name)
+        raise AttributeError(f"{self._name} has no kernel named {name!r}; kernels: {', '.join(self.kernel_names)}")
+
+    def __getitem__(self, name: str) -> "KernelFunction":
+        if name not in self._kernels:
+            raise KeyError(f"{self._name} has no kernel named {name!r}; kernels: {', '.join(self.kernel_names)}")
+        return KernelFunction(self, name)
+
+    def _build(self, checked: bool) -> dict:
+        """{host name: _Build} for this mode: launch-time function constants when possible."""
+        pre_hash = hashlib.sha256(self._pre_text.encode()).hexdigest()
+        consts = self._pre.constants
+        dynamic = not consts or (self._pre.dynamic_ok and pre_hash not in _dynamic_failed)
+        fc_key = None if dynamic else tuple(sorted(self._fc_values.items()))
+        key = (pre_hash, checked, fc_key)
+        with _cache_lock:
+            builds = _build_cache.get(key)
+        if builds is not None:
+            return builds
+        comp = find_compiler()
+        static = None if dynamic else {fc.index: self._fc_values.get(fc.index) for fc in consts}
+        chunks = _chunks(self.kernel_names)
+
+        def build_chunk(names):
+            only = None if len(chunks) == 1 else set(names)
+            pre = self._pre if (dynamic and only is None) else prepass.run(
+                self._pre_text, default_file=self._name, static_constants=static, only=only)
+            return _Build(build_kernel_library(comp, pre.text, self._name, checked), pre, dynamic)
+
+        try:
+            if len(chunks) == 1:
+                parts = [build_chunk(chunks[0])]
+            else:
+                with concurrent.futures.ThreadPoolExecutor(len(chunks)) as pool:
+                    parts = list(pool.map(build_chunk, chunks))
+        except CompileError:
+            if not dynamic or not consts:
+                raise
+            _dynamic_failed.add(pre_hash)  # constants are needed at compile time: one build per values
+            return self._build(checked)
+        builds = {name: b for b in parts for name in b.entries}
+        with _cache_lock:
+            _build_cache[key] = builds
+        return builds
+
+
+class KernelFunction:
+    def __init__(self, lib: Library, name: str):
+        self.lib = lib
+        self.name = name
+        self.kernel = lib._kernels[name]
+
+    def __repr__(self):
+        return f"<emulator kernel {self.name} ({self.kernel.file}:{self.kernel.line})>"
+
+    def __call__(self, *args, grid, threadgroup, threadgroup_memory=None, order=None, seed=None, buffers=None,
+                 checked=None, timeout=None) -> LaunchStats:
+        return launch(self, args, grid=grid, threadgroup=threadgroup, threadgroup_memory=threadgroup_memory,
+                      order=order, seed=seed, buffers=buffers, checked=checked, timeout=timeout)
+
+
+def _dims(v, what: str) -> tuple:
+    if isinstance(v, int):
+        v = (v,)
+    v = tuple(int(x) for x in v)
+    if not 1 <= len(v) <= 3:
+        raise LaunchError(f"{what} must be an int or a 1-, 2- or 3-tuple, got {v!r}")
+    v = v + (1,) * (3 - len(v))
+    if any(x < 0 or x >= 2 ** 32 for x in v):
+        raise LaunchError(f"{what} must be in [0, 2**32), got {v!r}")
+    return v
+
+
+def launch(fn: KernelFunction, args, *, grid, threadgroup, threadgroup_memory, order, seed, buffers, checked,
+           timeout) -> LaunchStats:
+    lib = fn.lib
+    kname = fn.name
+    grid = _dims(grid, "grid")
+    tg = _dims(threadgroup, "threadgroup")
+    checked = config.default_checked() if checked is None else bool(checked)
+    order = config.default_order() if order is None else config.check_order(order)
+    seed = config.default_seed() if seed is None else int(seed)
+    timeout = config.default_timeout() if timeout is None else float(timeout)
+    if tg[0] * tg[1] * tg[2] == 0 or tg[0] * tg[1] * tg[2] > 1024:
+        raise LaunchError(f"{kname}: threadgroup {tg} must have 1..1024 threads")
+    stats_kwargs = dict(kernel=kname, grid=grid, threadgroup=tg, checked=checked, order=order)
+    if 0 in grid:
+        return LaunchStats(threadgroups=0, threads=0, device_bytes_read=0 if checked else None,
+                           device_bytes_written=0 if checked else None, bytes_read={} if checked else None,
+                           bytes_written={} if checked else None, threadgroup_bytes_read=None,
+                           threadgroup_bytes_written=None, threadgroup_memory=0, barriers=0, simd_collectives=0,
+                           simdgroup_barriers=0, simdgroup_matrix_multiplies=0, atomics=0, fiber_switches=0,
+                           seconds=0.0, **stats_kwargs)
+    build = lib._build(checked)[kname]
+    entry, infos, kernel = build.entries[kname]
+    fc_values = lib._fc_values
+    fc_by_name = {fc.name: fc for fc in build.pre.constants}
+
+    def gate_on(p) -> bool:
+        if not p.gate:
+            return True
+        fc = fc_by_name.get(p.gate)
+        if fc is None:
+            return True
+        return bool(fc_values.get(fc.index, False))
+
+    binds, keep = bind_arguments(kname, kernel, infos, args, buffers or {}, gate_on)
+    tg_bytes = (ctypes.c_uint64 * rt.MTL_MAX_TG_PARAMS)()
+    for k, v in (threadgroup_memory or {}).items():
+        if not 0 <= int(k) < rt.MTL_MAX_TG_PARAMS:
+            raise LaunchError(f"{kname}: threadgroup_memory index {k} out of range")
+        tg_bytes[int(k)] = int(v)
+    for p in kernel.params:
+        if p.kind == prepass.P_THREADGROUP and not tg_bytes[p.index]:
+            raise LaunchError(f"{kname}: parameter '{p.name}' [[threadgroup({p.index})]] needs "
+                              f"threadgroup_memory={{{p.index}: nbytes}}")
+        if p.kind <= 0:
+            raise LaunchError(f"{kname}: parameter '{p.name}' [[{p.attr}]] is not supported by the emulator "
+                              "(compute kernels with buffers, threadgroup memory and thread-position built-ins)")
+
+    nb = len(binds)
+    barr = (rt.Binding * max(1, nb))(*binds)
+    st = rt.Stats()
+    err = rt.Error()
+    d = rt.Launch()
+    d.entry = entry
+    d.grid[:] = grid
+    d.tg[:] = tg
+    d.order = config.ORDERS.index(order)
+    d.checked = int(checked)
+    d.seed = seed & 0xFFFFFFFFFFFFFFFF
+    d.timeout_s = timeout
+    d.nbind = nb
+    d.binds = barr
+    d.tg_param_bytes = tg_bytes
+    d.max_workers = 1 if checked else config.default_workers()
+    d.stats = ctypes.pointer(st)
+    d.err = ctypes.pointer(err)
+    t0 = time.perf_counter()
+    with build.lock:
+        if build.dynamic and build.pre.constants:
+            n = len(build.pre.constants)
+            iv = (ctypes.c_long * n)()
+            dv = (ctypes.c_double * n)()
+            df = (ctypes.c_int * n)()
+            for i, fc in enumerate(build.pre.constants):
+                v = fc_values.get(fc.index)
+                df[i] = v is not None
+                if v is not None:
+                    if isinstance(v, float):
+                        dv[i] = v
+                        iv[i] = int(v)
+                    else:
+                        iv[i] = int(v)
+                        dv[i] = float(v)
+            build.set_fcs(iv, dv, df)
+        code = rt.runtime_library().mtl_launch(ctypes.byref(d))
+    seconds = time.perf_counter() - t0
+    del keep
+    if code:
+        raise _make_error(build, kname, err, code)
+    return LaunchStats(
+        threadgroups=st.threadgroups, threads=st.threads,
+        device_bytes_read=st.device_read if checked else None,
+        device_bytes_written=st.device_written if checked else None,
+        bytes_read={b.index: st.buf_read[b.index] for b in binds} if checked else None,
+        bytes_written={b.index: st.buf_written[b.index] for b in binds} if checked else None,
+        threadgroup_bytes_read=st.tg_read if checked else None,
+        threadgroup_bytes_written=st.tg_written if checked else None,
+        threadgroup_memory=st.tg_peak, barriers=st.barriers, simd_collectives=st.simd_collectives,
+        simdgroup_barriers=st.simd_barriers, simdgroup_matrix_multiplies=st.mma, atomics=st.atomics,
+        fiber_switches=st.switches, seconds=seconds, **stats_kwargs)
+
+
+def _make_error(build: _Build, kname: str, err: rt.Error, code: int) -> EmulatorError:
+    msg = err.msg.decode(errors="replace")
+    file = err.file.decode(errors="replace") or None
+    line = err.line or None
+    comp = find_compiler()
+    if not file and err.pc_offset:
+        loc = rt.symbolize(str(build.path), err.pc_offset, comp.symbolizer)
+        if loc:
+            file, line = loc
+    other = None
+    if err.pc2_offset:
+        other = rt.symbolize(str(build.path), err.pc2_offset, comp.symbolizer)
+    if not file:  # no better location: the kernel's definition
+        k = next((k for k in build.pre.kernels if k.host_name == kname), None)
+        if k is not None:
+            file, line = k.file, k.line
+    tgp = tuple(err.tg)
+    thr = tuple(err.thread) if err.has_thread else None
+    where = f"{file}:{line}" if file else "unknown location"
+    text = f"kernel '{kname}' at {where}, threadgroup {tgp}"
+    if thr is not None:
+        text += f", thread {thr}"
+    text += f": {msg}"
+    if other:
+        text += f" (the other access is at {other[0]}:{other[1]})"
+    cls = _ERRORS.get(code, EmulatorError)
+    return cls(text, kernel=kname, file=file, line=line, threadgroup=tgp, thread=thr,
+               buffer=err.buffer if err.buffer >= 0 else None)
+
+
+def compile_shader(source: Union[str, Path], *, include_dirs=(), defines=None, function_constants=None,
+                   name: Optional[str] = None) -> Library:
+    """Compile the text of a .metal file (or a pathlib.Path to one) for the emulator.
+
+    ``function_constants`` maps ``[[function_constant(i)]]`` names or indices to
+    values.  Compilation itself is lazy per mode (checked / fast) and cached in
+    memory and on disk.
+    """
+    path = None
+    if isinstance(source, Path):
+        path = source.resolve()
+        text = path.read_text()
+        include_dirs = (path.parent,) + tuple(include_dirs)
+        name = name or str(path)
+    else:
+        text = str(source)
+        name = name or "<source>.metal"
+    include_dirs = tuple(str(Path(d).resolve()) for d in include_dirs)
+    key = (text, str(path), name, include_dirs, _norm_defines(defines))
+    with _cache_lock:
+        cached = _pre_cache.get(key)
+    if cached is None:
+        comp = find_compiler()
+        pre_text = preprocess(comp, text, name, path, include_dirs, dict(_norm_defines(defines)))
+        pre = prepass.run(pre_text, default_file=name)
+        cached = (pre_text, pre)
+        with _cache_lock:
+            _pre_cache[key] = cached
+    pre_text, pre = cached
+    fcs = {}
+    by_name = {fc.name: fc.index for fc in pre.constants}
+    types = {fc.index: fc.type for fc in pre.constants}
+    for k, v in (function_constants or {}).items():
+        if isinstance(k, str):
+            if k not in by_name:
+                raise LaunchError(f"{name}: no function constant named {k!r} (known: {', '.join(by_name) or 'none'})")
+            k = by_name[k]
+        k = int(k)
+        t = types.get(k, "")
+        if isinstance(v, bool) or re.fullmatch(r"bool", t):
+            v = bool(v)
+        elif t in ("float", "half", "bfloat", "double"):
+            v = float(v)
+        elif not isinstance(v, float):
+            v = int(v)
+        fcs[k] = v
+    return Library(name, pre_text, pre, fcs)

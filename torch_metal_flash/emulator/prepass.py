@@ -1,0 +1,782 @@
+"""The text pre-pass: preprocessed MSL -> C++20 the shim headers can compile.
+
+It runs on the output of ``clang -E`` (macros expanded, comments gone, line
+markers kept), so instantiations produced by macros are visible.  Every
+rewrite keeps the number of lines, so compiler errors and the runtime's
+source locations point at the original ``.metal`` lines.
+
+Rewrites (DESIGN.md section 4):
+- MSL vector constructors ``float4(x)``, ``half4(f4)``, ``float4(f2, z, w)`` ->
+  ``__mtl::make_vec<float, 4>(...)`` (splat / convert / concatenate);
+- half literals ``1.0h`` -> ``((half)1.0)``;
+- ``threadgroup`` objects declared in function bodies -> a reference into the
+  per-threadgroup arena, keyed by a function-local static (one per template
+  instantiation);
+- ``[[...]]`` attributes: recorded (kernels, parameters, host names, function
+  constants), then blanked;
+- function constants: launch-time globals (dynamic mode) or ``constexpr``
+  values (static mode);
+- duplicate template specialisations that differ only in an address space
+  (``pointer_element<device T*>`` vs ``<threadgroup T*>``) are dropped.
+Then it appends the glue: one exported entry point per kernel host name.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Optional
+
+from .errors import CompileError
+
+BUILTINS = {
+    "thread_position_in_grid": 0,
+    "thread_position_in_threadgroup": 1,
+    "threadgroup_position_in_grid": 2,
+    "threads_per_threadgroup": 3,
+    "threadgroups_per_grid": 4,
+    "threads_per_grid": 5,
+    "grid_size": 5,
+    "thread_index_in_threadgroup": 6,
+    "simdgroup_index_in_threadgroup": 7,
+    "thread_index_in_simdgroup": 8,
+    "simdgroups_per_threadgroup": 9,
+    "threads_per_simdgroup": 10,
+    "thread_execution_width": 10,
+    "dispatch_threads_per_threadgroup": 11,
+    "quadgroup_index_in_threadgroup": 12,
+    "thread_index_in_quadgroup": 13,
+    "quadgroups_per_threadgroup": 14,
+    "grid_origin": 15,
+    "dispatch_simdgroups_per_threadgroup": 9,
+    "dispatch_quadgroups_per_threadgroup": 14,
+}
+P_BUFFER, P_THREADGROUP, P_BUILTIN = 1, 2, 3
+
+STD_ATTRS = {"likely", "unlikely", "maybe_unused", "fallthrough", "nodiscard", "noreturn", "deprecated",
+             "no_unique_address", "assume"}
+
+VEC_TYPES = ("bool", "char", "uchar", "short", "ushort", "int", "uint", "long", "ulong", "half", "bfloat",
+             "float")
+_VEC_CTOR = re.compile(r"(?<![\w.>:])(?:metal\s*::\s*)?(?:packed_)?(" + "|".join(VEC_TYPES) + r")([234])\s*\(")
+_VEC_CAST = re.compile(r"\bstatic_cast\s*<\s*(?:metal\s*::\s*)?(?:packed_)?(" + "|".join(VEC_TYPES) + r")([234])\s*>\s*\(")
+_VEC_TMPL_CTOR = re.compile(r"(?<![\w.>:])(?:metal\s*::\s*)?vec\s*<")
+_HALF_LIT = re.compile(r"(?<![\w.])((?:\d+\.\d*|\.\d+|\d+)(?:[eE][+-]?\d+)?)[hH](?![\w.])")
+_IDENT = re.compile(r"[A-Za-z_]\w*")
+
+
+@dataclasses.dataclass
+class Param:
+    name: str
+    kind: int  # P_BUFFER / P_THREADGROUP / P_BUILTIN / 0 unsupported
+    index: int
+    gate: Optional[str] = None  # function constant name gating an optional buffer
+    attr: str = ""
+
+
+@dataclasses.dataclass
+class Kernel:
+    host_name: str
+    func: str  # C++ expression naming the function (template arguments included)
+    params: list
+    file: str
+    line: int
+
+
+@dataclasses.dataclass
+class FunctionConstant:
+    name: str
+    index: int
+    type: str
+    file: str
+    line: int
+
+
+@dataclasses.dataclass
+class Result:
+    text: str
+    kernels: list
+    constants: list  # FunctionConstant
+    dynamic_ok: bool  # function constants can be launch-time values
+    built: list = dataclasses.field(default_factory=list)  # kernels with glue (entry i = built[i])
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _mask(text: str) -> str:
+    """Same-length copy with string/char literal contents and directive lines blanked."""
+    out = list(text)
+    i, n = 0, len(text)
+    line_start = True
+    while i < n:
+        c = text[i]
+        if line_start and c in " \t":
+            i += 1
+            continue
+        if line_start and c == "#":
+            j = text.find("\n", i)
+            j = n if j < 0 else j
+            for k in range(i, j):
+                out[k] = " "
+            i = j
+            continue
+        line_start = c == "\n"
+        if c in "\"'":
+            j = i + 1
+            while j < n and text[j] != c:
+                if text[j] == "\\":
+                    j += 1
+                j += 1
+            for k in range(i + 1, min(j, n)):
+                if text[k] != "\n":
+                    out[k] = " "
+            i = j + 1
+            continue
+        i += 1
+    return "".join(out)
+
+
+def _match_close(s: str, i: int, open_c: str, close_c: str) -> int:
+    """Index of the bracket closing the one at s[i]."""
+    depth = 0
+    for j in range(i, len(s)):
+        c = s[j]
+        if c == open_c:
+            depth += 1
+        elif c == close_c:
+            depth -= 1
+            if depth == 0:
+                return j
+    return -1
+
+
+def _match_angle(s: str, i: int) -> int:
+    """Index of the '>' closing the template argument list opened at s[i] == '<'."""
+    depth = 0
+    paren = 0
+    for j in range(i, len(s)):
+        c = s[j]
+        if c in "([":
+            paren += 1
+        elif c in ")]":
+            paren -= 1
+        elif paren == 0 and c == "<":
+            depth += 1
+        elif paren == 0 and c == ">":
+            depth -= 1
+            if depth == 0:
+                return j
+    return -1
+
+
+def _split_top(s: str, sep: str = ",") -> list:
+    parts, depth, angle, start = [], 0, 0, 0
+    i = 0
+    while i < len(s):
+        c = s[i]
+        if c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+        elif c == "<" and depth == 0:
+            # template brackets in types; comparisons do not appear in declarations
+            angle += 1
+        elif c == ">" and depth == 0 and angle > 0:
+            angle -= 1
+        elif c == sep and depth == 0 and angle == 0:
+            parts.append((start, i))
+            start = i + 1
+        i += 1
+    parts.append((start, len(s)))
+    return parts
+
+
+def _blank(s: str) -> str:
+    return "".join("\n" if c == "\n" else " " for c in s)
+
+
+def _same_lines(old: str, new: str) -> str:
+    """`new` padded with the newlines of `old` so line numbers stay put."""
+    return new + "\n" * (old.count("\n") - new.count("\n"))
+
+
+class _Edits:
+    def __init__(self, text: str):
+        self.text = text
+        self.edits = []
+
+    def replace(self, start: int, end: int, new: str):
+        self.edits.append((start, end, _same_lines(self.text[start:end], new)))
+
+    def blank(self, start: int, end: int):
+        self.edits.append((start, end, _blank(self.text[start:end])))
+
+    def apply(self) -> str:
+        out, pos = [], 0
+        for start, end, new in sorted(self.edits, key=lambda e: (e[0], e[1])):
+            if start < pos:  # overlapping edit (already covered by an enclosing one)
+                continue
+            out.append(self.text[pos:start])
+            out.append(new)
+            pos = end
+        out.append(self.text[pos:])
+        return "".join(out)
+
+
+class _Lines:
+    """Maps offsets of the preprocessed text to (file, line) through line markers."""
+
+    _marker = re.compile(r'^\s*#\s*(?:line\s+)?(\d+)\s+"((?:[^"\\]|\\.)*)"', re.M)
+
+    def __init__(self, text: str, default_file: str):
+        self.points = []  # (offset of the line after the marker, file, line)
+        for m in self._marker.finditer(text):
+            nl = text.find("\n", m.end())
+            self.points.append((nl + 1 if nl >= 0 else len(text), m.group(2).encode().decode("unicode_escape"),
+                                int(m.group(1)), nl + 1))
+        self.text = text
+        self.default_file = default_file
+        self.offsets = [p[0] for p in self.points]
+
+    def at(self, offset: int):
+        import bisect
+        k = bisect.bisect_right(self.offsets, offset) - 1
+        if k < 0:
+            return self.default_file, self.text.count("\n", 0, offset) + 1
+        start, file, line, _ = self.points[k]
+        return file, line + self.text.count("\n", start, offset)
+
+
+def _error(lines: _Lines, offset: int, msg: str) -> CompileError:
+    file, line = lines.at(offset)
+    return CompileError(f"{file}:{line}: {msg}", file=file, line=line)
+
+
+# ---------------------------------------------------------------- token-level rewrites
+
+
+def _rewrite_tokens(text: str, masked: str) -> tuple:
+    """Vector constructors and half literals (no new lines, positions shift)."""
+    out, mout, pos = [], [], 0
+    matches = []
+    for m in _VEC_CTOR.finditer(masked):
+        matches.append((m.start(), m.end(), f"__mtl::make_vec<{m.group(1)}, {m.group(2)}>("))
+    for m in _VEC_CAST.finditer(masked):
+        matches.append((m.start(), m.end(), f"__mtl::make_vec<{m.group(1)}, {m.group(2)}>("))
+    for m in _VEC_TMPL_CTOR.finditer(masked):
+        close = _match_angle(masked, m.end() - 1)
+        if close < 0:
+            continue
+        after = masked[close + 1:]
+        stripped = after.lstrip(" \t")
+        if not stripped.startswith("("):
+            continue
+        args = masked[m.end():close]
+        parts = _split_top(args)
+        if len(parts) != 2:
+            continue
+        t = text[m.end() + parts[0][0]:m.end() + parts[0][1]].strip()
+        nn = text[m.end() + parts[1][0]:m.end() + parts[1][1]].strip()
+        paren = close + 1 + (len(after) - len(stripped))
+        matches.append((m.start(), paren + 1, f"__mtl::make_vec<{t}, {nn}>("))
+    for m in _HALF_LIT.finditer(masked):
+        matches.append((m.start(), m.end(), f"((half){m.group(1)})"))
+    matches.sort()
+    for start, end, new in matches:
+        if start < pos:
+            continue
+        out.append(text[pos:start])
+        mout.append(masked[pos:start])
+        out.append(new)
+        mout.append(new)
+        pos = end
+    out.append(text[pos:])
+    mout.append(masked[pos:])
+    return "".join(out), "".join(mout)
+
+
+# ---------------------------------------------------------------- scopes
+
+
+def _scopes(masked: str):
+    """For every '{': whether it opens a namespace; returns (ns_depth_at, namespace_path_at)."""
+    # Returns a function giving (in_function_body, namespace path) for an offset.
+    events = []  # (offset, kind, name) kind: 'ns' / 'other' / 'close'
+    ns_re = re.compile(r"\bnamespace\s*([\w:]*)\s*(?:\[\[[^\]]*\]\])?\s*\{")
+    ns_braces = {}
+    for m in ns_re.finditer(masked):
+        ns_braces[m.end() - 1] = m.group(1)
+    stack = []
+    marks = []  # (offset, nonns_depth, ns_path tuple)
+    for i, c in enumerate(masked):
+        if c == "{":
+            if i in ns_braces:
+                stack.append(("ns", ns_braces[i]))
+            else:
+                stack.append(("other", None))
+            marks.append((i + 1, stack.copy()))
+        elif c == "}":
+            if stack:
+                stack.pop()
+            marks.append((i + 1, stack.copy()))
+    offsets = [m[0] for m in marks]
+
+    def at(offset: int):
+        import bisect
+        k = bisect.bisect_right(offsets, offset) - 1
+        st = marks[k][1] if k >= 0 else []
+        nonns = sum(1 for kind, _ in st if kind == "other")
+        path = [name for kind, name in st if kind == "ns" and name]
+        return nonns, path
+
+    return at
+
+
+# ---------------------------------------------------------------- attributes
+
+
+def _attributes(masked: str):
+    """All [[...]] groups: (start, end, content)."""
+    res = []
+    i = 0
+    while True:
+        i = masked.find("[[", i)
+        if i < 0:
+            break
+        j = masked.find("]]", i + 2)
+        if j < 0:
+            break
+        res.append((i, j + 2, masked[i + 2:j].strip()))
+        i = j + 2
+    return res
+
+
+def _attr_items(content: str) -> list:
+    """'kernel, max_total_threads_per_threadgroup(256)' -> [('kernel', ''), ('max_total...', '256')]."""
+    items = []
+    for a, b in _split_top(content):
+        part = content[a:b].strip()
+        m = re.match(r"([\w:]+)\s*(?:\((.*)\))?\s*$", part, re.S)
+        if m:
+            items.append((m.group(1), (m.group(2) or "").strip()))
+    return items
+
+
+def _string_value(text: str) -> str:
+    """Concatenate adjacent string literals: '"a_" "float"' -> 'a_float'."""
+    return "".join(re.findall(r'"((?:[^"\\]|\\.)*)"', text))
+
+
+# ---------------------------------------------------------------- the pass
+
+
+def run(text: str, *, default_file: str, static_constants: Optional[dict] = None,
+        only: Optional[set] = None) -> Result:
+    """Rewrite preprocessed MSL.  `static_constants` = {index: value or None}
+    makes function constants compile-time values (None = not defined).
+    `only`: host names to build (the other template instantiations are dropped,
+    so a big file can be compiled in parallel pieces); the result still lists
+    every kernel, with glue for the selected ones only."""
+    masked = _mask(text)
+    text, masked = _rewrite_tokens(text, masked)
+    lines = _Lines(text, default_file)
+    edits = _Edits(text)
+    scope_at = _scopes(masked)
+    attrs = _attributes(masked)
+    attr_at = {a[0]: a for a in attrs}
+    handled_attrs = set()
+
+    # --- explicit instantiations: template [[host_name("x")]] [[kernel]] ... ;
+    instantiations = []  # (host_name, func_expr, template_name, offset)
+    for m in re.finditer(r"\btemplate\b(?=\s*(?:\[\[|kernel\b))", masked):
+        end = _stmt_end(masked, m.end())
+        if end < 0:
+            continue
+        stmt = masked[m.end():end]
+        host = None
+        is_kernel = False
+        for a in attrs:
+            if m.end() <= a[0] < end:
+                handled_attrs.add(a[0])
+                for name, arg in _attr_items(a[2]):
+                    if name == "host_name":
+                        host = _string_value(text[a[0]:a[1]])
+                    if name == "kernel":
+                        is_kernel = True
+                edits.blank(a[0], a[1])
+        for k in re.finditer(r"\bkernel\b", stmt):
+            is_kernel = True
+            edits.blank(m.end() + k.start(), m.end() + k.end())
+        if not is_kernel:
+            continue
+        body = _blank_attrs(stmt)
+        body = re.sub(r"\bkernel\b", " ", body).strip()
+        expr = None
+        dm = re.match(r"decltype\s*\(", body)
+        if dm:
+            close = _match_close(body, dm.end() - 1, "(", ")")
+            expr = body[dm.end():close].strip()
+        else:
+            vm = re.match(r"(?:void\s+)([\w:]+\s*<)", body)
+            if vm:
+                lt = vm.end(1) - 1
+                gt = _match_angle(body, lt)
+                expr = body[vm.start(1):gt + 1].strip()
+        if not expr:
+            raise _error(lines, m.start(), "cannot understand this kernel instantiation; use "
+                         "`template [[host_name(\"name\")]] [[kernel]] decltype(f<T>) f<T>;` or "
+                         "`... void f<T>(params);` with explicit template arguments")
+        expr = " ".join(expr.split())
+        tname = re.match(r"[\w:]+", expr).group(0)
+        instantiations.append((host or tname, expr, tname, m.start()))
+        if only is not None and (host or tname) not in only:
+            edits.blank(m.start(), end + 1)
+
+    # --- kernel definitions
+    templates = {}  # name -> params
+    kernels = []
+    for a in attrs:
+        if a[0] in handled_attrs:
+            continue
+        items = _attr_items(a[2])
+        if not any(n == "kernel" for n, _ in items):
+            continue
+        _define_kernel(text, masked, lines, edits, attrs, a[0], a[1], templates, kernels, scope_at, handled_attrs)
+    for m in re.finditer(r"\bkernel\b(?=\s*(?:\[\[[^\]]*\]\]\s*)*void\b)", masked):
+        if any(inst[3] <= m.start() < _stmt_end(masked, inst[3]) for inst in instantiations):
+            continue
+        edits.blank(m.start(), m.end())
+        _define_kernel(text, masked, lines, edits, attrs, m.start(), m.end(), templates, kernels, scope_at,
+                       handled_attrs)
+    for host, expr, tname, off in instantiations:
+        short = tname.split("::")[-1]
+        if short not in templates:
+            raise _error(lines, off, f"kernel instantiation '{host}': no [[kernel]] template named '{tname}'")
+        params, file, line = templates[short]
+        f2, l2 = lines.at(off)
+        kernels.append(Kernel(host, expr, params, f2, l2))
+
+    # --- function constants
+    constants, fc_names = [], {}
+    fc_re = re.compile(r"\bconstant\s+([\w:<>\s,]+?)\s+(\w+)\s*\[\[\s*function_constant\s*\(\s*([^)]*?)\s*\)\s*\]\]\s*;")
+    for m in fc_re.finditer(masked):
+        handled_attrs.update(a[0] for a in attrs if m.start() <= a[0] < m.end())
+        idx_txt = m.group(3)
+        if not idx_txt.isdigit():
+            raise _error(lines, m.start(), f"function constant '{m.group(2)}': the emulator needs a literal index "
+                         f"in [[function_constant(...)]], got '{idx_txt}'")
+        file, line = lines.at(m.start())
+        fc = FunctionConstant(m.group(2), int(idx_txt), " ".join(m.group(1).split()), file, line)
+        constants.append(fc)
+        fc_names[fc.name] = fc
+    dynamic = static_constants is None
+    derived = []  # (name, type, expr) in source order
+    if constants:
+        der_re = re.compile(r"\bconstant\s+([\w:<>\s,]+?)\s+(\w+)\s*=\s*([^;]*);")
+        names = set(fc_names)
+        for m in der_re.finditer(masked):
+            nonns, _ = scope_at(m.start())
+            if nonns:
+                continue
+            expr = text[m.start(3):m.end(3)]
+            toks = set(_IDENT.findall(masked[m.start(3):m.end(3)]))
+            if not (toks & names) and "is_function_constant_defined" not in toks:
+                continue
+            names.add(m.group(2))
+            derived.append((m.group(2), " ".join(m.group(1).split()), expr, m))
+    dynamic_ok = dynamic and _dynamic_possible(masked, {fc.name for fc in constants} | {d[0] for d in derived})
+    for m in fc_re.finditer(masked):
+        fc = fc_names[m.group(2)]
+        if dynamic:
+            new = f"static {fc.type} {fc.name} = {fc.type}(); static bool __mtl_fcdef_{fc.name} = false;"
+        else:
+            val = static_constants.get(fc.index)
+            lit = _literal(fc.type, val)
+            new = (f"static constexpr {fc.type} {fc.name} = {lit}; "
+                   f"static constexpr bool __mtl_fcdef_{fc.name} = {'true' if val is not None else 'false'};")
+        edits.replace(m.start(), m.end(), new)
+    if dynamic:
+        for name, typ, expr, m in derived:
+            edits.replace(m.start(), m.end(), f"static {typ} {name} = {typ}();")
+    for m in re.finditer(r"\bis_function_constant_defined\s*\(\s*(\w+)\s*\)", masked):
+        edits.replace(m.start(), m.end(), f"__mtl_fcdef_{m.group(1)}")
+
+    # --- threadgroup objects declared in function bodies
+    counter = 0
+    for m in re.finditer(r"\bthreadgroup\b(?!_)", masked):
+        prev = masked[:m.start()].rstrip()
+        if prev and prev[-1] not in "{};":
+            continue
+        if prev.endswith("static"):
+            continue
+        nonns, _ = scope_at(m.start())
+        if not nonns:
+            continue
+        end = _stmt_end(masked, m.end())
+        if end < 0:
+            continue
+        decl = masked[m.end():end]
+        outside = re.sub(r"\[[^\[\]]*\]", "", re.sub(r"\[[^\[\]]*\]", "", decl))
+        if any(c in outside for c in "*&(=") or "{" in decl:
+            continue
+        parts = _split_top(decl)
+        new_stmts = []
+        base_type = None
+        for k, (a, b) in enumerate(parts):
+            d = text[m.end() + a:m.end() + b]
+            dm = masked[m.end() + a:m.end() + b]
+            br = dm.find("[")
+            head = d if br < 0 else d[:br]
+            dims = "" if br < 0 else d[br:]
+            ids = list(_IDENT.finditer(head))
+            if not ids:
+                break
+            name = ids[-1].group(0)
+            if k == 0:
+                base_type = head[:ids[-1].start()].strip()
+            if not base_type:
+                break
+            counter += 1
+            key = f"__mtl_tgk_{counter}"
+            new_stmts.append(f"static char {key}; auto& {name} = __mtl::tg_var<{base_type} {' '.join(dims.split())}>(&{key});")
+        else:
+            edits.replace(m.start(), end + 1, " ".join(new_stmts))
+
+    # --- `bool4 m = a > b;`: vector comparisons give integer masks in C++
+    for m in re.finditer(r"\b(?:metal\s*::\s*)?bool([234])\s+\w+\s*=(?!=)", masked):
+        end = _stmt_end(masked, m.end())
+        if end < 0 or len(_split_top(masked[m.end():end])) != 1:
+            continue
+        init = text[m.end():end]
+        edits.replace(m.end(), end, f" __mtl::make_vec<bool, {m.group(1)}>({init})")
+
+    # --- remaining attributes: blank all but the standard ones
+    for start, end, content in attrs:
+        items = _attr_items(content)
+        if items and all(n in STD_ATTRS or n.startswith(("clang::", "gnu::")) for n, _ in items):
+            continue
+        edits.blank(start, end)
+
+    # --- address-space-only duplicate specialisations
+    _dedupe_specialisations(masked, edits)
+
+    out = edits.apply()
+    glued = kernels if only is None else [k for k in kernels if k.host_name in only]
+    out += _glue(glued, constants, derived, dynamic)
+    return Result(out, kernels, constants, dynamic_ok, glued)
+
+
+def _blank_attrs(s: str) -> str:
+    return re.sub(r"\[\[.*?\]\]", lambda m: " " * len(m.group(0)), s, flags=re.S)
+
+
+def _stmt_end(masked: str, i: int) -> int:
+    """Offset of the ';' ending the statement starting at i (depth 0), or -1 if a '{' comes first."""
+    depth = 0
+    for j in range(i, len(masked)):
+        c = masked[j]
+        if c in "([":
+            depth += 1
+        elif c in ")]":
+            depth -= 1
+        elif c == "{" and depth == 0:
+            return -1
+        elif c == ";" and depth == 0:
+            return j
+    return -1
+
+
+def _define_kernel(text, masked, lines, edits, attrs, start, end, templates, kernels, scope_at, handled):
+    """A kernel definition whose [[kernel]] attribute / `kernel` keyword spans [start, end)."""
+    # Host names and other attributes next to the kernel marker.
+    host = None
+    j = start
+    # attributes before (e.g. [[host_name("x")]] [[kernel]])
+    k = start
+    while True:
+        before = masked[:k].rstrip()
+        if before.endswith("]]"):
+            a0 = before.rfind("[[")
+            content = before[a0 + 2:-2]
+            for n, arg in _attr_items(content):
+                if n == "host_name":
+                    host = _string_value(text[a0:len(before)])
+            k = a0
+            continue
+        break
+    tmpl_region = masked[:k].rstrip()
+    is_template = False
+    if tmpl_region.endswith(">"):
+        depth = 0
+        for q in range(len(tmpl_region) - 1, -1, -1):
+            c = tmpl_region[q]
+            if c == ">":
+                depth += 1
+            elif c == "<":
+                depth -= 1
+                if depth == 0:
+                    is_template = tmpl_region[:q].rstrip().endswith("template")
+                    break
+    # Skip attributes after, find `void name(`
+    j = end
+    while True:
+        rest = masked[j:]
+        s = rest.lstrip()
+        if s.startswith("[["):
+            a1 = j + (len(rest) - len(s))
+            a2 = masked.find("]]", a1) + 2
+            for n, arg in _attr_items(masked[a1 + 2:a2 - 2]):
+                if n == "host_name":
+                    host = _string_value(text[a1:a2])
+            j = a2
+            continue
+        if s.startswith("kernel") and not re.match(r"kernel\w", s):
+            j = j + (len(rest) - len(s)) + 6
+            continue
+        break
+    m = re.match(r"\s*(?:\[\[[^\]]*\]\]\s*)*void\s+(?:\[\[[^\]]*\]\]\s*)*([A-Za-z_]\w*)\s*\(", masked[j:])
+    if not m:
+        raise _error(lines, start, "a [[kernel]] must be a function `void name(...)`")
+    name = m.group(1)
+    popen = j + m.end() - 1
+    pclose = _match_close(masked, popen, "(", ")")
+    after = masked[pclose + 1:].lstrip()
+    if not after.startswith("{"):
+        return  # a declaration; the definition carries the parameters
+    params = _parse_params(text, masked, popen + 1, pclose, lines)
+    file, line = lines.at(j + m.start(1))
+    _, path = scope_at(start)
+    qual = "::" + "::".join(path + [name]) if path else name
+    if is_template:
+        templates[name] = (params, file, line)
+    else:
+        kernels.append(Kernel(host or name, qual, params, file, line))
+
+
+def _parse_params(text, masked, a, b, lines) -> list:
+    params = []
+    used = set()
+    pending = []
+    for s, e in _split_top(masked[a:b]):
+        seg = masked[a + s:a + e]
+        if not seg.strip() or seg.strip() == "void":
+            continue
+        kind, index, gate, attr_txt = 0, -1, None, ""
+        for am in re.finditer(r"\[\[(.*?)\]\]", seg, re.S):
+            attr_txt += am.group(1)
+            for n, arg in _attr_items(am.group(1)):
+                if n == "buffer":
+                    kind, index = P_BUFFER, _int(arg, lines, a + s)
+                elif n == "threadgroup":
+                    kind, index = P_THREADGROUP, _int(arg, lines, a + s)
+                elif n in BUILTINS:
+                    kind, index = P_BUILTIN, BUILTINS[n]
+                elif n == "function_constant":
+                    gate = arg
+                elif n in ("texture", "sampler", "stage_in", "visible_function_table", "intersection_function_table",
+                           "instance_acceleration_structure", "primitive_acceleration_structure", "payload",
+                           "mesh_grid_properties"):
+                    kind, index = -1, -1
+        head = re.sub(r"\[\[.*?\]\]", "", seg, flags=re.S)
+        ids = _IDENT.findall(head)
+        pname = ids[-1] if ids else "?"
+        if kind == 0:
+            pending.append(len(params))  # no attribute: the next free buffer index
+        if kind == P_BUFFER:
+            used.add(index)
+        params.append(Param(pname, kind, index, gate, attr_txt.strip()))
+    nxt = 0
+    for k in pending:
+        while nxt in used:
+            nxt += 1
+        params[k].kind, params[k].index = P_BUFFER, nxt
+        used.add(nxt)
+    return params
+
+
+def _int(s, lines, off):
+    try:
+        return int(s, 0)
+    except ValueError:
+        raise _error(lines, off, f"the emulator needs a literal index here, got '{s}'") from None
+
+
+def _dynamic_possible(masked: str, names: set) -> bool:
+    """Whether function constants may be launch-time values: not if they appear
+    where C++ needs a constant expression (if constexpr, template arguments,
+    constexpr / static_assert, case labels, array bounds of declarations)."""
+    if not names:
+        return True
+    alt = "|".join(re.escape(n) for n in sorted(names))
+    word = rf"\b(?:{alt})\b"
+    pats = [
+        rf"if\s+constexpr\s*\([^;{{]*{word}",
+        rf"\bconstexpr\b[^;{{]*=[^;]*{word}",
+        rf"static_assert\s*\([^;]*{word}",
+        rf"\bcase\b[^:;]*{word}[^:;]*:",
+        rf"[<,]\s*(?:!\s*)?{word}\s*[,>]",
+        rf"\[[^\[\];]*{word}[^\[\];]*\]\s*[;,=]",
+        rf"\bthreadgroup\s+[\w:<>, ]+\s+\w+\s*\[[^\];]*{word}",
+    ]
+    return not any(re.search(p, masked) for p in pats)
+
+
+def _literal(typ: str, val) -> str:
+    if val is None:
+        return f"{typ}()"
+    if isinstance(val, bool):
+        return f"({typ})({'true' if val else 'false'})"
+    if isinstance(val, float):
+        return f"({typ})({float(val)!r})" if val == val and abs(val) != float("inf") else \
+            f"({typ})(__builtin_bit_cast(double, {int.from_bytes(__import__('struct').pack('<d', val), 'little')}ull))"
+    return f"({typ})({int(val)}ll)"
+
+
+def _dedupe_specialisations(masked: str, edits: _Edits):
+    seen = set()
+    for m in re.finditer(r"\btemplate\s*<", masked):
+        lt = m.end() - 1
+        gt = _match_angle(masked, lt)
+        if gt < 0:
+            continue
+        sm = re.match(r"\s*(?:struct|class)\s+(\w+)\s*<", masked[gt + 1:])
+        if not sm:
+            continue
+        alt = gt + 1 + sm.end() - 1
+        agt = _match_angle(masked, alt)
+        if agt < 0:
+            continue
+        args = masked[alt + 1:agt]
+        if not re.search(r"\b(?:device|threadgroup|thread)\b", args):
+            continue
+        norm = (sm.group(1), re.sub(r"\s+", "", re.sub(r"\b(?:device|threadgroup|thread)\b", "", args)))
+        brace = masked.find("{", agt)
+        if brace < 0 or masked[agt + 1:brace].strip() not in ("",) and not masked[agt + 1:brace].strip().startswith(":"):
+            continue
+        close = _match_close(masked, brace, "{", "}")
+        semi = masked.find(";", close)
+        if norm in seen:
+            edits.blank(m.start(), semi + 1)
+        else:
+            seen.add(norm)
+
+
+def _glue(kernels, constants, derived, dynamic: bool) -> str:
+    out = ["\n# 1 \"<emulator glue>\"\n"]
+    for i, k in enumerate(kernels):
+        specs = ", ".join(f"{{{p.kind if p.kind > 0 else 0}, {p.index}}}" for p in k.params) or "{0, 0}"
+        out.append(f"static const MtlParamSpec __mtl_spec_{i}[] = {{{specs}}};\n")
+        out.append(f"MTL_EXPORT void __mtl_kernel_{i}(MtlThreadInfo* ti) {{ __mtl::invoke(&{k.func}, ti, __mtl_spec_{i}); }}\n")
+        out.append(f"MTL_EXPORT int __mtl_kinfo_{i}(MtlParamInfo* o) {{ return __mtl::describe(&{k.func}, o); }}\n")
+    # Launch-time function constants (dynamic mode): set the globals, then
+    # re-evaluate the program-scope constants derived from them, in order.
+    out.append("MTL_EXPORT void __mtl_set_fcs(const long* iv, const double* dv, const int* def) {\n")
+    out.append("  (void)iv; (void)dv; (void)def;\n")
+    if dynamic:
+        for i, fc in enumerate(constants):
+            out.append(f"  {fc.name} = __mtl::fc_value<{fc.type}>(iv, dv, {i}); __mtl_fcdef_{fc.name} = def[{i}] != 0;\n")
+        for name, typ, expr, _ in derived:
+            expr = re.sub(r"\bis_function_constant_defined\s*\(\s*(\w+)\s*\)", r"__mtl_fcdef_\1", expr)
+            out.append(f"  {name} = ({typ})({' '.join(expr.split())});\n")
+    out.append("}\n")
+    return "".join(out)

@@ -1,0 +1,180 @@
+"""Hugging Face transformers (5.x) attention implementation ``"metal_sdpa"``.
+
+::
+
+    from torch_metal_flash.integrations import transformers as tmf_hf
+    tmf_hf.register()                                   # once per process
+    model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="metal_sdpa")
+    # or, on an existing model (also for models transformers marks as "no sdpa", see below):
+    tmf_hf.set_attention(model)
+
+:func:`register` adds :func:`metal_sdpa_attention_forward` to
+``transformers.AttentionInterface`` **and** transformers' ``sdpa_mask`` to
+``AttentionMaskInterface`` under the same name: transformers builds no mask
+at all for an implementation missing from the mask interface, which would
+silently drop the padding of batched inputs.
+
+The name contains no "flash" (transformers 5.x treats such names as hub
+kernels to download).  It does contain "sdpa", and transformers refuses any
+name containing "sdpa" for models declaring ``_supports_sdpa = False``
+(Gemma2 for its softcap, GPT-OSS for its sinks), although this implementation
+supports both: :func:`set_attention` sets the implementation on such models
+directly.
+
+What the attention function handles: the interface's layouts ((B, H, L, D)
+in, (B, L, H, D) contiguous out, no attention weights), GQA/MQA without
+repeating K/V, ``scaling``, ``dropout`` (training; runs on the reference path
+until there is a dropout kernel), bool and additive float masks,
+``position_bias``, ``softcap``, ``s_aux`` (attention sinks), ``sliding_window``,
+``is_causal``, and ``attention_mask=None`` meaning top-left causal when the
+module is causal and Lq > 1 (exactly as transformers' ``sdpa``).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from .. import functional
+
+__all__ = ["NAME", "register", "set_attention", "metal_sdpa_attention_forward"]
+
+NAME = "metal_sdpa"
+log = logging.getLogger("torch_metal_flash.transformers")
+_warned_output_attentions = False
+
+
+def _as_float(name: str, value) -> float:
+    if isinstance(value, torch.Tensor):
+        value = value.item()
+    if not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: expected a number, got {type(value).__name__}")
+    return float(value)
+
+
+def metal_sdpa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                                 value: torch.Tensor, attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
+                                 scaling: Optional[float] = None, is_causal: Optional[bool] = None,
+                                 sliding_window: Optional[int] = None, softcap: Optional[float] = None,
+                                 s_aux: Optional[torch.Tensor] = None, position_bias: Optional[torch.Tensor] = None,
+                                 **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers ``AttentionInterface`` function on torch_metal_flash.
+
+    ``query`` (B, Hq, Lq, D), ``key``/``value`` (B, Hkv, Lk, D) with Hq a
+    multiple of Hkv; ``attention_mask`` None, bool (True = attend) or additive
+    float, broadcastable to (B, Hq, Lq, Lk) (a longer last dim is cut to Lk).
+    Returns ``(out (B, Lq, Hq, Dv) contiguous, None)``.
+    """
+    global _warned_output_attentions
+    if kwargs.get("output_attentions", False) and not _warned_output_attentions:
+        _warned_output_attentions = True
+        log.warning("metal_sdpa does not return attention weights (output_attentions=True); use 'eager' for them")
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name}: expected a 4-D tensor (batch, heads, seq_len, head_dim), got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    B, Hq, Lq, D = query.shape
+    Hkv, Lk = key.shape[1], key.shape[2]
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"key: {Hkv} key/value heads do not divide the {Hq} query heads")
+
+    causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
+    causal = Lq > 1 and attention_mask is None and causal
+
+    mask = attention_mask
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor):
+            raise TypeError(f"attention_mask: expected a tensor or None, got {type(mask).__name__} (register() "
+                            f"installs the sdpa mask function for {NAME!r})")
+        if mask.dim() == 2:
+            mask = mask[None, None]
+        elif mask.dim() == 3:
+            mask = mask[:, None]
+        if mask.shape[-1] > Lk:
+            mask = mask[..., :Lk]
+        if mask.dtype != torch.bool and not mask.is_floating_point():
+            raise TypeError(f"attention_mask: expected dtype bool or a float dtype, got {mask.dtype}")
+    if position_bias is not None:
+        bias = position_bias[..., :Lk] if position_bias.shape[-1] > Lk else position_bias
+        if causal:
+            i = torch.arange(Lq, device=query.device)[:, None]
+            j = torch.arange(Lk, device=query.device)[None, :]
+            bias = bias.masked_fill(j > i, float("-inf"))
+            causal = False
+        if mask is None:
+            mask = bias
+        elif mask.dtype == torch.bool:
+            mask = bias.masked_fill(~mask, float("-inf"))
+        else:
+            mask = bias + mask
+    if mask is not None:
+        try:
+            mask = mask.expand(B, Hq, Lq, Lk)
+        except RuntimeError:
+            raise ValueError(f"attention_mask: shape {tuple(mask.shape)} does not broadcast to "
+                             f"{(B, Hq, Lq, Lk)} (batch, heads, q_len, kv_len)") from None
+
+    scale = D ** -0.5 if scaling is None else _as_float("scaling", scaling)
+    cap = 0.0 if softcap is None else _as_float("softcap", softcap)
+    if cap < 0:
+        raise ValueError(f"softcap: expected a value >= 0, got {cap}")
+    window_left, window_right = -1, -1
+    if causal:
+        window_right = 0
+        if sliding_window is not None and mask is None:
+            # no mask: transformers' mask function found the window inactive; keep it exact anyway,
+            # aligned like the causal mask (top-left)
+            window_left = int(sliding_window) - 1
+    sinks = None
+    if s_aux is not None:
+        if not isinstance(s_aux, torch.Tensor) or s_aux.numel() != Hq:
+            raise ValueError(f"s_aux: expected one sink logit per query head ({Hq},), got "
+                             f"{tuple(s_aux.shape) if isinstance(s_aux, torch.Tensor) else type(s_aux).__name__}")
+        sinks = s_aux.reshape(Hq)
+    dropout = _as_float("dropout", dropout)
+    out, _ = functional._attention(query, key, value, mask, None, sinks, scale, 0, window_left, window_right, cap,
+                                   dropout)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register(name: str = NAME) -> str:
+    """Register the attention function and the mask function under ``name``; returns ``name``.
+
+    Idempotent.  Then use ``attn_implementation=name`` (``from_pretrained``,
+    ``from_config``, ``model.set_attn_implementation``) or :func:`set_attention`.
+    """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"name: expected a non-empty str, got {name!r}")
+    if "flash" in name.lower():
+        raise ValueError(f"name: {name!r} contains 'flash'; transformers would treat it as a hub kernel to download")
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    except ImportError as exc:
+        raise ImportError("torch_metal_flash.integrations.transformers needs transformers>=5 "
+                          "(pip install 'transformers>=5,<6')") from exc
+    AttentionInterface.register(name, metal_sdpa_attention_forward)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name
+
+
+def set_attention(model, name: str = NAME):
+    """Register ``name`` and switch ``model`` (a ``PreTrainedModel``) to it, in place; returns ``model``.
+
+    Uses ``model.set_attn_implementation``; for models that declare no SDPA
+    support (transformers then rejects every name containing "sdpa", e.g.
+    Gemma2's softcap or GPT-OSS's sinks, which this implementation handles), it
+    sets the implementation on the model's configs directly.
+    """
+    register(name)
+    try:
+        model.set_attn_implementation(name)
+    except ValueError as exc:
+        if "sdpa" not in name or "scaled_dot_product_attention" not in str(exc):
+            raise
+        from transformers import PreTrainedModel
+        for module in model.modules():
+            if isinstance(module, PreTrainedModel):
+                module.config._attn_implementation = name
+    return model

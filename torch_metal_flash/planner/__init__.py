@@ -1,0 +1,33 @@
+"""Planners: op arguments -> :class:`~torch_metal_flash.plan.Plan` or :class:`~torch_metal_flash.plan.Unsupported`.
+
+Pure and backend-agnostic.  The prefill forward lives in :mod:`.forward`
+(tile table :mod:`.tiles`, params mirror :mod:`.params`), the backward in
+:mod:`.backward`, the split-K decode kernels in :mod:`.decode`.
+"""
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+
+from ..plan import Plan, Unsupported
+from ..spec import AttentionSpec
+from . import decode
+from .backward import plan_backward
+from .forward import plan_forward as plan_prefill
+from .tiles import FAMILIES, ForwardTile, forward_tile, forward_variants
+
+__all__ = ["plan_forward", "plan_backward", "plan_prefill", "forward_tile", "forward_variants", "ForwardTile",
+           "FAMILIES"]
+
+
+def plan_forward(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor,
+                 family: str = "apple8") -> Union[Plan, Unsupported]:
+    """Decode-shaped problems (few query rows per KV head, long keys) take the
+    split-K decode kernels, which read each K/V row once per GQA group; all
+    others, and whatever those decline, the prefill kernels."""
+    if decode.route_reason(spec) is None:
+        plan = decode.plan_decode_spec(spec, out, lse)
+        if not isinstance(plan, Unsupported):
+            return plan
+    return plan_prefill(spec, out, lse, family)

@@ -1,0 +1,288 @@
+"""Planner for the fused backward kernels in ``shaders/flash_bwd.metal``.
+
+``plan_backward`` turns an :class:`~torch_metal_flash.spec.AttentionSpec`, the
+saved forward results and the preallocated gradients into an ordered plan:
+
+1. ``flash_bwd_pre_<dt>``: ``delta = rowsum(dO * O) - dlse`` and
+   ``lse2 = lse * log2(e)`` (with a finite sentinel for rows that see
+   nothing) into two float32 scratch vectors of B*Hq*Lq elements: the only
+   extra memory of the backward, O(B*H*L).
+2. ``flash_bwd_dq_*``: dQ (and dbias = dS when requested) per query block.
+3. ``flash_bwd_dkv_*``: dK and dV per key block and KV head, looping over
+   the query heads of the GQA group and the query blocks of the band (one
+   fused kernel, or a dK and a dV kernel for head dims above 64).
+4. ``flash_bwd_dsinks`` when the spec has sinks.
+
+No atomics anywhere: every output element has one writer and every
+reduction runs in a fixed order, so results are bitwise reproducible.
+Tensors are bound as they are (no copies of q/k/v/out/mask); ``dout`` is
+copied only when its last dim is not contiguous (autograd may hand over an
+expanded gradient), ``dlse`` is converted to a contiguous float32 vector
+(O(B*H*L)).
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+from typing import Optional, Union
+
+import torch
+
+from ..plan import Launch, Plan, Unsupported
+from ..spec import AttentionSpec
+from .backward_tiles import (DSINKS_THREADS, PRE_ROWS_PER_GROUP, PRE_THREADS, BackwardTiles,
+                             backward_tiles)
+from .params import FlashFwdParams
+from .tiles import DTYPE_NAMES, MAX_HEAD_DIM
+
+SOURCE = "flash_bwd.metal"
+LOG2E = 1.4426950408889634
+
+# [[function_constant(i)]] indices of flash_bwd.metal
+FC_HAS_MASK = 0
+FC_MASK_KIND = 1
+FC_HAS_ALIBI = 2
+FC_HAS_SINKS = 3
+FC_HAS_SOFTCAP = 4
+FC_HAS_BAND = 5
+FC_DIMS_ALIGNED = 6
+FC_HAS_DBIAS = 7
+FC_HAS_DLSE = 8
+
+MASK_KINDS = {torch.bool: 1, torch.float32: 2, torch.float16: 3, torch.bfloat16: 4}
+
+# [[buffer(i)]] indices
+# preprocess
+BUF_PRE_DOUT, BUF_PRE_OUT, BUF_PRE_LSE, BUF_PRE_DLSE, BUF_PRE_DELTA, BUF_PRE_LSE2, BUF_PRE_PARAMS = range(7)
+# dq / dkv
+BUF_Q, BUF_K, BUF_V, BUF_DOUT, BUF_LSE2, BUF_DELTA, BUF_PARAMS, BUF_MASK, BUF_ALIBI = range(9)
+BUF_DQ, BUF_DBIAS = 9, 10
+BUF_DK, BUF_DV = 9, 10
+# dsinks
+BUF_S_LSE2, BUF_S_DELTA, BUF_S_SINKS, BUF_S_DSINKS, BUF_S_PARAMS = 0, 1, 2, 3, 6
+
+_I64 = ctypes.c_int64
+_I32 = ctypes.c_int32
+_F32 = ctypes.c_float
+_POS_LIMIT = 2**30
+
+
+class FlashBwdParams(ctypes.Structure):
+    """ctypes mirror of ``shaders/flash_bwd_params.h``."""
+
+    _fields_ = [
+        ("f", FlashFwdParams),
+        ("do_stride_b", _I64), ("do_stride_h", _I64), ("do_stride_l", _I64),
+        ("dq_stride_b", _I64), ("dq_stride_h", _I64), ("dq_stride_l", _I64),
+        ("dk_stride_b", _I64), ("dk_stride_h", _I64), ("dk_stride_l", _I64),
+        ("dv_stride_b", _I64), ("dv_stride_h", _I64), ("dv_stride_l", _I64),
+        ("db_stride_b", _I64), ("db_stride_h", _I64), ("db_stride_q", _I64),
+        ("rows", _I32), ("num_k_blocks", _I32),
+        ("qk_scale2", _F32), ("cap_log2", _F32), ("scale", _F32), ("softcap", _F32),
+    ]
+
+    def to_bytes(self) -> bytes:
+        return bytes(self)
+
+
+def _set(struct: ctypes.Structure, **fields) -> None:
+    """Assign struct fields, refusing names the struct does not have (ctypes
+    would silently add a plain Python attribute)."""
+    known = {name for name, _ in type(struct)._fields_}
+    for name, value in fields.items():
+        if name not in known:
+            raise AttributeError(f"{type(struct).__name__} has no field {name!r} (params header changed?)")
+        setattr(struct, name, value)
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> bool:
+    return t.shape[-1] <= 1 or t.stride(-1) == 1
+
+
+def _check(spec: AttentionSpec, dout, out, lse, dlse, dq, dk, dv, dbias, dsinks) -> Optional[str]:
+    q, k, v = spec.q, spec.k, spec.v
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return "q, k, v must be 4-D (B, H, L, D) views"
+    if q.dtype not in DTYPE_NAMES:
+        return f"dtype {q.dtype} is not supported by the kernels (float32, float16, bfloat16)"
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})"
+    B, Hq, Lq, D = q.shape
+    _, Hkv, Lk, _ = k.shape
+    Dv = v.shape[3]
+    if k.shape[0] != B or v.shape[0] != B or v.shape[1] != Hkv or v.shape[2] != Lk or k.shape[3] != D:
+        return f"inconsistent shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+    if Hkv == 0 or Hq % Hkv != 0:
+        return f"query heads {Hq} not a multiple of KV heads {Hkv}"
+    if D < 1 or Dv < 1:
+        return "head dim 0"
+    if max(D, Dv) > MAX_HEAD_DIM:
+        return f"head dim {max(D, Dv)} > {MAX_HEAD_DIM} (largest kernel tile)"
+    for name, t in (("q", q), ("k", k), ("v", v), ("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
+        if not _last_dim_contiguous(t):
+            return f"{name} last dim is not contiguous (stride {t.stride(-1)})"
+    for name, t, ref in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+        if tuple(t.shape) != tuple(ref.shape) or t.dtype != ref.dtype:
+            return f"{name} must be {ref.dtype} of shape {tuple(ref.shape)}"
+    if tuple(out.shape) != (B, Hq, Lq, Dv) or out.dtype != q.dtype:
+        return f"out must be {q.dtype} of shape {(B, Hq, Lq, Dv)}"
+    if tuple(dout.shape) != (B, Hq, Lq, Dv) or dout.dtype != q.dtype:
+        return f"dout must be {q.dtype} of shape {(B, Hq, Lq, Dv)}"
+    if tuple(lse.shape) != (B, Hq, Lq) or lse.dtype != torch.float32 or not lse.is_contiguous():
+        return "lse must be contiguous float32 (B, Hq, Lq)"
+    if dlse is not None and tuple(dlse.shape) != (B, Hq, Lq):
+        return f"dlse must be (B, Hq, Lq), got {tuple(dlse.shape)}"
+    if dbias is not None and dbias.numel() > 0:
+        if tuple(dbias.shape) != (B, Hq, Lq, Lk) or dbias.dtype != torch.float32 or dbias.stride(-1) != 1:
+            return "dbias must be float32 (B, Hq, Lq, Lk) with a contiguous last dim"
+    if spec.sinks is not None:
+        if tuple(spec.sinks.shape) != (Hq,):
+            return f"sinks must be (Hq,), got {tuple(spec.sinks.shape)}"
+        if dsinks is None or tuple(dsinks.shape) != (Hq,) or dsinks.dtype != torch.float32 \
+                or not dsinks.is_contiguous():
+            return "dsinks must be contiguous float32 (Hq,)"
+    if max(Lq, Lk, B, Hq) > _POS_LIMIT or B * Hq * Lq > 2**31 - 1:
+        return "sizes beyond the kernels' 32-bit row indices"
+    if abs(spec.diag_offset) > _POS_LIMIT or max(spec.window_left, spec.window_right) > _POS_LIMIT:
+        return "diagonal offset or window beyond 2^30"
+    if spec.mask is not None:
+        m = spec.mask
+        if m.dtype not in MASK_KINDS:
+            return f"mask dtype {m.dtype} not supported (bool, float32, float16, bfloat16)"
+        if tuple(m.shape) != (B, Hq, Lq, Lk):
+            return f"mask must be a (B, Hq, Lq, Lk) broadcast view, got {tuple(m.shape)}"
+    if spec.alibi_slopes is not None and tuple(spec.alibi_slopes.shape) != (B, Hq):
+        return f"alibi_slopes must be a (B, Hq) view, got {tuple(spec.alibi_slopes.shape)}"
+    if not (math.isfinite(spec.scale) and math.isfinite(spec.softcap)) or spec.softcap < 0:
+        return "scale and softcap must be finite (softcap >= 0)"
+    return None
+
+
+def _effective_window(w: int, reach: int) -> int:
+    return -1 if w < 0 or w >= reach else w
+
+
+def plan_backward(spec: AttentionSpec, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                  dlse: Optional[torch.Tensor], dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+                  dbias: Optional[torch.Tensor], dsinks: Optional[torch.Tensor],
+                  family: str = "apple8") -> Union[Plan, Unsupported]:
+    reason = _check(spec, dout, out, lse, dlse, dq, dk, dv, dbias, dsinks)
+    if reason is not None:
+        return Unsupported(reason)
+    q, k, v = spec.q, spec.k, spec.v
+    B, Hq, Lq, D = q.shape
+    Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    try:
+        tiles = backward_tiles(q.dtype, max(D, Dv), family)
+    except (KeyError, ValueError) as e:
+        return Unsupported(str(e))
+    if B == 0 or Hq == 0 or Lq == 0 or Lk == 0:
+        return Unsupported("empty problem (the reference fills the zeros)")
+
+    compute_dbias = dbias is not None and dbias.numel() > 0
+    if not _last_dim_contiguous(dout):
+        dout = dout.contiguous()  # e.g. an expanded gradient of a sum(): O(B*H*L*Dv)
+    if dlse is not None:
+        dlse = dlse.to(torch.float32).contiguous()
+
+    reach = Lq + Lk + abs(spec.diag_offset) + 1
+    wl = _effective_window(spec.window_left, reach)
+    wr = _effective_window(spec.window_right, reach)
+    has_band = wl >= 0 or wr >= 0
+    has_softcap = spec.softcap > 0
+
+    p = FlashBwdParams()
+    f = p.f
+    _set(f, q_stride_b=q.stride(0), q_stride_h=q.stride(1), q_stride_l=q.stride(2),
+         k_stride_b=k.stride(0), k_stride_h=k.stride(1), k_stride_l=k.stride(2),
+         v_stride_b=v.stride(0), v_stride_h=v.stride(1), v_stride_l=v.stride(2),
+         o_stride_b=out.stride(0), o_stride_h=out.stride(1), o_stride_l=out.stride(2),
+         batch=B, heads=Hq, kv_heads=Hkv, gqa=Hq // Hkv, seqlen_q=Lq, seqlen_k=Lk, head_dim=D, head_dim_v=Dv,
+         diag_offset=spec.diag_offset, window_left=wl, window_right=wr,
+         num_q_blocks=-(-Lq // tiles.dq.bq))
+    _set(p, do_stride_b=dout.stride(0), do_stride_h=dout.stride(1), do_stride_l=dout.stride(2),
+         dq_stride_b=dq.stride(0), dq_stride_h=dq.stride(1), dq_stride_l=dq.stride(2),
+         dk_stride_b=dk.stride(0), dk_stride_h=dk.stride(1), dk_stride_l=dk.stride(2),
+         dv_stride_b=dv.stride(0), dv_stride_h=dv.stride(1), dv_stride_l=dv.stride(2),
+         rows=B * Hq * Lq, num_k_blocks=-(-Lk // tiles.dkv[0].bk),
+         qk_scale2=spec.scale / spec.softcap if has_softcap else spec.scale * LOG2E,
+         cap_log2=spec.softcap * LOG2E, scale=spec.scale, softcap=spec.softcap)
+    if compute_dbias:
+        _set(p, db_stride_b=dbias.stride(0), db_stride_h=dbias.stride(1), db_stride_q=dbias.stride(2))
+
+    mask_kind = 0
+    shared: dict = {}
+    if spec.mask is not None:
+        m = spec.mask
+        mask_kind = MASK_KINDS[m.dtype]
+        _set(f, m_stride_b=m.stride(0), m_stride_h=m.stride(1), m_stride_q=m.stride(2), m_stride_k=m.stride(3))
+        shared[BUF_MASK] = m
+    if spec.alibi_slopes is not None:
+        a = spec.alibi_slopes
+        if a.dtype != torch.float32:
+            a = a.to(torch.float32)
+        _set(f, a_stride_b=a.stride(0), a_stride_h=a.stride(1))
+        shared[BUF_ALIBI] = a
+    params = p.to_bytes()
+
+    constants = {
+        FC_HAS_MASK: mask_kind != 0,
+        FC_MASK_KIND: mask_kind,
+        FC_HAS_ALIBI: spec.alibi_slopes is not None,
+        FC_HAS_SINKS: spec.sinks is not None,
+        FC_HAS_SOFTCAP: has_softcap,
+        FC_HAS_BAND: has_band,
+        FC_DIMS_ALIGNED: D == tiles.dq.bd and Dv == tiles.dq.bd,
+        FC_HAS_DBIAS: compute_dbias,
+        FC_HAS_DLSE: dlse is not None,
+    }
+
+    # The only scratch: two float32 vectors of B*Hq*Lq.
+    delta = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
+    lse2 = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
+
+    launches = []
+    pre_bufs = {BUF_PRE_DOUT: dout, BUF_PRE_OUT: out, BUF_PRE_LSE: lse, BUF_PRE_DELTA: delta,
+                BUF_PRE_LSE2: lse2, BUF_PRE_PARAMS: params}
+    if dlse is not None:
+        pre_bufs[BUF_PRE_DLSE] = dlse
+    launches.append(Launch(source=SOURCE, kernel=tiles.pre_kernel,
+                           threadgroups=(-(-p.rows // PRE_ROWS_PER_GROUP), 1, 1),
+                           threadgroup=(PRE_THREADS, 1, 1), buffers=pre_bufs,
+                           function_constants=dict(constants)))
+
+    common = {BUF_Q: q, BUF_K: k, BUF_V: v, BUF_DOUT: dout, BUF_LSE2: lse2, BUF_DELTA: delta,
+              BUF_PARAMS: params, **shared}
+    dq_bufs = dict(common)
+    dq_bufs[BUF_DQ] = dq
+    if compute_dbias:
+        dq_bufs[BUF_DBIAS] = dbias
+    launches.append(Launch(source=SOURCE, kernel=tiles.dq.kernel,
+                           threadgroups=(f.num_q_blocks, Hq, B), threadgroup=(tiles.dq.threads, 1, 1),
+                           buffers=dq_bufs, function_constants=dict(constants)))
+    for t in tiles.dkv:
+        bufs = dict(common)
+        bufs[BUF_DK] = dk
+        bufs[BUF_DV] = dv
+        launches.append(Launch(source=SOURCE, kernel=t.kernel,
+                               threadgroups=(-(-Lk // t.bk), Hkv, B), threadgroup=(t.threads, 1, 1),
+                               buffers=bufs, function_constants=dict(constants)))
+    if spec.sinks is not None:
+        sinks = spec.sinks.detach().to(torch.float32).contiguous()
+        launches.append(Launch(source=SOURCE, kernel="flash_bwd_dsinks", threadgroups=(Hq, 1, 1),
+                               threadgroup=(DSINKS_THREADS, 1, 1),
+                               buffers={BUF_S_LSE2: lse2, BUF_S_DELTA: delta, BUF_S_SINKS: sinks,
+                                        BUF_S_DSINKS: dsinks, BUF_S_PARAMS: params},
+                               function_constants=dict(constants)))
+    return Plan(launches=tuple(launches))
+
+
+def backward_tiles_for(spec: AttentionSpec, family: str = "apple8") -> BackwardTiles:
+    """The tiles ``plan_backward`` would use (for reports)."""
+    return backward_tiles(spec.q.dtype, max(spec.head_dim, spec.head_dim_v), family)
+
+
+def scratch_bytes(spec: AttentionSpec, has_dlse: bool = False) -> int:
+    """Bytes the plan allocates beyond the gradients (delta, lse2; a float32 dlse copy)."""
+    rows = spec.batch * spec.heads * spec.seqlen_q
+    return 4 * rows * (2 + (1 if has_dlse else 0))

@@ -1,0 +1,140 @@
+"""The backward tile table: tile sizes per head-dim bucket, dtype and GPU family.
+
+Two tiled kernels of ``shaders/flash_bwd.metal`` per problem:
+
+* dQ kernel ``flash_bwd_dq_<dt>_d<BD>_q<BQ>_k<BK>``: ``BQ`` query rows per
+  threadgroup (8 per simdgroup), K and V tiles of ``BK x (BD + pad)``
+  elements in threadgroup memory.
+* dK/dV kernel ``flash_bwd_dkv_<dt>_d<BD>_k<BK>_q<BQ>_m<MODE>``: ``BK`` key
+  rows per threadgroup (8 per simdgroup), Q and dO tiles of
+  ``BQ x (BD + pad)`` elements plus ``2 * BQ`` floats (lse2, delta).
+  ``MODE`` 0 computes dK and dV in one kernel; for head dims above 64 the
+  work is split into a dK kernel (MODE 1) and a dV kernel (MODE 2): the
+  fused kernel keeps four head-dim-wide accumulators/operands per simdgroup
+  in registers and spills (DESIGN.md §3: 4 KB spills at hd=64 in a seed).
+
+Plus two fixed kernels: ``flash_bwd_pre_<dt>`` (8 rows per threadgroup of
+256 threads) and ``flash_bwd_dsinks`` (one threadgroup of 256 per head,
+1 KiB of threadgroup memory).
+
+Values are starting points that keep every variant at or under ~17.5 KiB of
+threadgroup memory (``threads`` = 4 x the owned block: 256 for 64-row blocks); they are meant to be tuned per family on Macs.  A new
+entry needs matching ``FLASH_BWD_*_INSTANTIATE`` lines in the shader (a test
+checks).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .tiles import DTYPE_NAMES, FAMILIES, HEAD_DIM_BUCKETS, MAX_HEAD_DIM, head_dim_bucket
+
+_ELEM_SIZE = {"f32": 4, "f16": 2, "bf16": 2}
+PRE_THREADS = 256
+PRE_ROWS_PER_GROUP = 8
+DSINKS_THREADS = 256
+FUSED_MAX_BD = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class DQTile:
+    dtype: str
+    bd: int
+    bq: int
+    bk: int
+
+    @property
+    def threads(self) -> int:
+        return 4 * self.bq
+
+    @property
+    def kernel(self) -> str:
+        return f"flash_bwd_dq_{self.dtype}_d{self.bd}_q{self.bq}_k{self.bk}"
+
+    @property
+    def threadgroup_memory(self) -> int:
+        pad = 16 // _ELEM_SIZE[self.dtype]
+        return 2 * self.bk * (self.bd + pad) * _ELEM_SIZE[self.dtype]
+
+
+@dataclasses.dataclass(frozen=True)
+class DKVTile:
+    dtype: str
+    bd: int
+    bk: int
+    bq: int
+    mode: int  # 0 fused dK+dV, 1 dK only, 2 dV only
+
+    @property
+    def threads(self) -> int:
+        return 4 * self.bk
+
+    @property
+    def kernel(self) -> str:
+        return f"flash_bwd_dkv_{self.dtype}_d{self.bd}_k{self.bk}_q{self.bq}_m{self.mode}"
+
+    @property
+    def threadgroup_memory(self) -> int:
+        pad = 16 // _ELEM_SIZE[self.dtype]
+        return 2 * self.bq * (self.bd + pad) * _ELEM_SIZE[self.dtype] + 2 * self.bq * 4
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardTiles:
+    dq: DQTile
+    dkv: tuple[DKVTile, ...]  # one fused kernel, or the dK and the dV kernel
+
+    @property
+    def pre_kernel(self) -> str:
+        return f"flash_bwd_pre_{self.dq.dtype}"
+
+
+# (dtype, bucket) -> dQ (BQ, BK), dK/dV (BK, BQ).  64-row blocks (8 simdgroups)
+# up to head dim 128 halve the K/V re-reads of the dQ kernel and the Q/dO
+# re-reads of the dK/dV kernel against 32-row blocks, at the same threadgroup
+# memory (the streamed tiles do not depend on the owned block).
+_DQ = {
+    "f32": {32: (64, 32), 64: (64, 32), 80: (64, 16), 96: (64, 16), 128: (64, 16),
+            160: (32, 8), 192: (32, 8), 256: (32, 8)},
+    "f16": {32: (64, 32), 64: (64, 32), 80: (64, 32), 96: (64, 32), 128: (64, 32),
+            160: (32, 16), 192: (32, 16), 256: (32, 16)},
+}
+_DQ["bf16"] = dict(_DQ["f16"])
+_DKV = {
+    "f32": {32: (64, 32), 64: (64, 32), 80: (64, 16), 96: (64, 16), 128: (64, 16),
+            160: (32, 8), 192: (32, 8), 256: (32, 8)},
+    "f16": {32: (64, 32), 64: (64, 32), 80: (64, 32), 96: (64, 32), 128: (64, 32),
+            160: (32, 16), 192: (32, 16), 256: (32, 16)},
+}
+_DKV["bf16"] = dict(_DKV["f16"])
+
+BACKWARD_TILES = {family: {"dq": _DQ, "dkv": _DKV} for family in FAMILIES}
+
+
+def backward_tiles(dtype: torch.dtype, head_dim: int, family: str = "apple8") -> BackwardTiles:
+    """Tiles for ``dtype`` and ``head_dim`` (max of D and Dv); raises KeyError/ValueError."""
+    dt = DTYPE_NAMES[dtype]
+    bd = head_dim_bucket(head_dim)
+    if bd is None:
+        raise ValueError(f"head dim {head_dim} > {MAX_HEAD_DIM}")
+    table = BACKWARD_TILES.get(family)
+    if table is None:
+        raise KeyError(f"unknown GPU family {family!r}; known: {', '.join(FAMILIES)}")
+    bq, bk = table["dq"][dt][bd]
+    kbk, kbq = table["dkv"][dt][bd]
+    modes = (0,) if bd <= FUSED_MAX_BD else (1, 2)
+    return BackwardTiles(DQTile(dt, bd, bq, bk), tuple(DKVTile(dt, bd, kbk, kbq, m) for m in modes))
+
+
+def backward_variants() -> list:
+    """Every distinct tiled instantiation the table can select."""
+    seen = {}
+    for family in FAMILIES:
+        for dt in ("f32", "f16", "bf16"):
+            for bd in HEAD_DIM_BUCKETS:
+                dtype = {v: k for k, v in DTYPE_NAMES.items()}[dt]
+                t = backward_tiles(dtype, bd, family)
+                for x in (t.dq, *t.dkv):
+                    seen[x.kernel] = x
+    return sorted(seen.values(), key=lambda t: (type(t).__name__, t.dtype, t.bd, getattr(t, "mode", 0)))

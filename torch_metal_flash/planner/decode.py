@@ -1,0 +1,349 @@
+"""Planner for the split-K flash-decoding kernels in ``shaders/flash_decode.metal``.
+
+``plan_decode(problem, num_splits=0)`` turns a :class:`DecodeProblem` (q, the
+contiguous or paged K/V cache, per-row key ranges, the band/softcap/ALiBi
+parameters, preallocated out/lse) into one or two launches:
+
+1. ``flash_decode_<dtype>_d<BD>_k<BK>``, grid ``(splits, Hkv * row_blocks, B)``:
+   one threadgroup per (split, KV head, batch row) holding all
+   ``Hq / Hkv * Lq`` query rows of the GQA group (up to :data:`MAX_ROWS_PER_TG`;
+   beyond that the group is cut into ``row_blocks``), so every K/V row is read
+   from device memory once per group (and once per row block).
+2. when ``splits > 1``, ``flash_decode_combine_<dtype>``: one simdgroup per
+   (b, h, i), 8 per threadgroup, merges the partials (float32 scratch of
+   ``B * Hq * Lq * splits * (D + 2)`` floats, allocated here) with log-sum-exp.
+
+``num_splits=0`` picks the split count from the KV length and the GPU size
+(:func:`choose_splits`); ``num_splits > 0`` forces it (capped at
+:data:`MAX_SPLITS`).  Configurations the kernels do not cover come back as
+:class:`~torch_metal_flash.plan.Unsupported` with the reason.
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import math
+import os
+from typing import Optional, Union
+
+import torch
+
+from ..plan import Launch, Plan, Unsupported
+from ..spec import AttentionSpec
+
+SOURCE = "flash_decode.metal"
+LOG2E = 1.4426950408889634
+
+# [[function_constant(i)]] indices of flash_decode.metal
+FC_PAGED, FC_HAS_LEFTPAD, FC_HAS_BATCH_IDX, FC_HAS_ALIBI, FC_HAS_SOFTCAP, FC_HAS_BAND, FC_USE_SPLITS = range(7)
+# [[buffer(i)]] indices
+(BUF_Q, BUF_K, BUF_V, BUF_O, BUF_LSE, BUF_PARAMS, BUF_SEQLENS, BUF_LEFTPAD, BUF_BATCH_IDX, BUF_BLOCK_TABLE,
+ BUF_ALIBI, BUF_PART_O, BUF_PART_ML) = range(13)
+
+DTYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+HEAD_DIM_BUCKETS = (32, 64, 96, 128, 192, 256)
+MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
+# (dtype, bucket) -> BK (key rows per tile); K+V tiles stay under ~17.5 KiB of threadgroup memory.
+DECODE_TILES = {
+    "f32": {32: 32, 64: 32, 96: 16, 128: 16, 192: 8, 256: 8},
+    "f16": {32: 64, 64: 64, 96: 32, 128: 32, 192: 16, 256: 16},
+    "bf16": {32: 64, 64: 64, 96: 32, 128: 32, 192: 16, 256: 16},
+}
+# Query rows (GQA group x seqlen_q) per threadgroup: 16 simdgroups (512 threads) up to head-dim
+# bucket 128; 8 simdgroups above, where Q and O fragments take ~128 registers per thread and the
+# pipeline's maxTotalThreadsPerThreadgroup may drop below 512.
+MAX_ROWS_PER_TG = 128
+MAX_ROWS_PER_TG_WIDE = 64
+# Simdgroups per threadgroup at least (those without query rows only load K/V tiles): more
+# loads in flight for small groups (e.g. GQA 4 x 1 row = 4 rows = one computing simdgroup).
+MIN_SIMDGROUPS = 4
+MAX_SPLITS = 128  # the combine kernel handles up to 128 partials per row
+COMBINE_ROWS = 8  # rows (simdgroups) per combine threadgroup (kCombineRows in the shader)
+MIN_KEYS_PER_SPLIT = 256
+# GPU cores the split heuristic fills (M1/M2 base: 8-10; Pro 14-19; Max 30-40).
+DEFAULT_GPU_CORES = int(os.environ.get("TORCH_METAL_FLASH_GPU_CORES", "10") or 10)
+THREADGROUPS_PER_CORE = 4
+MAX_SPLIT_OVERHEAD = 0.1  # partials + q re-reads, relative to the K/V bytes
+_POS_LIMIT = 2**30
+
+
+class DecodeParams(ctypes.Structure):
+    """ctypes mirror of ``DecodeParams`` in shaders/flash_decode.metal."""
+
+    _fields_ = [(n, ctypes.c_int64) for n in (
+        "q_stride_b", "q_stride_h", "q_stride_l", "k_stride_b", "k_stride_l", "k_stride_h",
+        "v_stride_b", "v_stride_l", "v_stride_h", "o_stride_b", "o_stride_h", "o_stride_l",
+        "bt_stride_b", "a_stride_b", "a_stride_h")] + [(n, ctypes.c_int32) for n in (
+            "batch", "heads", "kv_heads", "gqa", "seqlen_q", "head_dim", "page_size", "num_splits",
+            "diag_adjust", "window_left", "window_right", "rows_per_tg", "row_blocks", "num_threads")] + [
+        ("qk_scale", ctypes.c_float), ("softcap_log2", ctypes.c_float)]
+
+    def to_bytes(self) -> bytes:
+        return bytes(self)
+
+
+@dataclasses.dataclass
+class DecodeProblem:
+    """One decode call.  ``q``/``out`` are (B, Hq, Lq, D)-indexed views (any strides, last
+    dim contiguous); caches are (B_cache, L_max, Hkv, D) or, with ``block_table``
+    (B, max_blocks) int32, paged (num_blocks, page_size, Hkv, D).  Row ``b`` attends
+    cache positions [leftpad[b], seqlens_k[b]) (int32 device vectors); the band is
+    aligned bottom-right per row (``diag = seqlens_k - leftpad - Lq + diag_adjust``)."""
+
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
+    seqlens_k: torch.Tensor
+    leftpad: Optional[torch.Tensor]
+    batch_idx: Optional[torch.Tensor]
+    block_table: Optional[torch.Tensor]
+    alibi_slopes: Optional[torch.Tensor]  # (B, Hq) view, float32
+    scale: float
+    window_left: int
+    window_right: int
+    softcap: float
+    max_seqlen_k: int  # upper bound of seqlens_k - leftpad (for the split heuristic)
+    diag_adjust: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeTile:
+    dtype: str
+    bd: int
+    bk: int
+
+    @property
+    def kernel(self) -> str:
+        return f"flash_decode_{self.dtype}_d{self.bd}_k{self.bk}"
+
+
+def decode_tile(dtype: torch.dtype, head_dim: int) -> DecodeTile:
+    dt = DTYPE_NAMES[dtype]
+    for bd in HEAD_DIM_BUCKETS:
+        if head_dim <= bd:
+            return DecodeTile(dt, bd, DECODE_TILES[dt][bd])
+    raise ValueError(f"head dim {head_dim} > {MAX_HEAD_DIM}")
+
+
+def decode_variants() -> list[DecodeTile]:
+    return [DecodeTile(dt, bd, bk) for dt, rows in DECODE_TILES.items() for bd, bk in rows.items()]
+
+
+def row_blocking(rows: int, bd: int = 128) -> tuple[int, int]:
+    """(rows_per_tg, row_blocks) for ``rows`` query rows per KV head and head-dim bucket ``bd``."""
+    cap = MAX_ROWS_PER_TG if bd <= 128 else MAX_ROWS_PER_TG_WIDE
+    blocks = max(1, -(-rows // cap))
+    return -(-rows // blocks), blocks
+
+
+def choose_splits(batch: int, kv_heads: int, row_blocks: int, max_seqlen_k: int, bk: int,
+                  gpu_cores: int = DEFAULT_GPU_CORES, head_dim: int = 128, elem_size: int = 2,
+                  group_rows: int = 4) -> int:
+    """Split count for ``num_splits=0``.
+
+    Enough threadgroups to fill the GPU (``THREADGROUPS_PER_CORE * gpu_cores``), but
+    each split costs its partials (write + read ``group_rows * (head_dim + 2)``
+    floats per KV head) and a re-read of q, so the count is also capped where that
+    traffic would exceed ``MAX_SPLIT_OVERHEAD`` of the K/V bytes -- never below
+    one threadgroup per core.  At least ``MIN_KEYS_PER_SPLIT`` keys and one tile
+    per split, at most ``MAX_SPLITS``.
+    """
+    base = max(1, batch * kv_heads * row_blocks)
+    target = THREADGROUPS_PER_CORE * max(1, gpu_cores)
+    if base >= target or max_seqlen_k <= MIN_KEYS_PER_SPLIT:
+        return 1
+    want = -(-target // base)
+    kv_bytes = 2 * max_seqlen_k * head_dim * elem_size  # per (batch row, KV head)
+    per_split = group_rows * ((head_dim + 2) * 8 + head_dim * elem_size)
+    byte_cap = int(MAX_SPLIT_OVERHEAD * kv_bytes // max(1, per_split))
+    floor = -(-max(1, gpu_cores) // base)
+    want = max(min(want, byte_cap), floor)
+    tiles = max(1, -(-max_seqlen_k // bk))
+    return max(1, min(want, max_seqlen_k // MIN_KEYS_PER_SPLIT, tiles, MAX_SPLITS))
+
+
+def _check(pb: DecodeProblem) -> Optional[str]:
+    q, kc, vc = pb.q, pb.k_cache, pb.v_cache
+    if q.dtype not in DTYPE_NAMES:
+        return f"dtype {q.dtype} is not supported by the decode kernels (float32, float16, bfloat16)"
+    if kc.dtype != q.dtype or vc.dtype != q.dtype:
+        return f"q and cache dtypes differ ({q.dtype}, {kc.dtype}, {vc.dtype})"
+    if q.dim() != 4 or kc.dim() != 4 or vc.dim() != 4:
+        return "q and the caches must be 4-D"
+    B, Hq, Lq, D = q.shape
+    Hkv = kc.shape[2]
+    if kc.shape != vc.shape or kc.shape[3] != D:
+        return f"cache shapes {tuple(kc.shape)} / {tuple(vc.shape)} do not match head dim {D}"
+    if Hkv == 0 or Hq % Hkv:
+        return f"query heads {Hq} not a multiple of KV heads {Hkv}"
+    if D < 1 or D > MAX_HEAD_DIM:
+        return f"head dim {D} outside 1..{MAX_HEAD_DIM}"
+    for name, t in (("q", q), ("k_cache", kc), ("v_cache", vc), ("out", pb.out)):
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            return f"{name} last dim is not contiguous"
+    if tuple(pb.out.shape) != (B, Hq, Lq, D) or pb.out.dtype != q.dtype:
+        return "out must match q"
+    if tuple(pb.lse.shape) != (B, Hq, Lq) or pb.lse.dtype != torch.float32 or not pb.lse.is_contiguous():
+        return "lse must be contiguous float32 (B, Hq, Lq)"
+    if max(B, Hq, Lq, kc.shape[0], kc.shape[1], pb.max_seqlen_k) > _POS_LIMIT:
+        return "sizes beyond 2^30 (32-bit positions in the kernel)"
+    if pb.block_table is not None and pb.block_table.shape[1] * kc.shape[1] > _POS_LIMIT:
+        return "paged cache capacity beyond 2^30"
+    if max(pb.window_left, pb.window_right, abs(pb.diag_adjust)) > _POS_LIMIT:
+        return "window or diagonal beyond 2^30"
+    if not (math.isfinite(pb.scale) and math.isfinite(pb.softcap)) or pb.softcap < 0:
+        return "scale and softcap must be finite (softcap >= 0)"
+    for name, t in (("seqlens_k", pb.seqlens_k), ("leftpad", pb.leftpad), ("batch_idx", pb.batch_idx)):
+        if t is not None and (t.dtype != torch.int32 or tuple(t.shape) != (B,) or not t.is_contiguous()):
+            return f"{name} must be a contiguous int32 ({B},) tensor"
+    if pb.block_table is not None:
+        bt = pb.block_table
+        if bt.dtype != torch.int32 or bt.dim() != 2 or bt.shape[0] != B or (bt.shape[1] > 1 and bt.stride(1) != 1):
+            return "block_table must be int32 (B, max_blocks) with contiguous rows"
+    if pb.alibi_slopes is not None and tuple(pb.alibi_slopes.shape) != (B, Hq):
+        return "alibi_slopes must be a (B, Hq) view"
+    return None
+
+
+def plan_decode(pb: DecodeProblem, num_splits: int = 0,
+                gpu_cores: int = DEFAULT_GPU_CORES) -> Union[Plan, Unsupported]:
+    """Launches for ``pb``; ``num_splits`` 0 = heuristic, n > 0 forces n (capped at MAX_SPLITS)."""
+    reason = _check(pb)
+    if reason is not None:
+        return Unsupported(reason)
+    q, kc, vc = pb.q, pb.k_cache, pb.v_cache
+    B, Hq, Lq, D = q.shape
+    Hkv = kc.shape[2]
+    G = Hq // Hkv
+    if B == 0 or Hq == 0 or Lq == 0:
+        return Plan(launches=())
+    tile = decode_tile(q.dtype, D)
+    rows_per_tg, row_blocks = row_blocking(G * Lq, tile.bd)
+    if num_splits and num_splits > 0:
+        splits = min(int(num_splits), MAX_SPLITS)
+    else:
+        splits = choose_splits(B, Hkv, row_blocks, pb.max_seqlen_k, tile.bk, gpu_cores, head_dim=D,
+                               elem_size=q.element_size(), group_rows=G * Lq)
+
+    paged = pb.block_table is not None
+    # Window sides wider than any (i, j) distance constrain nothing.
+    reach = Lq + max(pb.max_seqlen_k, 0) + abs(pb.diag_adjust) + 1
+    wl = -1 if pb.window_left < 0 or pb.window_left >= reach else pb.window_left
+    wr = -1 if pb.window_right < 0 or pb.window_right >= reach else pb.window_right
+    has_softcap = pb.softcap > 0
+
+    p = DecodeParams()
+    p.q_stride_b, p.q_stride_h, p.q_stride_l = q.stride(0), q.stride(1), q.stride(2)
+    p.k_stride_b, p.k_stride_l, p.k_stride_h = kc.stride(0), kc.stride(1), kc.stride(2)
+    p.v_stride_b, p.v_stride_l, p.v_stride_h = vc.stride(0), vc.stride(1), vc.stride(2)
+    out = pb.out
+    p.o_stride_b, p.o_stride_h, p.o_stride_l = out.stride(0), out.stride(1), out.stride(2)
+    p.batch, p.heads, p.kv_heads, p.gqa = B, Hq, Hkv, G
+    p.seqlen_q, p.head_dim, p.num_splits = Lq, D, splits
+    p.page_size = kc.shape[1] if paged else 0
+    p.diag_adjust, p.window_left, p.window_right = pb.diag_adjust, wl, wr
+    p.rows_per_tg, p.row_blocks = rows_per_tg, row_blocks
+    simdgroups = max(-(-rows_per_tg // 8), MIN_SIMDGROUPS)
+    p.num_threads = 32 * simdgroups
+    if has_softcap:
+        p.qk_scale = pb.scale / pb.softcap
+        p.softcap_log2 = pb.softcap * LOG2E
+    else:
+        p.qk_scale = pb.scale * LOG2E
+        p.softcap_log2 = 0.0
+
+    buffers: dict = {BUF_Q: q, BUF_K: kc, BUF_V: vc, BUF_O: out, BUF_LSE: pb.lse, BUF_SEQLENS: pb.seqlens_k}
+    if pb.leftpad is not None:
+        buffers[BUF_LEFTPAD] = pb.leftpad
+    if pb.batch_idx is not None and not paged:
+        buffers[BUF_BATCH_IDX] = pb.batch_idx
+    if paged:
+        buffers[BUF_BLOCK_TABLE] = pb.block_table
+        p.bt_stride_b = pb.block_table.stride(0)
+    if pb.alibi_slopes is not None:
+        a = pb.alibi_slopes if pb.alibi_slopes.dtype == torch.float32 else pb.alibi_slopes.float()
+        p.a_stride_b, p.a_stride_h = a.stride()
+        buffers[BUF_ALIBI] = a
+    use_splits = splits > 1
+    if use_splits:
+        dev = q.device
+        buffers[BUF_PART_O] = torch.empty(B * Hq * Lq * splits * D, dtype=torch.float32, device=dev)
+        buffers[BUF_PART_ML] = torch.empty(B * Hq * Lq * splits * 2, dtype=torch.float32, device=dev)
+    params = p.to_bytes()
+    buffers[BUF_PARAMS] = params
+    constants = {
+        FC_PAGED: paged,
+        FC_HAS_LEFTPAD: pb.leftpad is not None,
+        FC_HAS_BATCH_IDX: pb.batch_idx is not None and not paged,
+        FC_HAS_ALIBI: pb.alibi_slopes is not None,
+        FC_HAS_SOFTCAP: has_softcap,
+        FC_HAS_BAND: wl >= 0 or wr >= 0,
+        FC_USE_SPLITS: use_splits,
+    }
+    launches = [Launch(source=SOURCE, kernel=tile.kernel, threadgroups=(splits, Hkv * row_blocks, B),
+                       threadgroup=(32 * simdgroups, 1, 1), buffers=buffers, function_constants=constants)]
+    if use_splits:
+        launches.append(Launch(
+            source=SOURCE, kernel=f"flash_decode_combine_{tile.dtype}",
+            threadgroups=(-(-B * Hq * Lq // COMBINE_ROWS), 1, 1), threadgroup=(32 * COMBINE_ROWS, 1, 1),
+            buffers={BUF_O: out, BUF_LSE: pb.lse, BUF_PARAMS: params, BUF_PART_O: buffers[BUF_PART_O],
+                     BUF_PART_ML: buffers[BUF_PART_ML]},
+            function_constants=constants))
+    return Plan(launches=tuple(launches))
+
+
+def compulsory_bytes(pb: DecodeProblem) -> int:
+    """Bytes a decode call must move: q, the visible K and V rows, out, lse (for the bench)."""
+    q = pb.q
+    B, Hq, Lq, D = q.shape
+    Hkv = pb.k_cache.shape[2]
+    es = q.element_size()
+    keys = int((pb.seqlens_k.long() - (pb.leftpad.long() if pb.leftpad is not None else 0)).clamp(min=0).sum())
+    return 2 * keys * Hkv * D * es + 2 * B * Hq * Lq * D * es + B * Hq * Lq * 4
+
+
+# ---------------------------------------------------------------------------
+# Short-query / long-key problems of the general op take these kernels
+# (planner.plan_forward asks here first).
+# ---------------------------------------------------------------------------
+
+# Query rows per KV head (GQA group size x seqlen_q) up to which a call counts
+# as "decode", and the key length from which the split-K kernels pay off.
+DECODE_MAX_GROUP_ROWS = 64
+DECODE_MIN_SEQLEN_K = 256
+
+
+def route_reason(spec: AttentionSpec) -> Optional[str]:
+    """None when ``spec`` is a decode-shaped problem these kernels take, else why not (cheap)."""
+    if spec.mask is not None:
+        return "attention masks are not supported by the decode kernels"
+    if spec.sinks is not None:
+        return "sinks are not supported by the decode kernels"
+    Hq, Hkv, Lq, Lk = spec.heads, spec.kv_heads, spec.seqlen_q, spec.seqlen_k
+    if Hkv == 0 or Hq % Hkv:
+        return "query heads not a multiple of KV heads"
+    if (Hq // Hkv) * Lq > DECODE_MAX_GROUP_ROWS:
+        return f"{(Hq // Hkv) * Lq} query rows per KV head (decode takes <= {DECODE_MAX_GROUP_ROWS})"
+    if Lk < DECODE_MIN_SEQLEN_K:
+        return f"key length {Lk} < {DECODE_MIN_SEQLEN_K} (the prefill kernel is as good)"
+    if spec.head_dim_v != spec.head_dim:
+        return "head_dim_v != head_dim"
+    return None
+
+
+def plan_decode_spec(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor,
+                     num_splits: int = 0) -> Union[Plan, Unsupported]:
+    """The decode launches for the op's general problem: the (B, H, L, D) K/V views
+    are a contiguous cache of full length seen as (B, L, H, D) (no copy), and
+    the op's band offset becomes the per-row bottom-right adjustment."""
+    B, Hq, Lq, _ = spec.q.shape
+    Lk = spec.seqlen_k
+    problem = DecodeProblem(
+        q=spec.q, k_cache=spec.k.transpose(1, 2), v_cache=spec.v.transpose(1, 2), out=out, lse=lse,
+        seqlens_k=torch.full((B,), Lk, dtype=torch.int32, device=spec.q.device), leftpad=None, batch_idx=None,
+        block_table=None, alibi_slopes=spec.alibi_slopes, scale=spec.scale, window_left=spec.window_left,
+        window_right=spec.window_right, softcap=spec.softcap, max_seqlen_k=Lk,
+        diag_adjust=spec.diag_offset - (Lk - Lq))
+    return plan_decode(problem, num_splits=num_splits)

@@ -1,0 +1,227 @@
+"""Planner for the fused forward kernels in ``shaders/flash_fwd.metal``.
+
+``plan_forward`` turns an :class:`~torch_metal_flash.spec.AttentionSpec` plus
+preallocated ``out`` / ``lse`` into one launch: the tile from the table
+(:mod:`.tiles`), the grid ``(ceil(pack * Lq / BQ), Hq / pack, B)`` (``pack``
+query heads of a GQA group share a threadgroup when their rows are short),
+the function constants that switch features on, and the params struct with
+every stride.  Tensors are
+bound as they are (no copies of q/k/v/mask; a broadcast mask is read through
+its 0 strides).  Only the tiny per-head vectors (ALiBi slopes, sinks) are
+converted to float32 when they arrive in another dtype.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Union
+
+import torch
+
+from ..plan import Launch, Plan, Unsupported
+from ..spec import AttentionSpec
+from .params import FlashFwdParams
+from .tiles import DTYPE_NAMES, MAX_HEAD_DIM, ForwardTile, forward_tile
+
+SOURCE = "flash_fwd.metal"
+
+# [[function_constant(i)]] indices of flash_fwd.metal
+FC_HAS_MASK = 0
+FC_MASK_KIND = 1
+FC_HAS_ALIBI = 2
+FC_HAS_SINKS = 3
+FC_HAS_SOFTCAP = 4
+FC_HAS_BAND = 5
+FC_DIMS_ALIGNED = 6
+FC_KV_VEC_ALIGNED = 7
+
+MASK_KINDS = {torch.bool: 1, torch.float32: 2, torch.float16: 3, torch.bfloat16: 4}
+
+# [[buffer(i)]] indices
+BUF_Q, BUF_K, BUF_V, BUF_O, BUF_LSE, BUF_PARAMS, BUF_MASK, BUF_ALIBI, BUF_SINKS = range(9)
+
+_INT32_MAX = 2**31 - 1
+# Positions, offsets and windows are 32-bit ints in the kernel; with sizes and
+# the diagonal offset below 2^28 (and windows wider than the problem dropped),
+# i + diag_offset +- window never leaves int32.
+_POS_LIMIT = 2**28
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> bool:
+    return t.shape[-1] <= 1 or t.stride(-1) == 1
+
+
+def _check(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor) -> Optional[str]:
+    q, k, v = spec.q, spec.k, spec.v
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return "q, k, v must be 4-D (B, H, L, D) views"
+    if q.dtype not in DTYPE_NAMES:
+        return f"dtype {q.dtype} is not supported by the kernels (float32, float16, bfloat16)"
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})"
+    B, Hq, Lq, D = q.shape
+    _, Hkv, Lk, _ = k.shape
+    Dv = v.shape[3]
+    if k.shape[0] != B or v.shape[0] != B or v.shape[1] != Hkv or v.shape[2] != Lk or k.shape[3] != D:
+        return f"inconsistent shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+    if Hkv == 0 or Hq % Hkv != 0:
+        return f"query heads {Hq} not a multiple of KV heads {Hkv}"
+    if D < 1 or Dv < 1:
+        return "head dim 0"
+    if max(D, Dv) > MAX_HEAD_DIM:
+        return f"head dim {max(D, Dv)} > {MAX_HEAD_DIM} (largest kernel tile)"
+    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
+        if not _last_dim_contiguous(t):
+            return f"{name} last dim is not contiguous (stride {t.stride(-1)})"
+    if tuple(out.shape) != (B, Hq, Lq, Dv) or out.dtype != q.dtype:
+        return f"out must be {q.dtype} of shape {(B, Hq, Lq, Dv)}"
+    if tuple(lse.shape) != (B, Hq, Lq) or lse.dtype != torch.float32 or not lse.is_contiguous():
+        return "lse must be contiguous float32 (B, Hq, Lq)"
+    if max(Lq, Lk, B, Hq) > _POS_LIMIT:
+        return "sizes beyond 2^28 (32-bit positions in the kernel)"
+    if abs(spec.diag_offset) > _POS_LIMIT:
+        return "diagonal offset beyond 2^28 (32-bit positions in the kernel)"
+    if B * Hq * Lq > _INT32_MAX * 4:
+        return "too many query rows"
+    if spec.mask is not None:
+        m = spec.mask
+        if m.dtype not in MASK_KINDS:
+            return f"mask dtype {m.dtype} not supported (bool, float32, float16, bfloat16)"
+        if tuple(m.shape) != (B, Hq, Lq, Lk):
+            return f"mask must be a (B, Hq, Lq, Lk) broadcast view, got {tuple(m.shape)}"
+    if spec.alibi_slopes is not None and tuple(spec.alibi_slopes.shape) != (B, Hq):
+        return f"alibi_slopes must be a (B, Hq) view, got {tuple(spec.alibi_slopes.shape)}"
+    if spec.sinks is not None and tuple(spec.sinks.shape) != (Hq,):
+        return f"sinks must be (Hq,), got {tuple(spec.sinks.shape)}"
+    if not (math.isfinite(spec.scale) and math.isfinite(spec.softcap)) or spec.softcap < 0:
+        return "scale and softcap must be finite (softcap >= 0)"
+    return None
+
+
+def _vec4_aligned(t: torch.Tensor) -> bool:
+    """Rows start on 4-element (vector) boundaries: the buffer is bound at
+    storage_offset * element_size of its storage, whose start is aligned (an
+    MTLBuffer's always; a CPU storage's checked, for the emulator)."""
+    es = t.element_size()
+    base_ok = t.device.type != "cpu" or t.untyped_storage().data_ptr() % 16 == 0
+    return (base_ok and (t.storage_offset() * es) % (4 * es) == 0
+            and all(t.stride(i) % 4 == 0 for i in range(3) if t.shape[i] > 1))
+
+
+def gqa_pack(gqa: int, seqlen_q: int, bq: int) -> int:
+    """Query heads per threadgroup: the whole GQA group when packing their
+    rows needs fewer threadgroups (so fewer K/V tile reads) than one head per
+    threadgroup, e.g. decode (Lq = 1) or short queries; else 1."""
+    if gqa > 1 and gqa * seqlen_q <= _POS_LIMIT and -(-(gqa * seqlen_q) // bq) < gqa * -(-seqlen_q // bq):
+        return gqa
+    return 1
+
+
+def _effective_window(w: int, reach: int) -> int:
+    """-1 when the window side cannot hide any key (so the band logic is skipped)."""
+    return -1 if w < 0 or w >= reach else w
+
+
+def plan_forward(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor,
+                 family: str = "apple8", route_decode: bool = True) -> Union[Plan, Unsupported]:
+    """The launch(es) for the op's forward.
+
+    Decode-shaped problems (few query rows per KV head over a long key length,
+    see :func:`.decode.route_reason`) go to the split-K decode kernels when
+    they take them (``route_decode``); everything else, and whatever the
+    decode planner declines, runs on ``flash_fwd.metal``.
+    """
+    if route_decode:
+        plan = _decode_plan(spec, out, lse)
+        if plan is not None:
+            return plan
+    reason = _check(spec, out, lse)
+    if reason is not None:
+        return Unsupported(reason)
+    q, k, v = spec.q, spec.k, spec.v
+    B, Hq, Lq, D = q.shape
+    Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    try:
+        tile = forward_tile(q.dtype, max(D, Dv), family)
+    except (KeyError, ValueError) as e:
+        return Unsupported(str(e))
+    if B == 0 or Hq == 0 or Lq == 0:
+        return Plan(launches=())
+
+    # A window side wider than every (i, j) distance is no constraint.
+    reach = Lq + Lk + abs(spec.diag_offset) + 1
+    wl = _effective_window(spec.window_left, reach)
+    wr = _effective_window(spec.window_right, reach)
+    has_band = wl >= 0 or wr >= 0
+    has_softcap = spec.softcap > 0
+
+    p = FlashFwdParams()
+    p.q_stride_b, p.q_stride_h, p.q_stride_l = q.stride(0), q.stride(1), q.stride(2)
+    p.k_stride_b, p.k_stride_h, p.k_stride_l = k.stride(0), k.stride(1), k.stride(2)
+    p.v_stride_b, p.v_stride_h, p.v_stride_l = v.stride(0), v.stride(1), v.stride(2)
+    p.o_stride_b, p.o_stride_h, p.o_stride_l = out.stride(0), out.stride(1), out.stride(2)
+    p.batch, p.heads, p.kv_heads, p.gqa = B, Hq, Hkv, Hq // Hkv
+    p.seqlen_q, p.seqlen_k, p.head_dim, p.head_dim_v = Lq, Lk, D, Dv
+    p.diag_offset, p.window_left, p.window_right = spec.diag_offset, wl, wr
+    G = Hq // Hkv
+    p.pack = gqa_pack(G, Lq, tile.bq)
+    p.num_q_blocks = -(-(p.pack * Lq) // tile.bq)
+    if has_softcap:
+        p.qk_scale = spec.scale / spec.softcap
+        p.softcap = spec.softcap
+    else:
+        p.qk_scale = spec.scale
+        p.softcap = 0.0
+
+    buffers: dict = {BUF_Q: q, BUF_K: k, BUF_V: v, BUF_O: out, BUF_LSE: lse}
+    mask_kind = 0
+    if spec.mask is not None:
+        m = spec.mask
+        mask_kind = MASK_KINDS[m.dtype]
+        p.m_stride_b, p.m_stride_h, p.m_stride_q, p.m_stride_k = m.stride()
+        buffers[BUF_MASK] = m
+    if spec.alibi_slopes is not None:
+        a = spec.alibi_slopes
+        if a.dtype != torch.float32:
+            a = a.to(torch.float32)  # (B, Hq) at most: negligible
+        p.a_stride_b, p.a_stride_h = a.stride()
+        buffers[BUF_ALIBI] = a
+    if spec.sinks is not None:
+        buffers[BUF_SINKS] = spec.sinks.to(torch.float32).contiguous()
+    buffers[BUF_PARAMS] = p.to_bytes()
+
+    dims_aligned = D == tile.bd and Dv == tile.bd
+    constants = {
+        FC_HAS_MASK: mask_kind != 0,
+        FC_MASK_KIND: mask_kind,
+        FC_HAS_ALIBI: spec.alibi_slopes is not None,
+        FC_HAS_SINKS: spec.sinks is not None,
+        FC_HAS_SOFTCAP: has_softcap,
+        FC_HAS_BAND: has_band,
+        FC_DIMS_ALIGNED: dims_aligned,
+        FC_KV_VEC_ALIGNED: dims_aligned and _vec4_aligned(k) and _vec4_aligned(v),
+    }
+    launch = Launch(
+        source=SOURCE,
+        kernel=tile.kernel,
+        threadgroups=(p.num_q_blocks, Hq // p.pack, B),
+        threadgroup=(tile.threads, 1, 1),
+        buffers=buffers,
+        function_constants=constants,
+    )
+    return Plan(launches=(launch,))
+
+
+def _decode_plan(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor) -> Optional[Plan]:
+    try:
+        from . import decode
+    except ImportError:  # the decode planner is optional
+        return None
+    if decode.route_reason(spec) is not None:
+        return None
+    plan = decode.plan_decode_spec(spec, out, lse)
+    return plan if isinstance(plan, Plan) else None
+
+
+def forward_tile_for(spec: AttentionSpec, family: str = "apple8") -> ForwardTile:
+    """The tile ``plan_forward`` would use (for reports)."""
+    return forward_tile(spec.q.dtype, max(spec.head_dim, spec.head_dim_v), family)
