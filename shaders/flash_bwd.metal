@@ -64,20 +64,6 @@ inline void frag_add(thread simdgroup_float8x8& a, simdgroup_float8x8 b) {
   a.thread_elements()[1] += b.thread_elements()[1];
 }
 
-// tanh(x) written with exp2 so that it stays finite for any |x| under fast
-// math; below |x| = 0.25 an odd Taylor polynomial (error < 2e-8 relative)
-// avoids the cancellation in 1 - exp2(-2|x| log2 e).
-inline float tanh_exp2(float x) {
-  const float ax = abs(x);
-  if (ax < 0.25f) {
-    const float x2 = x * x;
-    // x - x^3/3 + 2x^5/15 - 17x^7/315 + 62x^9/2835
-    return x * (1.0f + x2 * (-0.33333333f + x2 * (0.13333333f + x2 * (-0.053968254f + x2 * 0.021869488f))));
-  }
-  const float t = exp2(-2.0f * flash::kLog2e * ax);
-  return copysign((1.0f - t) / (1.0f + t), x);
-}
-
 struct Score {
   float s;   // log2-domain score
   float th;  // tanh (softcap) or 0
@@ -90,7 +76,7 @@ inline Score transform(float x, int i, int j, float slope2, long mask_off,
   r.th = 0.0f;
   float s = x;
   if (has_softcap) {
-    r.th = tanh_exp2(x);
+    r.th = flash::tanh_stable(x);  // finite for any x under fast math
     s = r.th * cap_log2;
   }
   if (has_alibi) s -= slope2 * float(abs(i + f.diag_offset - j));

@@ -15,7 +15,7 @@ from typing import Iterator, Optional
 import torch
 
 from torch_metal_flash.plan import Plan
-from torch_metal_flash.planner import plan_forward
+from torch_metal_flash.planner.forward import plan_forward
 from torch_metal_flash.spec import make_spec
 from torch_metal_flash.testing import check_forward
 
@@ -155,7 +155,7 @@ def outputs_for(spec):
 
 def plan_case(spec, family: str = "apple8"):
     out, lse = outputs_for(spec)
-    plan = plan_forward(spec, out, lse, family=family, route_decode=False)  # always flash_fwd.metal
+    plan = plan_forward(spec, out, lse, family=family)  # the prefill planner: always flash_fwd.metal
     assert isinstance(plan, Plan), f"unsupported: {plan}"
     return plan, out, lse
 

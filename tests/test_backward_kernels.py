@@ -508,3 +508,19 @@ def test_expanded_dout_and_dlse():
     dlse = torch.full((1,), -0.25).expand(lse.shape)
     grads, _ = run_backward(spec, dout, out, lse, dlse, order="reverse")
     check_grads(spec, dout.contiguous(), out, lse, dlse.contiguous(), grads, False)
+
+
+def test_gpu_families():
+    """Newer Apple families use the newest table; families without simdgroup
+    matrices are Unsupported with a reason (not a crash)."""
+    from torch_metal_flash.planner.backward import plan_backward
+    g = torch.Generator().manual_seed(17)
+    q, k, v = (torch.randn(1, 2, 9, 16, generator=g) for _ in range(3))
+    spec = make_spec(q, k, v, scale=0.25)
+    out, lse = saved_forward(spec)
+    for family in ("apple7", "apple8", "apple9", "apple10", "apple11"):
+        plan = plan_backward(spec, out, out, lse, None, *grad_buffers(spec, False), family=family)
+        assert isinstance(plan, Plan), (family, plan)
+    for family in ("apple6", "mac2", "nonsense"):
+        plan = plan_backward(spec, out, out, lse, None, *grad_buffers(spec, False), family=family)
+        assert isinstance(plan, Unsupported) and "GPU family" in str(plan), (family, plan)

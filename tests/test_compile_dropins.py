@@ -102,8 +102,7 @@ class Block(torch.nn.Module):
         return (causal + masked).transpose(1, 2).reshape(b, n, -1)
 
 
-@pytest.mark.parametrize("backend,captured", [("reference", False), ("reference", True)] + [
-    pytest.param("emulator", False, marks=BACKENDS[1].marks)])
+@pytest.mark.parametrize("backend,captured", [("reference", False), ("reference", True), ("emulator", False)])
 def test_sdpa_override(backend, captured, ran_on):
     ran_on(backend)
     torch.manual_seed(0)

@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import forward_cases as fc  # noqa: E402
 from torch_metal_flash._paths import shaders_dir  # noqa: E402
 from torch_metal_flash.plan import Plan, Unsupported  # noqa: E402
-from torch_metal_flash.planner import forward_variants, plan_forward  # noqa: E402
+from torch_metal_flash.planner import forward_variants  # noqa: E402
+from torch_metal_flash.planner.forward import plan_forward  # noqa: E402 - the prefill planner
 from torch_metal_flash.planner.params import FlashFwdParams, field_layout  # noqa: E402
 from torch_metal_flash.spec import make_spec  # noqa: E402
 
@@ -370,15 +371,18 @@ def test_float_mask_min_and_inf_rows():
 
 
 def test_decode_shapes_route_to_the_decode_planner():
-    """plan_forward hands decode-shaped problems to planner.decode when it
-    takes them; route_decode=False (and everything it declines) stays here."""
+    """planner.plan_forward hands decode-shaped problems to planner.decode when
+    it takes them; planner.forward.plan_forward always plans flash_fwd.metal."""
+    from torch_metal_flash import planner
+
     q = torch.randn(1, 8, 1, 64).half()
     k = v = torch.randn(1, 2, 300, 64).half()
     spec = make_spec(q, k, v, scale=0.125)
     out, lse = fc.outputs_for(spec)
-    routed = plan_forward(spec, out, lse)
-    assert isinstance(routed, Plan)
-    assert routed.launches[0].source != "flash_fwd.metal"
-    assert plan_forward(spec, out, lse, route_decode=False).launches[0].source == "flash_fwd.metal"
+    routed = planner.plan_forward(spec, out, lse)
+    assert isinstance(routed, Plan) and routed.launches[0].source != "flash_fwd.metal"
+    assert plan_forward(spec, out, lse).launches[0].source == "flash_fwd.metal"
     masked = make_spec(q, k, v, mask=torch.ones(300, dtype=torch.bool), scale=0.125)
-    assert plan_forward(masked, out, lse).launches[0].source == "flash_fwd.metal"
+    assert planner.plan_forward(masked, out, lse).launches[0].source == "flash_fwd.metal"
+    small = make_spec(q, k[:, :, :40], v[:, :, :40], scale=0.125)
+    assert planner.plan_forward(small, out, lse).launches[0].source == "flash_fwd.metal"

@@ -28,7 +28,7 @@ import dataclasses
 
 import torch
 
-from .tiles import DTYPE_NAMES, FAMILIES, HEAD_DIM_BUCKETS, MAX_HEAD_DIM, head_dim_bucket
+from .tiles import DTYPE_NAMES, FAMILIES, HEAD_DIM_BUCKETS, MAX_HEAD_DIM, head_dim_bucket, table_family
 
 _ELEM_SIZE = {"f32": 4, "f16": 2, "bf16": 2}
 PRE_THREADS = 256
@@ -118,9 +118,8 @@ def backward_tiles(dtype: torch.dtype, head_dim: int, family: str = "apple8") ->
     bd = head_dim_bucket(head_dim)
     if bd is None:
         raise ValueError(f"head dim {head_dim} > {MAX_HEAD_DIM}")
-    table = BACKWARD_TILES.get(family)
-    if table is None:
-        raise KeyError(f"unknown GPU family {family!r}; known: {', '.join(FAMILIES)}")
+    # appleN newer than the tables -> the newest table; no simdgroup matrices -> ValueError.
+    table = BACKWARD_TILES[table_family(family)]
     bq, bk = table["dq"][dt][bd]
     kbk, kbq = table["dkv"][dt][bd]
     modes = (0,) if bd <= FUSED_MAX_BD else (1, 2)

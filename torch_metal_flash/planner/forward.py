@@ -122,18 +122,12 @@ def _effective_window(w: int, reach: int) -> int:
 
 
 def plan_forward(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor,
-                 family: str = "apple8", route_decode: bool = True) -> Union[Plan, Unsupported]:
-    """The launch(es) for the op's forward.
+                 family: str = "apple8") -> Union[Plan, Unsupported]:
+    """The ``flash_fwd.metal`` launch for the op's forward (the prefill kernel).
 
-    Decode-shaped problems (few query rows per KV head over a long key length,
-    see :func:`.decode.route_reason`) go to the split-K decode kernels when
-    they take them (``route_decode``); everything else, and whatever the
-    decode planner declines, runs on ``flash_fwd.metal``.
+    ``torch_metal_flash.planner.plan_forward`` sends decode-shaped problems to
+    the split-K decode kernels first and everything else here.
     """
-    if route_decode:
-        plan = _decode_plan(spec, out, lse)
-        if plan is not None:
-            return plan
     reason = _check(spec, out, lse)
     if reason is not None:
         return Unsupported(reason)
@@ -209,17 +203,6 @@ def plan_forward(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor,
         function_constants=constants,
     )
     return Plan(launches=(launch,))
-
-
-def _decode_plan(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor) -> Optional[Plan]:
-    try:
-        from . import decode
-    except ImportError:  # the decode planner is optional
-        return None
-    if decode.route_reason(spec) is not None:
-        return None
-    plan = decode.plan_decode_spec(spec, out, lse)
-    return plan if isinstance(plan, Plan) else None
 
 
 def forward_tile_for(spec: AttentionSpec, family: str = "apple8") -> ForwardTile:
