@@ -302,13 +302,16 @@ template <typename T, int BD, int BQ, int BK>
           S[kk].thread_elements()[e] = ds * p.scale;
         }
       }
-      // dQ += dS K.
-      for (int kk = 0; kk < NK; ++kk) {
-        for (int dd = 0; dd < NF; ++dd) {
+      // dQ += dS K: the block's product in a fresh fragment, then one add
+      // (a rounding chain of NK*8 + blocks instead of every key of the row).
+      for (int dd = 0; dd < NF; ++dd) {
+        simdgroup_float8x8 acc = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+        for (int kk = 0; kk < NK; ++kk) {
           simdgroup_float8x8 Kf;
           flash::load_frag(Kf, Ks + kk * 8 * LD + dd * 8, LD, fc);
-          simdgroup_multiply_accumulate(dQf[dd], S[kk], Kf, dQf[dd]);
+          simdgroup_multiply_accumulate(acc, S[kk], Kf, acc);
         }
+        flash_bwd::frag_add(dQf[dd], acc);
       }
     } else if (has_dbias && row_ok) {
       for (int kk = 0; kk < NK; ++kk) {
@@ -493,19 +496,27 @@ template <typename T, int BD, int BK, int BQ, int MODE>
             if (kDK) dPt[qq].thread_elements()[e] = ds;
           }
         }
-        // dV += P^T dO; dK += dS^T Q.
-        for (int qq = 0; qq < NQ; ++qq) {
-          for (int dd = 0; dd < NF; ++dd) {
-            if (kDV) {
+        // dV += P^T dO; dK += dS^T Q -- per block in a fresh fragment, then
+        // one add (the accumulators sum over every query of every head of
+        // the group: this keeps the rounding chain short).
+        for (int dd = 0; dd < NF; ++dd) {
+          if (kDV) {
+            simdgroup_float8x8 acc = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+            for (int qq = 0; qq < NQ; ++qq) {
               simdgroup_float8x8 dOf;
               flash::load_frag(dOf, dOs + qq * 8 * LD + dd * 8, LD, fc);
-              simdgroup_multiply_accumulate(dVf[dd], St[qq], dOf, dVf[dd]);
+              simdgroup_multiply_accumulate(acc, St[qq], dOf, acc);
             }
-            if (kDK) {
+            flash_bwd::frag_add(dVf[dd], acc);
+          }
+          if (kDK) {
+            simdgroup_float8x8 acc = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+            for (int qq = 0; qq < NQ; ++qq) {
               simdgroup_float8x8 Qf;
               flash::load_frag(Qf, Qs + qq * 8 * LD + dd * 8, LD, fc);
-              simdgroup_multiply_accumulate(dKf[dd], dPt[qq], Qf, dKf[dd]);
+              simdgroup_multiply_accumulate(acc, dPt[qq], Qf, acc);
             }
+            flash_bwd::frag_add(dKf[dd], acc);
           }
         }
       }

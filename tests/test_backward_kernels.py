@@ -524,3 +524,24 @@ def test_gpu_families():
     for family in ("apple6", "mac2", "nonsense"):
         plan = plan_backward(spec, out, out, lse, None, *grad_buffers(spec, False), family=family)
         assert isinstance(plan, Unsupported) and "GPU family" in str(plan), (family, plan)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_everything_at_once(dtype):
+    """softcap + ALiBi + float bias (with dbias) + sinks + window + dlse + GQA in one call."""
+    dt = DTYPES[dtype]
+    g = torch.Generator().manual_seed(19)
+    q = torch.randn(2, 4, 31, 24, generator=g).to(dt)
+    k, v = (torch.randn(2, 2, 45, 24, generator=g).to(dt) for _ in range(2))
+    bias = torch.randn(1, 4, 31, 45, generator=g).to(dt)
+    spec = make_spec(q, k, v, mask=bias, alibi_slopes=torch.rand(4, generator=g) * 0.2,
+                     sinks=torch.randn(4, generator=g), scale=0.3, softcap=3.0, diag_offset=14,
+                     window_left=9, window_right=2)
+    out, lse = saved_forward(spec)
+    dout = torch.randn(out.shape, generator=g).to(dt)
+    dlse = torch.randn(lse.shape, generator=g)
+    a, _ = run_backward(spec, dout, out, lse, dlse, compute_dbias=True, order="random")
+    check_grads(spec, dout, out, lse, dlse, a, True)
+    b, _ = run_backward(spec, dout, out, lse, dlse, compute_dbias=True, order="reverse")
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)

@@ -149,3 +149,16 @@ def test_reference_chunking_is_exact(monkeypatch):
     chunked = reference.forward(spec)
     for a, b in zip(whole, chunked):
         torch.testing.assert_close(a, b)
+
+
+def test_reference_row_of_finfo_min_scores_averages_the_values():
+    """A float mask of finfo.min everywhere on a row (Hugging Face padding) is a
+    finite score: the row averages all values, and its gradients are finite."""
+    q, k, v = _inputs(dtype=torch.float32, requires_grad=True, Lq=3, Lk=11)
+    mask = torch.zeros(3, 11)
+    mask[1] = torch.finfo(torch.float32).min
+    out, lse = fwd(q, k, v, mask, None, None, 0.3, 0, -1, -1, 0.0)
+    torch.testing.assert_close(out[:, :, 1], v.mean(dim=2).repeat_interleave(2, dim=1))
+    out.sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+    torch.testing.assert_close(v.grad.sum(dim=2), torch.full_like(v.grad.sum(dim=2), 3.0 * 2))  # 3 rows x 2 heads/group

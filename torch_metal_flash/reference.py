@@ -35,10 +35,14 @@ def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 
 class _Chunk:
-    """Scores and probabilities of query rows [r0, r1) for all heads."""
+    """Scores and probabilities of query rows [r0, r1) for all heads.
 
-    def __init__(self, spec: AttentionSpec, r0: int, r1: int, kf: torch.Tensor,
-                 lse: Optional[torch.Tensor] = None):
+    Probabilities are normalised by the row maximum (never as exp(s - lse)):
+    when every score of a row is huge and negative (a float mask of
+    ``finfo.min``), lse rounds to the maximum and exp(s - lse) would not sum to 1.
+    """
+
+    def __init__(self, spec: AttentionSpec, r0: int, r1: int, kf: torch.Tensor):
         ct = kf.dtype
         self.spec, self.r0, self.r1 = spec, r0, r1
         self.qc = spec.q[:, :, r0:r1].to(ct)
@@ -61,23 +65,25 @@ class _Chunk:
             else:
                 s = s + m.to(ct)
         s = s.masked_fill(~visible, float("-inf"))
-        if lse is None:
-            lse = self._logsumexp(s)
-        self.lse = lse
-        # lse = +inf on empty rows makes every probability exactly 0.
-        self.p = torch.exp(s - lse.unsqueeze(-1))
-
-    def _logsumexp(self, s: torch.Tensor) -> torch.Tensor:
-        spec = self.spec
+        row_max = s.amax(dim=-1, keepdim=True) if s.shape[-1] else s.new_full((*s.shape[:-1], 1), float("-inf"))
+        sink = None
         if spec.sinks is not None:
-            sink = spec.sinks.to(s.dtype)[None, :, None, None].expand(*s.shape[:-1], 1)
-            s = torch.cat([s, sink], dim=-1)
-        lse = torch.logsumexp(s, dim=-1)
-        return torch.where(lse == float("-inf"), float("inf"), lse)
+            sink = spec.sinks.to(ct)[None, :, None, None]
+            row_max = torch.maximum(row_max, sink)
+        row_max = row_max.masked_fill(~torch.isfinite(row_max), 0.0)  # empty rows: any finite shift
+        e = torch.exp(s - row_max)
+        total = e.sum(dim=-1, keepdim=True)
+        if sink is not None:
+            self.sink_e = torch.exp(sink - row_max)
+            total = total + self.sink_e
+        nonempty = total > 0
+        self.total = total
+        self.p = torch.where(nonempty, e / total, 0.0)
+        # lse = +inf marks a row with nothing visible (exp(s - lse) = 0 there).
+        self.lse = torch.where(nonempty, row_max + torch.log(total), float("inf")).squeeze(-1)
 
     def sink_probs(self) -> torch.Tensor:
-        sinks = self.spec.sinks.to(self.lse.dtype)[None, :, None]
-        return torch.exp(sinks - self.lse)
+        return torch.where(self.total > 0, self.sink_e / self.total, 0.0).squeeze(-1)
 
 
 def forward(spec: AttentionSpec, dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,7 +106,10 @@ def forward(spec: AttentionSpec, dtype: Optional[torch.dtype] = None) -> tuple[t
 
 def backward(spec: AttentionSpec, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
              dlse: Optional[torch.Tensor] = None, compute_dbias: bool = False):
-    """Gradients ``(dq, dk, dv, dbias, dsinks)`` from the saved ``out`` and ``lse``.
+    """Gradients ``(dq, dk, dv, dbias, dsinks)`` from the saved ``out``.
+
+    The probabilities are recomputed with the row maximum rather than from the
+    saved ``lse`` (see :class:`_Chunk`); ``lse`` is accepted for the op's signature.
 
     ``dbias`` (B, Hq, Lq, Lk) when ``compute_dbias`` (else empty) and ``dsinks``
     (Hq,) when the spec has sinks (else empty), in the compute dtype.
@@ -115,7 +124,7 @@ def backward(spec: AttentionSpec, dout: torch.Tensor, out: torch.Tensor, lse: to
     dbias = torch.empty((B, H, Lq, Lk) if compute_dbias else (0,), dtype=ct, device=spec.q.device)
     dsinks = torch.zeros((H,) if spec.sinks is not None else (0,), dtype=ct, device=spec.q.device)
     for r0, r1 in _row_chunks(spec):
-        c = _Chunk(spec, r0, r1, kf, lse=lse[:, :, r0:r1].to(ct))
+        c = _Chunk(spec, r0, r1, kf)
         do = dout[:, :, r0:r1].to(ct)
         delta = (do * out[:, :, r0:r1].to(ct)).sum(-1)  # D = rowsum(dO * O)
         if dlse is not None:
