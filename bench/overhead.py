@@ -6,7 +6,7 @@ Measures, on tiny inputs where the math is negligible:
     backend — with ``_C.launch`` replaced by a no-op (so only the host work remains),
   * the pieces: the op dispatch alone (planning skipped) and planning alone.
 
-    python -m bench.overhead [--iters N]
+    python bench/overhead.py [--iters N]
 
 Timings are noisy on shared machines: read the ratios, not the absolutes.
 Results go to stdout and bench/results/overhead.md.
@@ -16,16 +16,19 @@ from __future__ import annotations
 import argparse
 import pathlib
 import statistics
+import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-import torch_metal_flash as tmf
-from torch_metal_flash import backends, planner
-from torch_metal_flash.backends import metal
-from torch_metal_flash.layout import empty_in_layout
-from torch_metal_flash.spec import make_spec
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout
+
+import torch_metal_flash as tmf  # noqa: E402
+from torch_metal_flash import backends, planner  # noqa: E402
+from torch_metal_flash.backends import metal  # noqa: E402
+from torch_metal_flash.layout import empty_in_layout  # noqa: E402
+from torch_metal_flash.spec import make_spec  # noqa: E402
 
 
 class _NoLaunch:
@@ -91,7 +94,7 @@ def main() -> None:
     out_dir.mkdir(exist_ok=True)
     (out_dir / "overhead.md").write_text(
         "# Host overhead per call (launch stubbed)\n\n"
-        f"`python -m bench.overhead --iters {args.iters}`; q, k, v (1, 2, 8, 64) fp16, causal.\n\n{table}\n")
+        f"`python bench/overhead.py --iters {args.iters}`; q, k, v (1, 2, 8, 64) fp16, causal.\n\n{table}\n")
 
 
 if __name__ == "__main__":

@@ -1,1 +1,0 @@
-"""Benchmarks: run from the repo root as ``python -m bench.<name>``."""
