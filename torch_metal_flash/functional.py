@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Optional
-
 import torch
 
 from . import checks, ops, reference  # noqa: F401  (ops registers torch.ops.metal_flash)

@@ -203,10 +203,6 @@ def _device_reason(device: torch.device) -> Optional[str]:
         if name != "emulator":
             return f"CPU tensor with backend {name!r} (route CPU calls with backend('emulator') " \
                    f"or enable_sdpa(cpu=True))"
-        try:
-            from .backends import emulator  # noqa: F401
-        except Exception as exc:  # pragma: no cover - depends on the emulator build
-            return f"emulator backend unavailable: {exc}"
         return None
     return f"device {device.type} is not served by torch_metal_flash"
 

@@ -301,7 +301,6 @@ def _rewrite_tokens(text: str, masked: str) -> tuple:
 def _scopes(masked: str):
     """For every '{': whether it opens a namespace; returns (ns_depth_at, namespace_path_at)."""
     # Returns a function giving (in_function_body, namespace path) for an offset.
-    events = []  # (offset, kind, name) kind: 'ns' / 'other' / 'close'
     ns_re = re.compile(r"\bnamespace\s*([\w:]*)\s*(?:\[\[[^\]]*\]\])?\s*\{")
     ns_braces = {}
     for m in ns_re.finditer(masked):
@@ -383,7 +382,6 @@ def run(text: str, *, default_file: str, static_constants: Optional[dict] = None
     edits = _Edits(text)
     scope_at = _scopes(masked)
     attrs = _attributes(masked)
-    attr_at = {a[0]: a for a in attrs}
     handled_attrs = set()
 
     # --- explicit instantiations: template [[host_name("x")]] [[kernel]] ... ;

@@ -23,7 +23,6 @@ expanded gradient), ``dlse`` is converted to a contiguous float32 vector
 from __future__ import annotations
 
 import ctypes
-import math
 from typing import Optional, Union
 
 import torch
@@ -32,8 +31,8 @@ from ..plan import Launch, Plan, Unsupported
 from ..spec import AttentionSpec
 from .backward_tiles import (DSINKS_THREADS, PRE_ROWS_PER_GROUP, PRE_THREADS, BackwardTiles,
                              backward_tiles)
+from .forward import MASK_KINDS, _last_dim_contiguous, check_problem
 from .params import FlashFwdParams
-from .tiles import DTYPE_NAMES, MAX_HEAD_DIM
 
 SOURCE = "flash_bwd.metal"
 LOG2E = 1.4426950408889634
@@ -49,8 +48,6 @@ FC_DIMS_ALIGNED = 6
 FC_HAS_DBIAS = 7
 FC_HAS_DLSE = 8
 
-MASK_KINDS = {torch.bool: 1, torch.float32: 2, torch.float16: 3, torch.bfloat16: 4}
-
 # [[buffer(i)]] indices
 # preprocess
 BUF_PRE_DOUT, BUF_PRE_OUT, BUF_PRE_LSE, BUF_PRE_DLSE, BUF_PRE_DELTA, BUF_PRE_LSE2, BUF_PRE_PARAMS = range(7)
@@ -64,7 +61,6 @@ BUF_S_LSE2, BUF_S_DELTA, BUF_S_SINKS, BUF_S_DSINKS, BUF_S_PARAMS = 0, 1, 2, 3, 6
 _I64 = ctypes.c_int64
 _I32 = ctypes.c_int32
 _F32 = ctypes.c_float
-_POS_LIMIT = 2**30
 
 
 class FlashBwdParams(ctypes.Structure):
@@ -95,35 +91,19 @@ def _set(struct: ctypes.Structure, **fields) -> None:
         setattr(struct, name, value)
 
 
-def _last_dim_contiguous(t: torch.Tensor) -> bool:
-    return t.shape[-1] <= 1 or t.stride(-1) == 1
-
-
 def _check(spec: AttentionSpec, dout, out, lse, dlse, dq, dk, dv, dbias, dsinks) -> Optional[str]:
-    q, k, v = spec.q, spec.k, spec.v
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        return "q, k, v must be 4-D (B, H, L, D) views"
-    if q.dtype not in DTYPE_NAMES:
-        return f"dtype {q.dtype} is not supported by the kernels (float32, float16, bfloat16)"
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        return f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})"
-    B, Hq, Lq, D = q.shape
-    _, Hkv, Lk, _ = k.shape
-    Dv = v.shape[3]
-    if k.shape[0] != B or v.shape[0] != B or v.shape[1] != Hkv or v.shape[2] != Lk or k.shape[3] != D:
-        return f"inconsistent shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
-    if Hkv == 0 or Hq % Hkv != 0:
-        return f"query heads {Hq} not a multiple of KV heads {Hkv}"
-    if D < 1 or Dv < 1:
-        return "head dim 0"
-    if max(D, Dv) > MAX_HEAD_DIM:
-        return f"head dim {max(D, Dv)} > {MAX_HEAD_DIM} (largest kernel tile)"
-    for name, t in (("q", q), ("k", k), ("v", v), ("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
-        if not _last_dim_contiguous(t):
-            return f"{name} last dim is not contiguous (stride {t.stride(-1)})"
-    for name, t, ref in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+    reason = check_problem(spec)
+    if reason is not None:
+        return reason
+    q = spec.q
+    B, Hq, Lq, _ = q.shape
+    Lk, Dv = spec.seqlen_k, spec.head_dim_v
+    for name, t, ref in (("dq", dq, q), ("dk", dk, spec.k), ("dv", dv, spec.v)):
         if tuple(t.shape) != tuple(ref.shape) or t.dtype != ref.dtype:
             return f"{name} must be {ref.dtype} of shape {tuple(ref.shape)}"
+    for name, t in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
+        if not _last_dim_contiguous(t):
+            return f"{name} last dim is not contiguous (stride {t.stride(-1)})"
     if tuple(out.shape) != (B, Hq, Lq, Dv) or out.dtype != q.dtype:
         return f"out must be {q.dtype} of shape {(B, Hq, Lq, Dv)}"
     if tuple(dout.shape) != (B, Hq, Lq, Dv) or dout.dtype != q.dtype:
@@ -136,25 +116,9 @@ def _check(spec: AttentionSpec, dout, out, lse, dlse, dq, dk, dv, dbias, dsinks)
         if tuple(dbias.shape) != (B, Hq, Lq, Lk) or dbias.dtype != torch.float32 or dbias.stride(-1) != 1:
             return "dbias must be float32 (B, Hq, Lq, Lk) with a contiguous last dim"
     if spec.sinks is not None:
-        if tuple(spec.sinks.shape) != (Hq,):
-            return f"sinks must be (Hq,), got {tuple(spec.sinks.shape)}"
         if dsinks is None or tuple(dsinks.shape) != (Hq,) or dsinks.dtype != torch.float32 \
                 or not dsinks.is_contiguous():
             return "dsinks must be contiguous float32 (Hq,)"
-    if max(Lq, Lk, B, Hq) > _POS_LIMIT or B * Hq * Lq > 2**31 - 1:
-        return "sizes beyond the kernels' 32-bit row indices"
-    if abs(spec.diag_offset) > _POS_LIMIT or max(spec.window_left, spec.window_right) > _POS_LIMIT:
-        return "diagonal offset or window beyond 2^30"
-    if spec.mask is not None:
-        m = spec.mask
-        if m.dtype not in MASK_KINDS:
-            return f"mask dtype {m.dtype} not supported (bool, float32, float16, bfloat16)"
-        if tuple(m.shape) != (B, Hq, Lq, Lk):
-            return f"mask must be a (B, Hq, Lq, Lk) broadcast view, got {tuple(m.shape)}"
-    if spec.alibi_slopes is not None and tuple(spec.alibi_slopes.shape) != (B, Hq):
-        return f"alibi_slopes must be a (B, Hq) view, got {tuple(spec.alibi_slopes.shape)}"
-    if not (math.isfinite(spec.scale) and math.isfinite(spec.softcap)) or spec.softcap < 0:
-        return "scale and softcap must be finite (softcap >= 0)"
     return None
 
 

@@ -50,7 +50,8 @@ def _last_dim_contiguous(t: torch.Tensor) -> bool:
     return t.shape[-1] <= 1 or t.stride(-1) == 1
 
 
-def _check(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor) -> Optional[str]:
+def check_problem(spec: AttentionSpec) -> Optional[str]:
+    """Why the kernels cannot take ``spec`` (shared by the forward and backward planners), or None."""
     q, k, v = spec.q, spec.k, spec.v
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return "q, k, v must be 4-D (B, H, L, D) views"
@@ -69,19 +70,15 @@ def _check(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor) -> Optiona
         return "head dim 0"
     if max(D, Dv) > MAX_HEAD_DIM:
         return f"head dim {max(D, Dv)} > {MAX_HEAD_DIM} (largest kernel tile)"
-    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
+    for name, t in (("q", q), ("k", k), ("v", v)):
         if not _last_dim_contiguous(t):
             return f"{name} last dim is not contiguous (stride {t.stride(-1)})"
-    if tuple(out.shape) != (B, Hq, Lq, Dv) or out.dtype != q.dtype:
-        return f"out must be {q.dtype} of shape {(B, Hq, Lq, Dv)}"
-    if tuple(lse.shape) != (B, Hq, Lq) or lse.dtype != torch.float32 or not lse.is_contiguous():
-        return "lse must be contiguous float32 (B, Hq, Lq)"
     if max(Lq, Lk, B, Hq) > _POS_LIMIT:
         return "sizes beyond 2^28 (32-bit positions in the kernel)"
     if abs(spec.diag_offset) > _POS_LIMIT:
         return "diagonal offset beyond 2^28 (32-bit positions in the kernel)"
-    if B * Hq * Lq > _INT32_MAX * 4:
-        return "too many query rows"
+    if B * Hq * Lq > _INT32_MAX:
+        return "too many query rows for 32-bit row indices"
     if spec.mask is not None:
         m = spec.mask
         if m.dtype not in MASK_KINDS:
@@ -94,6 +91,21 @@ def _check(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor) -> Optiona
         return f"sinks must be (Hq,), got {tuple(spec.sinks.shape)}"
     if not (math.isfinite(spec.scale) and math.isfinite(spec.softcap)) or spec.softcap < 0:
         return "scale and softcap must be finite (softcap >= 0)"
+    return None
+
+
+def _check(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor) -> Optional[str]:
+    reason = check_problem(spec)
+    if reason is not None:
+        return reason
+    B, Hq, Lq, _ = spec.q.shape
+    Dv = spec.v.shape[3]
+    if not _last_dim_contiguous(out):
+        return f"out last dim is not contiguous (stride {out.stride(-1)})"
+    if tuple(out.shape) != (B, Hq, Lq, Dv) or out.dtype != spec.q.dtype:
+        return f"out must be {spec.q.dtype} of shape {(B, Hq, Lq, Dv)}"
+    if tuple(lse.shape) != (B, Hq, Lq) or lse.dtype != torch.float32 or not lse.is_contiguous():
+        return "lse must be contiguous float32 (B, Hq, Lq)"
     return None
 
 
