@@ -31,7 +31,7 @@ from ..plan import Launch, Plan, Unsupported
 from ..spec import AttentionSpec
 from .backward_tiles import (DSINKS_THREADS, PRE_ROWS_PER_GROUP, PRE_THREADS, BackwardTiles,
                              backward_tiles)
-from .forward import MASK_KINDS, _last_dim_contiguous, check_problem
+from .forward import MASK_KINDS, _last_dim_contiguous, check_problem, effective_band
 from .params import FlashFwdParams
 
 SOURCE = "flash_bwd.metal"
@@ -122,10 +122,6 @@ def _check(spec: AttentionSpec, dout, out, lse, dlse, dq, dk, dv, dbias, dsinks)
     return None
 
 
-def _effective_window(w: int, reach: int) -> int:
-    return -1 if w < 0 or w >= reach else w
-
-
 def plan_backward(spec: AttentionSpec, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                   dlse: Optional[torch.Tensor], dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
                   dbias: Optional[torch.Tensor], dsinks: Optional[torch.Tensor],
@@ -149,10 +145,7 @@ def plan_backward(spec: AttentionSpec, dout: torch.Tensor, out: torch.Tensor, ls
     if dlse is not None:
         dlse = dlse.to(torch.float32).contiguous()
 
-    reach = Lq + Lk + abs(spec.diag_offset) + 1
-    wl = _effective_window(spec.window_left, reach)
-    wr = _effective_window(spec.window_right, reach)
-    has_band = wl >= 0 or wr >= 0
+    wl, wr, has_band = effective_band(spec)
     has_softcap = spec.softcap > 0
 
     p = FlashBwdParams()

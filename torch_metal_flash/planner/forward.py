@@ -128,9 +128,12 @@ def gqa_pack(gqa: int, seqlen_q: int, bq: int) -> int:
     return 1
 
 
-def _effective_window(w: int, reach: int) -> int:
-    """-1 when the window side cannot hide any key (so the band logic is skipped)."""
-    return -1 if w < 0 or w >= reach else w
+def effective_band(spec: AttentionSpec) -> tuple[int, int, bool]:
+    """(window_left, window_right, has_band) for the kernels: a window side wider
+    than every (i, j) distance constrains nothing and becomes -1."""
+    reach = spec.seqlen_q + spec.seqlen_k + abs(spec.diag_offset) + 1
+    wl, wr = (-1 if w < 0 or w >= reach else w for w in (spec.window_left, spec.window_right))
+    return wl, wr, wl >= 0 or wr >= 0
 
 
 def plan_forward(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor,
@@ -153,11 +156,7 @@ def plan_forward(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor,
     if B == 0 or Hq == 0 or Lq == 0:
         return Plan(launches=())
 
-    # A window side wider than every (i, j) distance is no constraint.
-    reach = Lq + Lk + abs(spec.diag_offset) + 1
-    wl = _effective_window(spec.window_left, reach)
-    wr = _effective_window(spec.window_right, reach)
-    has_band = wl >= 0 or wr >= 0
+    wl, wr, has_band = effective_band(spec)
     has_softcap = spec.softcap > 0
 
     p = FlashFwdParams()
