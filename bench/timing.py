@@ -1,0 +1,129 @@
+"""Wall-clock and TFLOP/s of forward and forward+backward against torch's SDPA.
+
+On a Mac (the point of it):
+
+    python bench/timing.py                      # MPS: our kernels vs F.scaled_dot_product_attention
+
+Elsewhere it can only exercise the script itself (the reference path on the
+CPU times PyTorch, not our kernels), which CI does not do and nobody should quote:
+
+    python bench/timing.py --device cpu --quick
+
+Writes a markdown table to stdout and bench/results/timing_<device>.md, and a
+plot bench/results/timing_<device>.png when matplotlib is installed.
+FLOPs counted as flash-attn does: 4·B·H·Lq·Lk·D forward (halved for causal),
+2.5× that for the backward.
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout
+
+import torch_metal_flash as tmf  # noqa: E402
+
+CONFIGS = [  # (B, H, L, D, causal)
+    (4, 16, 512, 64, False), (4, 16, 512, 64, True), (2, 16, 1024, 64, True), (1, 16, 2048, 64, True),
+    (1, 16, 4096, 64, True), (2, 16, 1024, 128, True), (1, 16, 4096, 128, True), (1, 8, 8192, 128, True),
+]
+QUICK = [(1, 4, 128, 64, False), (1, 4, 256, 64, True)]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "mps":
+        torch.mps.synchronize()
+
+
+def seconds(fn, device, repeats: int) -> float:
+    fn()
+    sync(device)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def run_config(B, H, L, D, causal, dtype, device, repeats):
+    q, k, v = (torch.randn(B, H, L, D, dtype=dtype, device=device, requires_grad=True) for _ in range(3))
+    dout = torch.randn(B, H, L, D, dtype=dtype, device=device)
+    flops = 4 * B * H * L * L * D * (0.5 if causal else 1.0)
+    rows = {}
+    for name, fn in (("ours", tmf.scaled_dot_product_attention), ("torch", F.scaled_dot_product_attention)):
+        def fwd():
+            with torch.no_grad():
+                fn(q, k, v, is_causal=causal)
+
+        def fwd_bwd():
+            torch.autograd.grad(fn(q, k, v, is_causal=causal), (q, k, v), dout)
+        try:
+            t_f, t_fb = seconds(fwd, device, repeats), seconds(fwd_bwd, device, repeats)
+        except RuntimeError as exc:  # e.g. the O(L²) math path running out of memory
+            rows[name] = (None, None, str(exc).splitlines()[0])
+            continue
+        rows[name] = (t_f, t_fb, "")
+    return flops, rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="mps" if torch.backends.mps.is_available() else "cpu")
+    ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    lines = [f"# Timing on {device.type} ({args.dtype}), best of {args.repeats}\n",
+             f"`python bench/timing.py --device {args.device} --dtype {args.dtype}`"
+             + (" (reference path on the CPU: not our kernels)" if device.type != "mps" else "") + "\n",
+             "| B×H×L×D | causal | ours fwd ms | torch fwd ms | ours fwd TFLOP/s | torch fwd TFLOP/s "
+             "| ours fwd+bwd ms | torch fwd+bwd ms | ours fwd+bwd TFLOP/s | torch fwd+bwd TFLOP/s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    plot = []
+    for B, H, L, D, causal in (QUICK if args.quick else CONFIGS):
+        flops, rows = run_config(B, H, L, D, causal, dtype, device, args.repeats)
+        cells = []
+        for col in (0, 1):
+            for name in ("ours", "torch"):
+                t = rows[name][col]
+                cells.append("—" if t is None else f"{t * 1e3:.2f}")
+            for name in ("ours", "torch"):
+                t = rows[name][col]
+                work = flops * (1.0 if col == 0 else 3.5)
+                cells.append("—" if t is None else f"{work / t / 1e12:.2f}")
+        lines.append(f"| {B}×{H}×{L}×{D} | {causal} | " + " | ".join(cells) + " |")
+        plot.append((f"{L}/{D}{'c' if causal else ''}", rows))
+        print(lines[-1], flush=True)
+    text = "\n".join(lines) + "\n"
+    out_dir = pathlib.Path(__file__).parent / "results"
+    out_dir.mkdir(exist_ok=True)
+    (out_dir / f"timing_{device.type}.md").write_text(text)
+    print(text)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for i, name in enumerate(("ours", "torch")):
+        ms = [(r[name][1] or 0) * 1e3 for _, r in plot]
+        ax.bar([x + 0.4 * i for x in range(len(plot))], ms, width=0.4, label=f"{name} fwd+bwd")
+    ax.set_xticks([x + 0.2 for x in range(len(plot))], [label for label, _ in plot], rotation=30)
+    ax.set_ylabel("ms (lower is better)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_dir / f"timing_{device.type}.png")
+
+
+if __name__ == "__main__":
+    main()
