@@ -43,3 +43,28 @@ def test_constants_needed_at_compile_time_get_their_own_build():
         y = torch.zeros(32)
         lib.fc_static(x, y, grid=32, threadgroup=32)
         assert torch.all(y == x[:tile].sum() + (0.5 if fast else 0))
+
+
+@pytest.mark.parametrize("use,dynamic", [
+    ("return pick(x, flag, 2.0f);", True),          # a plain call argument: a launch-time value is fine
+    ("return pick<flag>(x);", False),               # a template argument needs a compile-time constant
+    ("return pick2<float, flag>(x);", False),
+])
+def test_launch_time_constants_only_where_cpp_allows(use, dynamic):
+    from torch_metal_flash.emulator import prepass
+    src = """
+    #include <metal_stdlib>
+    using namespace metal;
+    constant bool flag [[function_constant(0)]];
+    float pick(float x, bool f, float s) { return f ? x * s : x; }
+    template <bool F> float pick(float x) { return F ? 2.0f * x : x; }
+    template <typename T, bool F> T pick2(T x) { return F ? 2.0f * x : x; }
+    float apply(float x) { USE }
+    kernel void k(device float* y [[buffer(0)]], uint i [[thread_position_in_grid]]) { y[i] = apply(y[i]); }
+    """.replace("USE", use)
+    assert prepass._dynamic_possible(prepass._mask(src), {"flag"}) is dynamic
+    for value in (False, True):
+        lib = emulator.compile_shader(src, function_constants={"flag": value})
+        y = torch.ones(32)
+        lib.k(y, grid=32, threadgroup=32)
+        assert torch.all(y == (2.0 if value else 1.0))

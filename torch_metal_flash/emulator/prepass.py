@@ -712,7 +712,9 @@ def _dynamic_possible(masked: str, names: set) -> bool:
         rf"\bconstexpr\b[^;{{]*=[^;]*{word}",
         rf"static_assert\s*\([^;]*{word}",
         rf"\bcase\b[^:;]*{word}[^:;]*:",
-        rf"[<,]\s*(?:!\s*)?{word}\s*[,>]",
+        # template arguments: an identifier, '<', then the constant before '>' with
+        # no call parentheses in between (a plain call argument `f(a, fc, b)` is fine)
+        rf"\w\s*<[^;(){{}}]*{word}[^;(){{}}]*>",
         rf"\[[^\[\];]*{word}[^\[\];]*\]\s*[;,=]",
         rf"\bthreadgroup\s+[\w:<>, ]+\s+\w+\s*\[[^\];]*{word}",
     ]
