@@ -85,7 +85,7 @@ def _seam(monkeypatch, answer):
         calls.append(spec)
         return answer(spec, out, lse)
     monkeypatch.setattr(backends, "resolve", lambda device: backend)
-    monkeypatch.setattr(ops, "_planner", lambda: types.SimpleNamespace(plan_forward=plan_forward))
+    monkeypatch.setattr(ops, "planner", types.SimpleNamespace(plan_forward=plan_forward))
     return backend, calls
 
 

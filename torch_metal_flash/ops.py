@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import backends, reference
+from . import backends, planner, reference
 from .layout import empty_in_layout
 from .plan import Unsupported
 from .spec import AttentionSpec, make_spec, stats_dtype
@@ -23,11 +23,6 @@ def _spec(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_le
           softcap) -> AttentionSpec:
     return make_spec(q, k, v, attn_mask, alibi_slopes, sinks, scale=scale, diag_offset=diag_offset,
                      window_left=window_left, window_right=window_right, softcap=softcap)
-
-
-def _planner():
-    from . import planner
-    return planner
 
 
 def unsupported_reason(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right,
@@ -42,13 +37,13 @@ def unsupported_reason(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offs
                  softcap)
     family = getattr(backend, "family", "apple8")
     out, lse = _fwd_buffers(q, v)
-    plan = _planner().plan_forward(spec, out, lse, family=family)
+    plan = planner.plan_forward(spec, out, lse, family=family)
     if isinstance(plan, Unsupported):
         return plan.reason
     tensors = (q, k, v, attn_mask, sinks)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         compute_dbias = attn_mask is not None and attn_mask.requires_grad
-        plan = _planner().plan_backward(spec, torch.empty_like(out), out, lse, None,
+        plan = planner.plan_backward(spec, torch.empty_like(out), out, lse, None,
                                         *_bwd_buffers(spec, compute_dbias), family=family)
         if isinstance(plan, Unsupported):
             return f"backward: {plan.reason}"
@@ -61,7 +56,7 @@ def _run_kernels(spec: AttentionSpec, plan_name: str, *plan_args) -> bool:
     if backend is not None and spec.q.numel() > 0 and spec.seqlen_k > 0:
         # The tile tables are per GPU family; the emulator plans like an M2 ("apple8").
         family = getattr(backend, "family", "apple8")
-        plan = getattr(_planner(), plan_name)(spec, *plan_args, family=family)
+        plan = getattr(planner, plan_name)(spec, *plan_args, family=family)
         if not isinstance(plan, Unsupported):
             backend.run(plan)
             backends.record_run(backend.name)
