@@ -52,6 +52,8 @@ namespace flash_bwd {
 
 // lse2 of a row with nothing visible: exp2(s - kEmpty) == 0 for any score.
 constant constexpr float kEmpty = 3.0e38f;
+// lse below this marks a saturated row (see the preprocess kernel).
+constant constexpr float kSaturated = -1.0e37f;
 // Finite "minus infinity" for invisible scores.
 constant constexpr float kNeg = -1.0e38f;
 
@@ -155,7 +157,11 @@ template <typename T>
     delta[row] = dd;
     const float l = lse[row];
     const bool finite = (as_type<uint>(l) & 0x7f800000u) != 0x7f800000u;
-    lse2[row] = finite ? l * flash::kLog2e : flash_bwd::kEmpty;
+    // A row whose every score is below -1e37 (a float mask of finfo.min on all
+    // keys: padding rows) is locally constant in q and k, and l * log2(e)
+    // would overflow: it passes no gradient, like a row that sees nothing
+    // (reference.SATURATED_LSE is the same rule).
+    lse2[row] = finite && l > flash_bwd::kSaturated ? l * flash::kLog2e : flash_bwd::kEmpty;
   }
 }
 

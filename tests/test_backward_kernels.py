@@ -545,3 +545,29 @@ def test_everything_at_once(dtype):
     b, _ = run_backward(spec, dout, out, lse, dlse, compute_dbias=True, order="reverse")
     for x, y in zip(a, b):
         assert torch.equal(x, y)
+
+
+def test_rows_of_finfo_min_scores_pass_no_gradient():
+    """Hugging Face float masks: finfo.min on padded keys, and on every key of
+    a padding row.  The padding row is constant in q and k (q.k vanishes next
+    to 3.4e38): finite gradients, none through that row, the same rule as the
+    reference; the other rows exact."""
+    g = torch.Generator().manual_seed(21)
+    q, k, v = (torch.randn(2, 2, n, 16, generator=g) for n in (7, 11, 11))
+    mask = torch.zeros(2, 1, 7, 11)
+    mask[..., 8:] = torch.finfo(torch.float32).min  # key padding
+    mask[0, :, 3] = torch.finfo(torch.float32).min  # a padding query row
+    spec = make_spec(q, k, v, mask=mask, scale=0.25)
+    out, lse = saved_forward(spec)
+    dout = torch.randn(out.shape, generator=g)
+    grads, _ = run_backward(spec, dout, out, lse, order="random")
+    for t in grads[:3]:
+        assert torch.isfinite(t).all()
+    assert torch.equal(grads[0][0, :, 3], torch.zeros_like(grads[0][0, :, 3]))
+    ref = reference.backward(spec, dout, out, lse)
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=name)
+    # The loss ignores padding rows (dO = 0 there): then every gradient is the exact one.
+    dout[0, :, 3] = 0
+    grads, _ = run_backward(spec, dout, out, lse, order="reverse")
+    check_grads(spec, dout, out, lse, None, grads, False)

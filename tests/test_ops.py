@@ -153,7 +153,8 @@ def test_reference_chunking_is_exact(monkeypatch):
 
 def test_reference_row_of_finfo_min_scores_averages_the_values():
     """A float mask of finfo.min everywhere on a row (Hugging Face padding) is a
-    finite score: the row averages all values, and its gradients are finite."""
+    finite score: the row averages all values (as torch does) and, constant in
+    q and k at that magnitude, passes no gradient (spec.py; the kernels' rule)."""
     q, k, v = _inputs(dtype=torch.float32, requires_grad=True, Lq=3, Lk=11)
     mask = torch.zeros(3, 11)
     mask[1] = torch.finfo(torch.float32).min
@@ -161,4 +162,6 @@ def test_reference_row_of_finfo_min_scores_averages_the_values():
     torch.testing.assert_close(out[:, :, 1], v.mean(dim=2).repeat_interleave(2, dim=1))
     out.sum().backward()
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
-    torch.testing.assert_close(v.grad.sum(dim=2), torch.full_like(v.grad.sum(dim=2), 3.0 * 2))  # 3 rows x 2 heads/group
+    assert torch.equal(q.grad[:, :, 1], torch.zeros_like(q.grad[:, :, 1]))
+    # dO = 1: each live row spreads 1 over the keys, per query head of the group (2 rows x 2 heads).
+    torch.testing.assert_close(v.grad.sum(dim=2), torch.full_like(v.grad.sum(dim=2), 2.0 * 2))

@@ -16,6 +16,11 @@ from .layout import empty_in_layout
 from .spec import AttentionSpec, stats_dtype
 
 _CHUNK_ELEMENTS = 1 << 24  # scores per chunk (64 MiB in float32)
+# A row whose lse is below this has every score below it too (e.g. a float mask
+# of finfo.min on all keys: a padding row).  At that magnitude q.k is lost to
+# rounding, the row is constant in q and k, and it passes no gradient — the
+# kernels' rule as well (their log2-domain math would overflow there).
+SATURATED_LSE = -1e37
 
 
 def compute_dtype(t: torch.Tensor) -> torch.dtype:
@@ -125,6 +130,8 @@ def backward(spec: AttentionSpec, dout: torch.Tensor, out: torch.Tensor, lse: to
     dsinks = torch.zeros((H,) if spec.sinks is not None else (0,), dtype=ct, device=spec.q.device)
     for r0, r1 in _row_chunks(spec):
         c = _Chunk(spec, r0, r1, kf)
+        live = c.lse > SATURATED_LSE
+        c.p = c.p * live.unsqueeze(-1)
         do = dout[:, :, r0:r1].to(ct)
         delta = (do * out[:, :, r0:r1].to(ct)).sum(-1)  # D = rowsum(dO * O)
         if dlse is not None:
@@ -134,7 +141,7 @@ def backward(spec: AttentionSpec, dout: torch.Tensor, out: torch.Tensor, lse: to
         if compute_dbias:
             dbias[:, :, r0:r1] = ds
         if spec.sinks is not None:
-            dsinks -= (c.sink_probs() * delta).sum(dim=(0, 2))
+            dsinks -= (c.sink_probs() * live * delta).sum(dim=(0, 2))
         if c.tanh is not None:
             ds = ds * (1 - c.tanh * c.tanh)
         ds = ds * spec.scale

@@ -23,6 +23,10 @@ without copying tensors:
 * ``lse`` (B, Hq, Lq) float32 (float64 for float64 inputs) is the natural log of the softmax denominator
   (sink included); a row with nothing visible and no sink has ``lse = +inf``
   and output zero, so ``exp(s - lse) = 0`` in the backward.
+* A row whose scores are all below -1e37 (a float mask of ``finfo.min`` on
+  every key, as padding rows get in Hugging Face models) averages the values
+  like torch, but passes no gradient: at that magnitude q.k is lost to
+  rounding and the row is constant in q and k.
 """
 from __future__ import annotations
 
