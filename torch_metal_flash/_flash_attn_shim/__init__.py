@@ -6,6 +6,7 @@ never on import).
 features such as softcap or sliding windows on it), not a version of the
 CUDA package.
 """
+from . import flash_attn_interface
 from .flash_attn_interface import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
                                    flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
                                    flash_attn_varlen_qkvpacked_func, flash_attn_with_kvcache)
@@ -13,12 +14,4 @@ from .flash_attn_interface import (flash_attn_func, flash_attn_kvpacked_func, fl
 __version__ = "2.8.3"
 __torch_metal_flash_shim__ = True
 
-__all__ = [
-    "flash_attn_func",
-    "flash_attn_kvpacked_func",
-    "flash_attn_qkvpacked_func",
-    "flash_attn_varlen_func",
-    "flash_attn_varlen_kvpacked_func",
-    "flash_attn_varlen_qkvpacked_func",
-    "flash_attn_with_kvcache",
-]
+__all__ = list(flash_attn_interface.__all__)
