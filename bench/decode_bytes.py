@@ -45,9 +45,9 @@ def measure(B=1, H=32, Hkv=8, D=128, L=4096, Lq=1, dtype=torch.float16, num_spli
     out = torch.empty_like(q)
     lse = torch.empty(B, H, Lq, dtype=torch.float32)
     pb = DecodeProblem(q=q.transpose(1, 2), k_cache=kc, v_cache=vc, out=out.transpose(1, 2), lse=lse,
-                       seqlens_k=torch.full((B,), L, dtype=torch.int32), leftpad=None, batch_idx=None,
+                       seqlens=torch.full((B,), L, dtype=torch.int32), seqlen_fixed=0, leftpad=None, batch_idx=None,
                        block_table=bt, alibi_slopes=None, scale=D ** -0.5, window_left=-1,
-                       window_right=0, softcap=0.0, max_seqlen_k=L)
+                       window_right=0, softcap=0.0)
     plan = plan_decode(pb, num_splits=num_splits)
     backend = EmulatorBackend()
     t = time.time()

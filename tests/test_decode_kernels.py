@@ -149,9 +149,9 @@ def _problem(B=1, Hq=8, Hkv=2, D=64, L=512, Lq=1, dtype=torch.float16, paged=Non
     vc = torch.randn_like(kc)
     out = torch.empty_like(q)
     return DecodeProblem(q=q.transpose(1, 2), k_cache=kc, v_cache=vc, out=out.transpose(1, 2),
-                         lse=torch.empty(B, Hq, Lq), seqlens_k=torch.full((B,), L, dtype=torch.int32), leftpad=None,
-                         batch_idx=None, block_table=bt, alibi_slopes=None, scale=D ** -0.5, window_left=-1,
-                         window_right=0, softcap=0.0, max_seqlen_k=L)
+                         lse=torch.empty(B, Hq, Lq), seqlens=torch.full((B,), L, dtype=torch.int32), seqlen_fixed=0,
+                         leftpad=None, batch_idx=None, block_table=bt, alibi_slopes=None, scale=D ** -0.5,
+                         window_left=-1, window_right=0, softcap=0.0)
 
 
 @pytest.mark.parametrize("paged", [None, 64])
@@ -182,7 +182,7 @@ def test_params_layout():
         setattr(p, n, -(k + 1) * 13)
     p.qk_scale, p.softcap_log2 = 0.5, -2.25
     lib = emulator.compile_shader(shaders_dir() / "flash_decode.metal",
-                                  function_constants={i: False for i in range(7)})
+                                  function_constants={i: False for i in range(8)})
     out_l, out_i, out_f = torch.zeros(len(longs), dtype=torch.int64), torch.zeros(len(ints), dtype=torch.int32), \
         torch.zeros(2)
     lib.flash_decode_params_echo(buffers={0: out_l, 1: out_i, 2: out_f, 5: p.to_bytes()}, grid=(1,),
