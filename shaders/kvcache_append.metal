@@ -80,7 +80,7 @@ template <typename T, typename R>
   const int c = int(tid);
   if (c >= p.head_dim) return;
   long row = long(tgid);
-  const bool is_kv = row < long(p.kv_rows);
+  const bool is_kv = !has_rotary || row < long(p.kv_rows);  // q rows exist only with rotary
   if (!is_kv) row -= p.kv_rows;
   const int nh = is_kv ? p.kv_heads : p.heads;
   const int nl = is_kv ? p.seqlen_new : p.seqlen_q;

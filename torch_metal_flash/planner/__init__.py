@@ -2,7 +2,8 @@
 
 Pure and backend-agnostic.  The prefill forward lives in :mod:`.forward`
 (tile table :mod:`.tiles`, params mirror :mod:`.params`), the backward in
-:mod:`.backward`, the split-K decode kernels in :mod:`.decode`.
+:mod:`.backward`, the split-K decode kernels in :mod:`.decode`, the KV-cache op
+(append + decode) in :mod:`.kvcache`.
 """
 from __future__ import annotations
 
