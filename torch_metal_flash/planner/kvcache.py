@@ -83,6 +83,8 @@ def _check(pb: KvCacheProblem) -> Optional[str]:
         return f"head dim {D} outside 1..{MAX_HEAD_DIM}"
     if (pb.k is None) != (pb.v is None) or (pb.rotary_cos is None) != (pb.rotary_sin is None):
         return "k and v (and rotary_cos and rotary_sin) come in pairs"
+    if pb.rotary_cos is not None and pb.k is None:
+        return "rotary needs k and v"
     for name, t in (("k", pb.k), ("v", pb.v)):
         if t is not None and (t.dtype != q.dtype or t.shape != (B, t.shape[1], pb.k_cache.shape[2], D)
                               or (D > 1 and t.stride(-1) != 1)):
@@ -134,7 +136,7 @@ def plan_kvcache(pb: KvCacheProblem, out: torch.Tensor, lse: torch.Tensor,
         return attend
 
     p = AppendParams()
-    if Lnew:
+    if pb.k is not None:
         p.k_stride_b, p.k_stride_l, p.k_stride_h = pb.k.stride()[:3]
         p.v_stride_b, p.v_stride_l, p.v_stride_h = pb.v.stride()[:3]
     p.kc_stride_b, p.kc_stride_l, p.kc_stride_h = kc.stride()[:3]
@@ -146,7 +148,7 @@ def plan_kvcache(pb: KvCacheProblem, out: torch.Tensor, lse: torch.Tensor,
     p.kv_rows = kv_rows
     p.q_local = int(pb.window_left >= 0 or pb.window_right >= 0)
     buffers: dict = {BUF_K_CACHE: kc, BUF_V_CACHE: vc}
-    if Lnew:
+    if pb.k is not None:
         buffers[BUF_K], buffers[BUF_V] = pb.k, pb.v
     if pb.cache_seqlens is not None:
         buffers[BUF_SEQLENS] = pb.cache_seqlens
