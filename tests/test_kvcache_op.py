@@ -15,11 +15,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import kvcache_oracle  # noqa: E402
 from test_kvcache import check_call, make_case  # noqa: E402
 from torch_metal_flash import backends, emulator  # noqa: E402
 from torch_metal_flash.backends.emulator import EmulatorBackend  # noqa: E402
 from torch_metal_flash.kvcache import apply_rotary, flash_attn_with_kvcache  # noqa: E402
 from torch_metal_flash.planner import kvcache as kv_planner  # noqa: E402
+from torch_metal_flash.testing import assert_matches_oracle  # noqa: E402
 
 
 def run_emulator(kw, order="forward", **extra):
@@ -106,11 +108,18 @@ def test_decode_step_never_reads_device_values_on_the_host(i, combo):
                    rotary=(8, i % 2 == 0) if append == "rotary" else None, **_ATTENTION[i % len(_ATTENTION)])
     mine = dict(kw, k_cache=kw["k_cache"].clone(), v_cache=kw["v_cache"].clone())
     backends.run_counts(reset=True)
-    with emulator.settings(checked=False), backends.backend("emulator", strict=True), host_syncs_raise():
+    with emulator.settings(checked=True), backends.backend("emulator", strict=True), host_syncs_raise():
         out, lse = flash_attn_with_kvcache(**mine, return_softmax_lse=True, num_splits=i % 3)
     assert backends.run_counts() == {"emulator": 1}
-    # The same call, host reads allowed, matches the oracle (caches included).
-    check_call(kw, backend="emulator", num_splits=i % 3)
+    # ... and computed the right thing (the oracle, float64; the caches too).
+    dtype = kw["q"].dtype
+    ref = kvcache_oracle.kvcache_attention(**kw, dtype=torch.float64)
+    low = kvcache_oracle.kvcache_attention(**kw, dtype=dtype)
+    assert_matches_oracle("out", out, ref[0], low[0], dtype=dtype)
+    assert_matches_oracle("lse", lse, ref[1], low[1], dtype=dtype)
+    exact = {} if append == "rotary" else dict(rtol=0, atol=0)  # rotary may round differently by 1 ulp
+    torch.testing.assert_close(mine["k_cache"], ref[2].to(dtype), **exact)
+    torch.testing.assert_close(mine["v_cache"], ref[3].to(dtype), rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------------------
@@ -118,11 +127,12 @@ def test_decode_step_never_reads_device_values_on_the_host(i, combo):
 # ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("paged", [False, True])
-def test_compiled_decode_step_static_cache_runs_on_the_kernels(paged):
+def test_compiled_decode_step_static_cache_runs_on_the_kernels(paged, monkeypatch):
     """torch.compile(fullgraph=True) of a whole decode step (append with rotary, attend,
     advance the lengths) over a static cache: one graph, our op called on the caches
     themselves (no functionalisation copy: the append kernel writes the user's cache
-    storage), every step on the kernels, results equal to eager."""
+    storage), every step on the kernels, results equal to eager.  The debug mode
+    works inside the compiled graph (the op validates at run time)."""
     torch._dynamo.reset()
     B, cap, Hq, Hkv, D, steps = 2, 24, 4, 2, 16, 3
     g = torch.Generator().manual_seed(5)
@@ -167,6 +177,11 @@ def test_compiled_decode_step_static_cache_runs_on_the_kernels(paged):
     for w, o in zip(want[1:], got[1:]):
         torch.testing.assert_close(o, w, rtol=0, atol=0)
     assert got[3].tolist() == [3 + steps, steps]
+    monkeypatch.setenv("TORCH_METAL_FLASH_DEBUG", "1")
+    kc, vc, full = k_cache.clone(), v_cache.clone(), torch.tensor([0, cap], dtype=torch.int32)
+    with backends.backend("emulator", strict=True), \
+            pytest.raises(ValueError, match=r"cache_seqlens\[1\] = 24 overflows"):
+        compiled(*tokens[0], kc, vc, full)
     torch._dynamo.reset()
 
 

@@ -12,48 +12,25 @@ traces under ``torch.compile``.  On the kernel backends (``metal``,
 new k, the write into the cache, contiguous or paged) and the split-K decode
 kernels of ``shaders/flash_decode.metal``; both read ``cache_seqlens``,
 ``cache_leftpad``, ``cache_batch_idx`` and ``block_table`` on the GPU and clamp
-or ignore out-of-range values (``shaders/kvcache_index.h``).
-``TORCH_METAL_FLASH_DEBUG=1`` validates the values on the host first, with
-clear errors.  The reference path (other backends, or what the kernels do not
-cover) validates them always: :mod:`torch_metal_flash.kvcache_reference`.
+or ignore out-of-range values (``shaders/kvcache_index.h``).  With
+``TORCH_METAL_FLASH_DEBUG=1`` the op validates the values on the host first,
+with clear errors; the reference path (other backends, or what the kernels do
+not cover) validates them always (:mod:`torch_metal_flash.kvcache_reference`).
 """
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional, Union
+from typing import Optional, Union
 
 import torch
 
-from . import backends, checks, ops  # noqa: F401  (ops registers torch.ops.metal_flash)
-from .kvcache_reference import Geometry, apply_rotary, check_rotary_length, check_seqlens, host_indices
+from . import checks, ops  # noqa: F401  (ops registers torch.ops.metal_flash)
+from .kvcache_reference import Geometry, apply_rotary, check_rotary_length, check_seqlens
+from .planner.kvcache import KvCacheProblem
 
 __all__ = ["flash_attn_with_kvcache", "apply_rotary"]
 
 _INT_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
-
-
-class _OpArgs(NamedTuple):
-    """The arguments of ``metal_flash::fwd_kvcache``, in schema order."""
-
-    q: torch.Tensor
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    k: Optional[torch.Tensor]
-    v: Optional[torch.Tensor]
-    rotary_cos: Optional[torch.Tensor]
-    rotary_sin: Optional[torch.Tensor]
-    cache_seqlens: Optional[torch.Tensor]
-    cache_batch_idx: Optional[torch.Tensor]
-    cache_leftpad: Optional[torch.Tensor]
-    block_table: Optional[torch.Tensor]
-    alibi_slopes: Optional[torch.Tensor]
-    seqlen: int
-    scale: float
-    window_left: int
-    window_right: int
-    softcap: float
-    rotary_interleaved: bool
-    num_splits: int
 
 
 def _int_tensor(name: str, t, batch: int, ndim: int, device: torch.device) -> torch.Tensor:
@@ -77,7 +54,7 @@ def _int_tensor(name: str, t, batch: int, ndim: int, device: torch.device) -> to
 
 def _op_args(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
              block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
-             num_splits) -> _OpArgs:
+             num_splits) -> KvCacheProblem:
     """Checks shapes, dtypes, devices and host scalars; returns the op's arguments."""
     checks.tensor("q", q, ndim=(4,))
     checks.float_dtype("q", q)
@@ -177,7 +154,7 @@ def _op_args(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
                              f"head dim {D}, got {tuple(rotary_cos.shape)}")
         if cache_seqlens is None:
             check_rotary_length(g, [seqlen] * B, rotary_cos.shape[0])
-        # The kernels read the table in q's dtype or float32 (exact for every float type but float64).
+        # The kernels read the table in q's dtype or float32 (other dtypes convert exactly, but float64).
         if rotary_cos.dtype not in (q.dtype, torch.float32):
             rotary_cos, rotary_sin = rotary_cos.float(), rotary_sin.float()
         if rd > 2 and rotary_cos.stride(-1) != 1:
@@ -195,9 +172,9 @@ def _op_args(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
         scale = float(softmax_scale)
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise ValueError(f"num_splits: expected an int >= 0 (0 = automatic), got {num_splits!r}")
-    return _OpArgs(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-                   block_table, alibi_slopes, seqlen, scale, left, right, softcap, bool(rotary_interleaved),
-                   num_splits)
+    return KvCacheProblem(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                          cache_leftpad, block_table, alibi_slopes, seqlen, scale, left, right, softcap,
+                          bool(rotary_interleaved), num_splits)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
@@ -233,6 +210,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             the cache (positions before it are ignored; positions for causal,
             window and ALiBi count from it; rotary positions do not).
         block_table: optional (batch, max_blocks_per_seq) int32: pages of each row.
+            Index values are read on the GPU; out-of-range ones are clamped or ignored
+            (docs/kvcache.md, "Index values"); ``TORCH_METAL_FLASH_DEBUG=1`` raises instead.
         softmax_scale: default 1 / sqrt(headdim).
         causal: causal mask aligned bottom-right to each row's own key count:
             query i sees keys j <= i + seqlen_k[b] - seqlen_q.
@@ -250,12 +229,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     args = _op_args(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                     block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
                     num_splits)
-    if backends.is_debug():
-        # Host validation of the index values as given (before the int32 conversion);
-        # a GPU synchronisation on MPS.
-        g = Geometry.of(q, k_cache, k, block_table, args.window_left, args.window_right)
-        host_indices(g, cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None, args.seqlen,
-                     cache_batch_idx, cache_leftpad, block_table, rotary_cos)
     with torch.no_grad():
         out, lse = torch.ops.metal_flash.fwd_kvcache(*args)
     return (out, lse) if return_softmax_lse else out

@@ -170,14 +170,19 @@ def fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor]
     ``window_left/right`` aligned bottom-right per row (causal: window_right = 0;
     q is rotated per row when a window side is >= 0).  Index tensors are int32;
     on the kernel path they are read on the GPU only, and out-of-range values are
-    clamped or ignored (shaders/kvcache_index.h); the reference path validates
-    them on the host.  Returns ``out`` (B, Lq, Hq, D) and ``lse`` (B, Hq, Lq)."""
+    clamped or ignored (shaders/kvcache_index.h); the reference path, and the
+    kernel path in debug mode (``TORCH_METAL_FLASH_DEBUG=1``), validate them on the
+    host.  Returns ``out`` (B, Lq, Hq, D) and ``lse`` (B, Hq, Lq)."""
     out, lse = _kvcache_buffers(q)
     problem = KvCacheProblem(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                              cache_leftpad, block_table, alibi_slopes, seqlen, scale, window_left, window_right,
                              softcap, rotary_interleaved, num_splits)
     backend = backends.resolve(q.device)
     if backend is not None:
+        if backends.is_debug():  # a GPU synchronisation on MPS: opt-in only
+            kvcache_reference.host_indices(
+                kvcache_reference.Geometry.of(q, k_cache, k, block_table, window_left, window_right),
+                cache_seqlens, seqlen, cache_batch_idx, cache_leftpad, block_table, rotary_cos)
         plan = plan_kvcache(problem, out, lse, family=getattr(backend, "family", "apple8"))
         if not isinstance(plan, Unsupported):
             backend.run(plan)

@@ -18,8 +18,7 @@ its outputs, and scratch allocated here.
 from __future__ import annotations
 
 import ctypes
-import dataclasses
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 
@@ -47,9 +46,9 @@ class AppendParams(ctypes.Structure):
             "page_size", "capacity", "cache_rows", "seqlen_fixed", "kv_rows", "q_local")]
 
 
-@dataclasses.dataclass(frozen=True)
-class KvCacheProblem:
-    """The arguments of ``metal_flash::fwd_kvcache``, in schema order (see ops.py)."""
+class KvCacheProblem(NamedTuple):
+    """The arguments of ``metal_flash::fwd_kvcache``, in schema order (see ops.py):
+    ``torch.ops.metal_flash.fwd_kvcache(*problem)``."""
 
     q: torch.Tensor  # (B, Lq, Hq, D)
     k_cache: torch.Tensor  # (B_cache, L_max, Hkv, D) or paged (num_blocks, page_size, Hkv, D)
