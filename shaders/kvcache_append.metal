@@ -3,12 +3,13 @@
 // paged, at the positions read on the GPU (kvcache_index.h).
 //
 // kvcache_append_<dtype>_r<rotary dtype>
-//   One threadgroup per row, one thread per feature (head_dim <= 256):
+//   One threadgroup per row, 32 * ceil(head_dim / 32) threads (head_dim <= 256):
 //   rows [0, kv_rows) are the (b, t, h) rows of the new k/v (b-major), written
 //   to cache position base_b + t; the rest, when rotary is on, are the
 //   (b, i, h) rows of q, rotated into a scratch q at position base_b + i
-//   (q_local: causal or windowed) or base_b.  No barriers, no threadgroup
-//   memory; a row whose destination is ignored (kvcache_index.h) returns.
+//   (q_local: causal or windowed) or base_b.  One thread locates the row (index
+//   reads, kvcache_index.h); a row whose destination is ignored returns.  Every
+//   element of the source rows and of the rotary table is read once.
 // Rotary: the first rotary_dim features rotate in pairs, (2f, 2f + 1) when
 // interleaved, else (f, f + rotary_dim / 2), by the angle of table row
 // min(pos, seqlen_ro - 1); in float32, stored as T.  The rest are copied.
@@ -57,64 +58,91 @@ constant bool rotary_interleaved [[function_constant(4)]];
       device T* q_rot [[buffer(11), function_constant(has_rotary)]],                    \
       uint tgid [[threadgroup_position_in_grid]], ushort tid [[thread_index_in_threadgroup]]
 
-// Feature c of the row x rotated to position pos (copied when c >= rotary_dim).
-template <typename T, typename R>
-inline T rotate(const device T* x, int c, int pos, const device R* rcos, const device R* rsin,
-                constant AppendParams& p) {
-  const int rd = has_rotary ? p.rotary_dim : 0;
-  if (c >= rd) return x[c];
-  const int half_rd = rd / 2;
-  const bool first = rotary_interleaved ? (c & 1) == 0 : c < half_rd;
-  const int f = rotary_interleaved ? c / 2 : (first ? c : c - half_rd);
-  const int partner = rotary_interleaved ? (c ^ 1) : (first ? c + half_rd : c - half_rd);
-  const long row = long(min(pos, p.seqlen_ro - 1));
-  const float cs = float(rcos[row * p.cos_stride + f]);
-  const float sn = float(rsin[row * p.sin_stride + f]);
-  const float self = float(x[c]);
-  const float other = float(x[partner]);
-  return T(first ? self * cs - other * sn : other * sn + self * cs);
+// Params are read once per threadgroup and shared through threadgroup memory, as
+// in flash_decode.metal (one read per threadgroup, not one per thread).
+constant constexpr int kAppendParamWords = sizeof(AppendParams) / 8;
+static_assert(sizeof(AppendParams) % 8 == 0 && kAppendParamWords <= 32, "AppendParams: 8-byte words, one per thread");
+
+// Where row `row` reads and writes (one thread per threadgroup):
+// meta = {source row (k or q), destination row (k cache or rotated q; -1: not
+// written), v source row, v destination row, rotary position}.
+inline void locate_row(const threadgroup AppendParams& P, long row, const device int* cache_seqlens,
+                       const device int* batch_idx, const device int* block_table, threadgroup long* meta) {
+  const bool is_kv = !has_rotary || row < long(P.kv_rows);  // q rows exist only with rotary
+  if (!is_kv) row -= P.kv_rows;
+  const int nh = is_kv ? P.kv_heads : P.heads;
+  const int nl = is_kv ? P.seqlen_new : P.seqlen_q;
+  const int h = int(row % nh);
+  const int t = int((row / nh) % nl);  // new row t, or query row
+  const int b = int(row / (long(nh) * nl));
+  const int crow = has_batch_idx ? kv_cache_row(batch_idx[b], P.cache_rows) : b;
+  const KvRow r = kv_row(has_seqlens ? cache_seqlens[b] : P.seqlen_fixed, 0, crow < 0, P.seqlen_new, P.capacity);
+  if (!is_kv) {
+    meta[0] = long(b) * P.q_stride_b + long(t) * P.q_stride_l + long(h) * P.q_stride_h;
+    meta[1] = long(b) * P.qr_stride_b + long(t) * P.qr_stride_l + long(h) * P.qr_stride_h;
+    meta[4] = r.base + (P.q_local ? t : 0);
+    return;
+  }
+  const int pos = r.base + t;
+  long kdst = -1;
+  long vdst = -1;
+  if (crow >= 0 && pos < r.end) {  // else: an ignored cache row, or past the capacity
+    if (paged) {
+      const int page = pos / P.page_size;
+      const long blk = kv_block(block_table + long(b) * P.bt_stride_b, page, P.cache_rows);
+      const long off = long(pos - page * P.page_size);
+      if (blk >= 0) {
+        kdst = blk * P.kc_stride_b + off * P.kc_stride_l + long(h) * P.kc_stride_h;
+        vdst = blk * P.vc_stride_b + off * P.vc_stride_l + long(h) * P.vc_stride_h;
+      }
+    } else {
+      kdst = long(crow) * P.kc_stride_b + long(pos) * P.kc_stride_l + long(h) * P.kc_stride_h;
+      vdst = long(crow) * P.vc_stride_b + long(pos) * P.vc_stride_l + long(h) * P.vc_stride_h;
+    }
+  }
+  meta[0] = long(b) * P.k_stride_b + long(t) * P.k_stride_l + long(h) * P.k_stride_h;
+  meta[1] = kdst;
+  meta[2] = long(b) * P.v_stride_b + long(t) * P.v_stride_l + long(h) * P.v_stride_h;
+  meta[3] = vdst;
+  meta[4] = pos;
 }
 
 template <typename T, typename R>
 [[kernel, max_total_threads_per_threadgroup(256)]] void kvcache_append(KVCACHE_APPEND_ARGS(T, R)) {
-  const int c = int(tid);
-  if (c >= p.head_dim) return;
-  long row = long(tgid);
-  const bool is_kv = !has_rotary || row < long(p.kv_rows);  // q rows exist only with rotary
-  if (!is_kv) row -= p.kv_rows;
-  const int nh = is_kv ? p.kv_heads : p.heads;
-  const int nl = is_kv ? p.seqlen_new : p.seqlen_q;
-  const int h = int(row % nh);
-  const int t = int((row / nh) % nl);  // new row t, or query row
-  const int b = int(row / (long(nh) * nl));
+  threadgroup long params_words[kAppendParamWords];
+  threadgroup long meta[5];
+  if (tid < kAppendParamWords) params_words[tid] = reinterpret_cast<const constant long*>(&p)[tid];
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  const threadgroup AppendParams& P = *reinterpret_cast<const threadgroup AppendParams*>(params_words);
+  if (tid == 0) locate_row(P, long(tgid), cache_seqlens, batch_idx, block_table, meta);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
 
-  const int crow = has_batch_idx ? kv_cache_row(batch_idx[b], p.cache_rows) : b;
-  const KvRow r = kv_row(has_seqlens ? cache_seqlens[b] : p.seqlen_fixed, 0, crow < 0, p.seqlen_new, p.capacity);
-  if (!is_kv) {
-    const int pos = r.base + (p.q_local ? t : 0);
-    const device T* src = q + long(b) * p.q_stride_b + long(t) * p.q_stride_l + long(h) * p.q_stride_h;
-    q_rot[long(b) * p.qr_stride_b + long(t) * p.qr_stride_l + long(h) * p.qr_stride_h + c] =
-        rotate(src, c, pos, rcos, rsin, p);
-    return;
+  const long dst = meta[1];
+  if (dst < 0) return;
+  const bool is_kv = !has_rotary || long(tgid) < long(P.kv_rows);
+  const int D = P.head_dim;
+  const int c = int(tid);
+  if (is_kv && c < D) vc[meta[3] + c] = v[meta[2] + c];
+  // Work item c: the rotary pair c (each element, cos and sin read once), then
+  // the features past rotary_dim, copied.
+  const device T* x = (is_kv ? k : q) + meta[0];
+  device T* y = (is_kv ? kc : q_rot) + dst;
+  const int rd = has_rotary ? P.rotary_dim : 0;
+  const int half_rd = rd / 2;
+  if (c < half_rd) {
+    const int a = rotary_interleaved ? 2 * c : c;
+    const int b = rotary_interleaved ? 2 * c + 1 : c + half_rd;
+    const long row = long(min(int(meta[4]), P.seqlen_ro - 1));
+    const float cs = float(rcos[row * P.cos_stride + c]);
+    const float sn = float(rsin[row * P.sin_stride + c]);
+    const float x0 = float(x[a]);
+    const float x1 = float(x[b]);
+    y[a] = T(x0 * cs - x1 * sn);
+    y[b] = T(x0 * sn + x1 * cs);
+  } else if (rd + c - half_rd < D) {
+    const int e = rd + c - half_rd;
+    y[e] = x[e];
   }
-  const int pos = r.base + t;
-  if (crow < 0 || pos >= r.end) return;  // ignored cache row, or past the capacity
-  long kdst = long(h) * p.kc_stride_h;
-  long vdst = long(h) * p.vc_stride_h;
-  if (paged) {
-    const int page = pos / p.page_size;
-    const long blk = kv_block(block_table + long(b) * p.bt_stride_b, page, p.cache_rows);
-    if (blk < 0) return;
-    const long off = long(pos - page * p.page_size);
-    kdst += blk * p.kc_stride_b + off * p.kc_stride_l;
-    vdst += blk * p.vc_stride_b + off * p.vc_stride_l;
-  } else {
-    kdst += long(crow) * p.kc_stride_b + long(pos) * p.kc_stride_l;
-    vdst += long(crow) * p.vc_stride_b + long(pos) * p.vc_stride_l;
-  }
-  const device T* ksrc = k + long(b) * p.k_stride_b + long(t) * p.k_stride_l + long(h) * p.k_stride_h;
-  kc[kdst + c] = rotate(ksrc, c, pos, rcos, rsin, p);
-  vc[vdst + c] = v[long(b) * p.v_stride_b + long(t) * p.v_stride_l + long(h) * p.v_stride_h + c];
 }
 
 // Echoes every AppendParams field (the host/kernel layout test).
