@@ -44,11 +44,12 @@ class EmulatorBackend:
         return lib
 
     def pipeline_info(self, source: str, kernel: str, function_constants: dict) -> dict:
-        """The kernel's limits (keys as ``_C.pipeline_info``), cached."""
+        """The kernel's limits (keys as ``_C.pipeline_info``), cached; builds its library
+        first, as the Metal backend builds the pipeline."""
         key = (source, kernel, tuple(sorted(function_constants.items())))
         info = self._pipeline_info.get(key)
         if info is None:
-            lib = self.library(source, function_constants)
+            lib = self.library(source, function_constants).build()
             if hasattr(lib, "pipeline_info"):
                 info = dict(lib.pipeline_info(kernel))
             else:  # until emulator.Library.pipeline_info (issue 11) lands: the emulator's fixed limits

@@ -29,7 +29,7 @@ import torch
 
 from ..plan import Launch, Plan, Unsupported
 from ..spec import AttentionSpec
-from .backward_tiles import (DSINKS_THREADS, PRE_ROWS_PER_GROUP, PRE_THREADS, BackwardTiles,
+from .backward_tiles import (DSINKS_KERNEL, DSINKS_THREADS, PRE_ROWS_PER_GROUP, PRE_THREADS, BackwardTiles,
                              backward_candidates, backward_tiles)
 from .forward import MASK_KINDS, _last_dim_contiguous, check_problem, effective_band
 from .limits import PipelineInfo, first_fitting
@@ -247,7 +247,7 @@ def _plan_tiles(spec: AttentionSpec, dout, out, lse, dlse, dq, dk, dv, dbias, ds
                                buffers=bufs, function_constants=dict(constants)))
     if spec.sinks is not None:
         sinks = spec.sinks.detach().to(torch.float32).contiguous()
-        launches.append(Launch(source=SOURCE, kernel="flash_bwd_dsinks", threadgroups=(Hq, 1, 1),
+        launches.append(Launch(source=SOURCE, kernel=DSINKS_KERNEL, threadgroups=(Hq, 1, 1),
                                threadgroup=(DSINKS_THREADS, 1, 1),
                                buffers={BUF_S_LSE2: lse2, BUF_S_DELTA: delta, BUF_S_SINKS: sinks,
                                         BUF_S_DSINKS: dsinks, BUF_S_PARAMS: params},

@@ -34,6 +34,7 @@ _ELEM_SIZE = {"f32": 4, "f16": 2, "bf16": 2}
 PRE_THREADS = 256
 PRE_ROWS_PER_GROUP = 8
 DSINKS_THREADS = 256
+DSINKS_KERNEL = "flash_bwd_dsinks"
 FUSED_MAX_BD = 64
 
 

@@ -120,6 +120,11 @@ class DecodeTile:
         return f"flash_decode_{self.dtype}_d{self.bd}_k{self.bk}"
 
 
+def combine_kernel(dtype: str) -> str:
+    """The kernel that merges the split partials, for dtype name ``f32|f16|bf16``."""
+    return f"flash_decode_combine_{dtype}"
+
+
 def decode_tile(dtype: torch.dtype, head_dim: int) -> DecodeTile:
     dt = DTYPE_NAMES[dtype]
     for bd in HEAD_DIM_BUCKETS:
@@ -296,7 +301,7 @@ def _plan_rows(pb: DecodeProblem, tile: DecodeTile, cap: int, num_splits: int, g
                        threadgroup=(32 * simdgroups, 1, 1), buffers=buffers, function_constants=constants)]
     if use_splits:
         launches.append(Launch(
-            source=SOURCE, kernel=f"flash_decode_combine_{tile.dtype}",
+            source=SOURCE, kernel=combine_kernel(tile.dtype),
             threadgroups=(-(-B * Hq * Lq // COMBINE_ROWS), 1, 1), threadgroup=(32 * COMBINE_ROWS, 1, 1),
             buffers={BUF_O: out, BUF_LSE: pb.lse, BUF_PARAMS: params, BUF_PART_O: buffers[BUF_PART_O],
                      BUF_PART_ML: buffers[BUF_PART_ML]},
