@@ -56,6 +56,19 @@ def test_planted_compile_failure_fails(monkeypatch, capsys):
     assert "- compile flash_bwd_dsinks" in out and "internal error" in out
 
 
+def test_metal_asked_for_where_it_cannot_run_fails_with_the_reason(capsys):
+    assert doctor.main(["--backend", "metal", "--skip", "compile,probes,timing"]) == 1
+    assert "- no metal backend: torch_metal_flash._C (the Metal launcher) is not built" in capsys.readouterr().out
+
+
+def test_macos_before_14_fails(monkeypatch):
+    monkeypatch.setattr(doctor.platform, "mac_ver", lambda: ("13.6.1", ("", "", ""), "arm64"))
+    rows, failures = doctor.machine_rows("emulator", None, "test")
+    assert ("machine", f"macOS 13.6.1, {doctor._chip()}") in rows
+    assert failures == ["macOS 13.6.1: torch_metal_flash needs macOS 14 or newer (Metal Shading Language 3.1 for "
+                        "bfloat; torch's MPS backend)"]
+
+
 def test_unknown_section_is_an_error():
     with pytest.raises(SystemExit):
         doctor.main(["--skip", "probe"])

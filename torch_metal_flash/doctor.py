@@ -169,8 +169,9 @@ def machine_rows(name, backend, why) -> tuple[list, list]:
         if isinstance(lib, dict):
             lib = f"{', '.join(lib['files'])} ({lib['std']}, macOS {lib['macos_min']}+, {lib['math_mode']} math; "\
                   f"{lib['compiler']})"
-        rows.append(("install", f"built on {info.get('platform')} against torch {info.get('torch')}; "
-                                f"_C: {info.get('extension')}; precompiled shaders: {lib}"))
+        against = f" against torch {info['torch']}" if info.get("torch") else ""
+        ext = "built" if info.get("extension") is True else info.get("extension")
+        rows.append(("install", f"built on {info.get('platform')}{against}; _C: {ext}; precompiled shaders: {lib}"))
     else:
         rows.append(("install", "a source checkout (no build record)"))
     return rows, failures
