@@ -35,7 +35,8 @@ if not (ROOT / "setup.py").is_file():
 
 def _run(cmd, **kw):
     result = subprocess.run(cmd, capture_output=True, text=True, **kw)
-    assert result.returncode == 0, f"{' '.join(map(str, cmd))} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    assert result.returncode == 0, \
+        f"{' '.join(map(str, cmd))} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     return result
 
 
@@ -166,7 +167,8 @@ def test_macos_build_finds_what_it_needs_and_declares_what_it_imports(tmp_path, 
     stems = sorted(p.stem for p in (ROOT / "shaders").glob("*.metal"))
     assert record["extension"] is True and record["torch"]
     assert record["metallib"] == {"files": [f"{s}.metallib" for s in stems], "std": "metal3.1", "macos_min": "14.0",
-                                  "math_mode": "relaxed", "compiler": "Apple metal version 32023.404 (metalfe-32023.404)"}
+                                  "math_mode": "relaxed",
+                                  "compiler": "Apple metal version 32023.404 (metalfe-32023.404)"}
     assert all((package / "shaders" / f"{s}.metallib").is_file() for s in stems)
     compiles = [line.split() for line in xcrun.read_text().splitlines() if " -c " in line and "probe" not in line]
     assert sorted(Path(c[c.index("-c") + 1]).stem for c in compiles) == stems
