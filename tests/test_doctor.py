@@ -61,6 +61,12 @@ def test_metal_asked_for_where_it_cannot_run_fails_with_the_reason(capsys):
     assert "- no metal backend: torch_metal_flash._C (the Metal launcher) is not built" in capsys.readouterr().out
 
 
+def test_mps_without_working_metal_kernels_fails(monkeypatch, capsys):
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    assert doctor.main(["--skip", "compile,probes,timing"]) == 1
+    assert "- MPS is available but the Metal kernels cannot run: torch_metal_flash._C" in capsys.readouterr().out
+
+
 def test_macos_before_14_fails(monkeypatch):
     monkeypatch.setattr(doctor.platform, "mac_ver", lambda: ("13.6.1", ("", "", ""), "arm64"))
     rows, failures = doctor.machine_rows("emulator", None, "test")

@@ -43,6 +43,7 @@ from .testing import backward_errors, error_budget, lowp_forward, oracle_forward
 
 MIN_MACOS = (14, 0)  # MSL 3.1 (bfloat) and torch's MPS backend
 SECTIONS = ("compile", "probes", "timing")
+MAX_LISTED = 10  # compile failures listed per shader file
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,7 +207,8 @@ def compile_pipelines(backend, all_variants: bool, out=print) -> tuple[list, lis
                 info = backend.pipeline_info(v.source, v.kernel, v.constants)
             except Exception as exc:  # noqa: BLE001 -- every failure is reported, none stops the others
                 failed += 1
-                failures.append(f"compile {v.kernel} {v.constants}: {type(exc).__name__}: {exc}")
+                if failed <= MAX_LISTED:
+                    failures.append(f"compile {v.kernel} {v.constants}: {type(exc).__name__}: {exc}")
                 continue
             limit = info["max_total_threads_per_threadgroup"]
             if lowest is None or limit < lowest[0]:
@@ -214,6 +216,8 @@ def compile_pipelines(backend, all_variants: bool, out=print) -> tuple[list, lis
             if limit < planned[v.kernel]:
                 below.add(f"{v.kernel} ({limit} < {planned[v.kernel]})")
         seconds = time.perf_counter() - start
+        if failed > MAX_LISTED:
+            failures.append(f"compile: {failed - MAX_LISTED} more pipelines of {source} failed")
         low = f"{lowest[0]} ({lowest[1]})" if lowest else "-"
         rows.append((source, len(group), failed, low, f"{seconds:.1f}"))
         out(f"  {source}: {len(group)} pipelines, {failed} failed, {seconds:.1f} s")
@@ -387,6 +391,9 @@ def main(argv=None) -> int:
     full = args.full or (name == "metal" and not args.quick)
     print(f"torch_metal_flash doctor: {name} backend, {'full' if full else 'reduced'} grid")
     machine, failures = machine_rows(name, backend, why)
+    if args.backend == "auto" and name != "metal" and torch.backends.mps.is_available():
+        from .backends import metal
+        failures.append(f"MPS is available but the Metal kernels cannot run: {metal.unavailable_reason()}")
     sections = []
     if backend is None:
         failures.append(f"no {name} backend: {why}")
