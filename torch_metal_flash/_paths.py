@@ -3,6 +3,7 @@
 An installed package carries them as package data (``setup.py`` maps
 ``shaders/`` to ``torch_metal_flash/shaders`` and ``csrc/`` to
 ``torch_metal_flash/_csrc``); a source checkout uses the repo's folders.
+``build_info()`` reads the record ``setup.py`` leaves next to the package.
 """
 from __future__ import annotations
 
