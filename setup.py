@@ -21,6 +21,7 @@ repo's shaders/ and csrc/ folders.  On macOS:
 ``_build_info.json`` in the package records what was built (printed by
 ``python -m torch_metal_flash doctor``).
 """
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -81,8 +82,8 @@ def compile_metallibs(shader_dir: Path, out_dir: Path) -> dict:
         probe.write_text("kernel void probe(device float* x [[buffer(0)]]) { x[0] = 1.0f; }\n")
         if _run([*XCRUN, "metal", *RELAXED_MATH, "-c", str(probe), "-o", str(probe.with_suffix(".air"))]).returncode:
             math_mode, math_flags = "safe", SAFE_MATH
-        files = []
-        for source in sorted(shader_dir.glob("*.metal")):
+
+        def compile_one(source: Path) -> str:
             air = Path(tmp, source.stem + ".air")
             library = out_dir / (source.stem + ".metallib")
             for cmd in ([*XCRUN, "metal", f"-std={METAL_STD}", f"-mmacosx-version-min={MACOS_MIN}", *math_flags,
@@ -93,7 +94,10 @@ def compile_metallibs(shader_dir: Path, out_dir: Path) -> dict:
                     raise RuntimeError(f"torch_metal_flash: `{' '.join(cmd)}` failed:\n{result.stderr}\n"
                                        "Set TORCH_METAL_FLASH_METALLIB=0 to skip the precompiled shaders "
                                        "(the launcher then compiles the sources at first use).")
-            files.append(library.name)
+            return library.name
+
+        with concurrent.futures.ThreadPoolExecutor() as pool:  # one compiler process per file
+            files = list(pool.map(compile_one, sorted(shader_dir.glob("*.metal"))))
     return {"files": files, "std": METAL_STD, "macos_min": MACOS_MIN, "math_mode": math_mode}
 
 
