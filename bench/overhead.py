@@ -43,6 +43,10 @@ class _NoLaunch:
     def launch(self, *args):
         pass
 
+    def pipeline_info(self, source, kernel, function_constants):
+        return {"max_total_threads_per_threadgroup": 1024, "thread_execution_width": 32,
+                "static_threadgroup_memory_length": 0, "max_threadgroup_memory_length": 32768}
+
 
 def per_call_us(fn, iters: int) -> float:
     for _ in range(max(10, iters // 10)):

@@ -70,6 +70,10 @@ class RecordingBackend:
     def __init__(self):
         self.plans = []
 
+    def pipeline_info(self, source, kernel, function_constants):
+        return {"max_total_threads_per_threadgroup": 1024, "thread_execution_width": 32,
+                "static_threadgroup_memory_length": 0, "max_threadgroup_memory_length": 32768}
+
     def run(self, plan):
         self.plans.append(plan)
         for launch in plan.launches:
@@ -81,7 +85,7 @@ def _seam(monkeypatch, answer):
     backend = RecordingBackend()
     calls = []
 
-    def plan_forward(spec, out, lse, family):
+    def plan_forward(spec, out, lse, family, pipeline_info):
         calls.append(spec)
         return answer(spec, out, lse)
     monkeypatch.setattr(backends, "resolve", lambda device: backend)

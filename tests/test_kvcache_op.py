@@ -197,6 +197,28 @@ def test_op_opcheck():
             torch.library.opcheck(torch.ops.metal_flash.fwd_kvcache.default, a)
 
 
+def test_append_pipeline_limit_falls_back_before_any_launch(monkeypatch):
+    """An append pipeline that allows fewer threads than the head dim needs: the whole
+    call falls back (one warning, caches written once, by the reference path)."""
+    info = EmulatorBackend.pipeline_info
+
+    def lowered(self, source, kernel, constants):
+        limits = dict(info(self, source, kernel, constants))
+        if kernel.startswith("kvcache_append_"):
+            limits["max_total_threads_per_threadgroup"] = 32
+        return limits
+    monkeypatch.setattr(EmulatorBackend, "pipeline_info", lowered)
+    monkeypatch.setattr(backends, "_warned", set())
+    kw = make_case(seed=91, dtype="f16", B=2, Lq=1, Hq=4, Hkv=2, D=64, cap=12, lnew=1, causal=True)
+    with pytest.raises(backends.UnsupportedError, match="kvcache_append_f16_rf16 needs 64 threads"):
+        with backends.backend("emulator", strict=True):
+            flash_attn_with_kvcache(**dict(kw, k_cache=kw["k_cache"].clone(), v_cache=kw["v_cache"].clone()))
+    backends.run_counts(reset=True)
+    with pytest.warns(backends.FallbackWarning, match="kvcache_append"):
+        check_call(kw, backend="emulator")
+    assert backends.run_counts()["reference"] == 1  # (its attention is the fwd op, on the emulator)
+
+
 # ---------------------------------------------------------------------------
 # Out-of-range index values: the in-kernel rules, and the debug mode
 # ---------------------------------------------------------------------------

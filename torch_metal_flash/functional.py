@@ -130,10 +130,16 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         ``(out, softmax_lse (batch, nheads, seqlen_q) float32, None)``.
     """
     _flash_checks(q, k, v)
+    return _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                       return_attn_probs, seqlen_k=k.shape[1])
+
+
+def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
+                seqlen_k):
+    """flash_attn_func on checked tensors; ``seqlen_k`` is the length windows are clamped
+    against (the call's key length; the batch's longest for varlen), as flash-attn does."""
     dropout_p = checks.dropout(dropout_p)
-    left, right = checks.window(window_size)
-    if causal:
-        right = 0
+    left, right = checks.window(window_size, causal=causal, seqlen_k=seqlen_k)
     softcap = checks.softcap(softcap)
     batch, seqlen_q, heads, head_dim = q.shape
     alibi_slopes = checks.alibi(alibi_slopes, batch, heads, q.device)
@@ -205,8 +211,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     for b in range(batch):
         (q0, q1), (k0, k1) = bounds[0][b:b + 2], bounds[1][b:b + 2]
         slopes = alibi_slopes[b] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
-        out, lse, _ = flash_attn_func(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], dropout_p, softmax_scale,
-                                      causal, window_size, softcap, slopes, deterministic, True)
+        out, lse, _ = _flash_attn(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], dropout_p, softmax_scale,
+                                  causal, window_size, softcap, slopes, True, seqlen_k=max_seqlen_k)
         outs.append(out[0])
         lses.append(lse[0])
     if batch == 0:

@@ -123,15 +123,9 @@ def _op_args(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
     if cache_leftpad is not None:
         cache_leftpad = _int_tensor("cache_leftpad", cache_leftpad, B, 1, dev)
 
-    left, right = checks.window(window_size)
-    if causal:
-        right = 0
-    # Window sides at least as long as the cache change nothing (as flash-attn
-    # clamps them); this also decides whether q is rotated per row ("local").
-    if left >= g.capacity:
-        left = -1
-    if right >= g.capacity:
-        right = -1
+    # Window sides at least as long as the cache change nothing (flash-attn clamps
+    # them); this also decides whether q is rotated per row ("local").
+    left, right = checks.window(window_size, causal, g.capacity)
     g.local = left >= 0 or right >= 0
 
     # Rotary.

@@ -40,14 +40,15 @@ def unsupported_reason(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offs
                  softcap)
     family = getattr(backend, "family", "apple8")
     out, lse = _fwd_buffers(q, v)
-    plan = planner.plan_forward(spec, out, lse, family=family)
+    plan = planner.plan_forward(spec, out, lse, family=family, pipeline_info=backend.pipeline_info)
     if isinstance(plan, Unsupported):
         return plan.reason
     tensors = (q, k, v, attn_mask, sinks)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         compute_dbias = attn_mask is not None and attn_mask.requires_grad
         plan = planner.plan_backward(spec, torch.empty_like(out), out, lse, None,
-                                        *_bwd_buffers(spec, compute_dbias), family=family)
+                                        *_bwd_buffers(spec, compute_dbias), family=family,
+                                        pipeline_info=backend.pipeline_info)
         if isinstance(plan, Unsupported):
             return f"backward: {plan.reason}"
     return None
@@ -59,7 +60,8 @@ def _run_kernels(spec: AttentionSpec, plan_name: str, *plan_args) -> bool:
     if backend is not None and spec.q.numel() > 0 and spec.seqlen_k > 0:
         # The tile tables are per GPU family; the emulator plans like an M2 ("apple8").
         family = getattr(backend, "family", "apple8")
-        plan = getattr(planner, plan_name)(spec, *plan_args, family=family)
+        # Launches are checked against the pipelines' limits here, before any is encoded.
+        plan = getattr(planner, plan_name)(spec, *plan_args, family=family, pipeline_info=backend.pipeline_info)
         if not isinstance(plan, Unsupported):
             backend.run(plan)
             backends.record_run(backend.name)
@@ -183,7 +185,8 @@ def fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor]
             kvcache_reference.host_indices(
                 kvcache_reference.Geometry.of(q, k_cache, k, block_table, window_left, window_right),
                 cache_seqlens, seqlen, cache_batch_idx, cache_leftpad, block_table, rotary_cos)
-        plan = plan_kvcache(problem, out, lse, family=getattr(backend, "family", "apple8"))
+        plan = plan_kvcache(problem, out, lse, family=getattr(backend, "family", "apple8"),
+                            pipeline_info=backend.pipeline_info)
         if not isinstance(plan, Unsupported):
             backend.run(plan)
             backends.record_run(backend.name)

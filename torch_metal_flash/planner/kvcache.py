@@ -24,6 +24,7 @@ import torch
 
 from ..plan import Launch, Plan, Unsupported
 from .decode import DTYPE_NAMES, MAX_HEAD_DIM, DecodeProblem, plan_decode
+from .limits import PipelineInfo, first_fitting
 
 SOURCE = "kvcache_append.metal"
 # [[function_constant(i)]] indices of kvcache_append.metal
@@ -32,6 +33,27 @@ FC_PAGED, FC_HAS_SEQLENS, FC_HAS_BATCH_IDX, FC_HAS_ROTARY, FC_ROTARY_INTERLEAVED
 (BUF_K, BUF_V, BUF_K_CACHE, BUF_V_CACHE, BUF_PARAMS, BUF_SEQLENS, BUF_BATCH_IDX, BUF_BLOCK_TABLE, BUF_COS, BUF_SIN,
  BUF_Q, BUF_Q_ROT) = range(12)
 _INT32_MAX = 2**31 - 1
+MAX_THREADS = 256  # [[max_total_threads_per_threadgroup]] of kvcache_append: head dim 256
+
+
+def append_kernel(dtype: str, rotary_dtype: str) -> str:
+    """The append kernel for cache dtype ``f32|f16|bf16`` and rotary table dtype (the same or ``f32``)."""
+    return f"kvcache_append_{dtype}_r{rotary_dtype}"
+
+
+def append_kernels() -> list[str]:
+    """Every instantiation in kvcache_append.metal."""
+    return [append_kernel(dt, rdt) for dt in DTYPE_NAMES.values() for rdt in sorted({dt, "f32"})]
+
+
+def function_constants(paged: bool, seqlens: bool, batch_idx: bool, rotary: bool, interleaved: bool) -> dict:
+    """The ``[[function_constant]]`` values of ``kvcache_append.metal`` for these features."""
+    return {FC_PAGED: paged, FC_HAS_SEQLENS: seqlens, FC_HAS_BATCH_IDX: batch_idx, FC_HAS_ROTARY: rotary,
+            FC_ROTARY_INTERLEAVED: interleaved}
+
+
+# Every value plan_kvcache can pass to function_constants() (the doctor enumerates the variants from these).
+FEATURE_VALUES = {name: (False, True) for name in ("paged", "seqlens", "batch_idx", "rotary", "interleaved")}
 
 
 class AppendParams(ctypes.Structure):
@@ -105,10 +127,11 @@ def _check(pb: KvCacheProblem) -> Optional[str]:
     return None
 
 
-def plan_kvcache(pb: KvCacheProblem, out: torch.Tensor, lse: torch.Tensor,
-                 family: str = "apple8") -> Union[Plan, Unsupported]:
+def plan_kvcache(pb: KvCacheProblem, out: torch.Tensor, lse: torch.Tensor, family: str = "apple8",
+                 pipeline_info: Optional[PipelineInfo] = None) -> Union[Plan, Unsupported]:
     """The append (when needed) and decode launches of one call; ``out`` (B, Lq, Hq, D),
-    ``lse`` (B, Hq, Lq) float32.  ``family`` is unused (one tile table for every GPU)."""
+    ``lse`` (B, Hq, Lq) float32.  ``family`` is unused (one tile table for every GPU);
+    ``pipeline_info``: the backend's pipeline limits (:mod:`.limits`)."""
     reason = _check(pb)
     if reason is not None:
         return Unsupported(reason)
@@ -126,7 +149,7 @@ def plan_kvcache(pb: KvCacheProblem, out: torch.Tensor, lse: torch.Tensor,
         seqlens=pb.cache_seqlens, seqlen_fixed=pb.seqlen, leftpad=pb.cache_leftpad, batch_idx=pb.cache_batch_idx,
         block_table=pb.block_table, alibi_slopes=alibi, scale=pb.scale, window_left=pb.window_left,
         window_right=pb.window_right, softcap=pb.softcap, seqlen_new=Lnew)
-    attend = plan_decode(decode, num_splits=pb.num_splits)
+    attend = plan_decode(decode, num_splits=pb.num_splits, pipeline_info=pipeline_info)
     if isinstance(attend, Unsupported):
         return attend
     kv_rows = B * Lnew * Hkv
@@ -167,9 +190,9 @@ def plan_kvcache(pb: KvCacheProblem, out: torch.Tensor, lse: torch.Tensor,
     dt = DTYPE_NAMES[q.dtype]
     rdt = DTYPE_NAMES[pb.rotary_cos.dtype] if rotary else dt
     append = Launch(
-        source=SOURCE, kernel=f"kvcache_append_{dt}_r{rdt}", threadgroups=(rows, 1, 1),
+        source=SOURCE, kernel=append_kernel(dt, rdt), threadgroups=(rows, 1, 1),
         threadgroup=(32 * -(-D // 32), 1, 1), buffers=buffers,
-        function_constants={FC_PAGED: paged, FC_HAS_SEQLENS: pb.cache_seqlens is not None,
-                            FC_HAS_BATCH_IDX: pb.cache_batch_idx is not None and not paged,
-                            FC_HAS_ROTARY: rotary, FC_ROTARY_INTERLEAVED: bool(pb.rotary_interleaved)})
-    return Plan(launches=(append,) + attend.launches)
+        function_constants=function_constants(paged, pb.cache_seqlens is not None,
+                                              pb.cache_batch_idx is not None and not paged, rotary,
+                                              rotary and bool(pb.rotary_interleaved)))
+    return first_fitting([Plan(launches=(append,) + attend.launches)], pipeline_info)
