@@ -146,8 +146,8 @@ def main() -> None:
         r = measure(**cfg)
         rows.append(r)
         line = (f"| {r['B']} | {r['H']} | {r['Hkv']} | {r['D']} | {r['L']} | {r['Lq']} | {r['dtype']} | {r['paged']} | "
-                f"{r['append']} | {r['splits']} | {r['launches']} | {r['moved']:,} | {r['compulsory']:,} | **{r['ratio']:.4f}** | "
-                f"{r['seconds']:.1f} |")
+                f"{r['append']} | {r['splits']} | {r['launches']} | {r['moved']:,} | {r['compulsory']:,} | "
+                f"**{r['ratio']:.4f}** | {r['seconds']:.1f} |")
         lines.append(line)
         print(line, flush=True)
     text = ("# Decode kernels: device bytes / compulsory bytes\n\n"
@@ -158,7 +158,8 @@ def main() -> None:
             "Rows with an append are a whole decode step: the append kernel (one new token, rotary over the "
             "head dim, q rotated into scratch) then the decode kernels; compulsory adds the new k/v rows "
             "read and written once and one rotary table row.  Causal, one batch row per cache row, "
-            "`num_splits=0` (heuristic, 10 GPU cores) unless a splits value is forced.  Command: `python bench/decode_bytes.py " +
+            "`num_splits=0` (heuristic, 10 GPU cores) unless a splits value is forced.  "
+            "Command: `python bench/decode_bytes.py " +
             ("--quick" if args.quick else f"--lengths {args.lengths}") + "`.\n\n" + "\n".join(lines) + "\n")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)

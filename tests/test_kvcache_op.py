@@ -103,7 +103,8 @@ def test_decode_step_never_reads_device_values_on_the_host(i, combo):
     hkv, g = ((1, 4), (2, 2), (2, 1))[i % 3]
     lnew = 0 if append == "none" else 1 + i % 2
     kw = make_case(seed=3000 + i, dtype=("f16", "bf16", "f32")[(i // 3) % 3], B=2, Lq=(1, 2, 5)[(i // 2) % 3],
-                   Hq=hkv * g, Hkv=hkv, D=(16, 24, 8)[(i // 9) % 3], cap=15, lnew=lnew, seqlens={"tensor": "ragged"}.get(seqlens, seqlens),
+                   Hq=hkv * g, Hkv=hkv, D=(16, 24, 8)[(i // 9) % 3], cap=15, lnew=lnew,
+                   seqlens={"tensor": "ragged"}.get(seqlens, seqlens),
                    paged=5 if layout == "paged" else None, batch_idx=layout == "batch_idx", leftpad=leftpad,
                    rotary=(8, i % 2 == 0) if append == "rotary" else None, **_ATTENTION[i % len(_ATTENTION)])
     mine = dict(kw, k_cache=kw["k_cache"].clone(), v_cache=kw["v_cache"].clone())
