@@ -2,9 +2,11 @@
 
 ``fwd`` returns ``(out, lse)``; ``bwd`` returns ``(dq, dk, dv, dbias, dsinks)``.
 Both take the general problem of :mod:`torch_metal_flash.spec` so that the
-SDPA and flash-attn faces map onto them without copies.  Each call plans the
-kernels for the selected backend and falls back to the reference path (with
-a one-time warning naming the reason) when the kernels do not cover it.
+SDPA and flash-attn faces map onto them without copies.  ``fwd_kvcache``
+(``flash_attn_with_kvcache``) appends to a KV cache in place and attends to it.
+Each call plans the kernels for the selected backend and falls back to the
+reference path (with a one-time warning naming the reason) when the kernels do
+not cover it.
 """
 from __future__ import annotations
 
@@ -13,9 +15,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import backends, planner, reference
+from . import backends, kvcache_reference, planner, reference
 from .layout import empty_in_layout
 from .plan import Unsupported
+from .planner.kvcache import KvCacheProblem, plan_kvcache
 from .spec import AttentionSpec, make_spec, stats_dtype
 
 
@@ -154,3 +157,56 @@ def _backward(ctx, dout, dlse):
 
 
 torch.library.register_autograd("metal_flash::fwd", _backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("metal_flash::fwd_kvcache", mutates_args=("k_cache", "v_cache"))
+def fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v: Optional[Tensor],
+                rotary_cos: Optional[Tensor], rotary_sin: Optional[Tensor], cache_seqlens: Optional[Tensor],
+                cache_batch_idx: Optional[Tensor], cache_leftpad: Optional[Tensor], block_table: Optional[Tensor],
+                alibi_slopes: Optional[Tensor], seqlen: int, scale: float, window_left: int, window_right: int,
+                softcap: float, rotary_interleaved: bool, num_splits: int) -> tuple[Tensor, Tensor]:
+    """``flash_attn_with_kvcache`` as an op: rotary of q and the new ``k``, ``k``/``v``
+    written into ``k_cache``/``v_cache`` **in place** at ``cache_seqlens`` (``seqlen``
+    for every row when None), then q (B, Lq, Hq, D) attends to keys
+    [cache_leftpad, cache_seqlens + seqlen_new) of its cache row, with the band
+    ``window_left/right`` aligned bottom-right per row (causal: window_right = 0;
+    q is rotated per row when a window side is >= 0).  Index tensors are int32;
+    on the kernel path they are read on the GPU only, and out-of-range values are
+    clamped or ignored (shaders/kvcache_index.h); the reference path, and the
+    kernel path in debug mode (``TORCH_METAL_FLASH_DEBUG=1``), validate them on the
+    host.  Returns ``out`` (B, Lq, Hq, D) and ``lse`` (B, Hq, Lq)."""
+    out, lse = _kvcache_buffers(q)
+    problem = KvCacheProblem(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                             cache_leftpad, block_table, alibi_slopes, seqlen, scale, window_left, window_right,
+                             softcap, rotary_interleaved, num_splits)
+    backend = backends.resolve(q.device)
+    if backend is not None:
+        if backends.is_debug():  # a GPU synchronisation on MPS: opt-in only
+            kvcache_reference.host_indices(
+                kvcache_reference.Geometry.of(q, k_cache, k, block_table, window_left, window_right),
+                cache_seqlens, seqlen, cache_batch_idx, cache_leftpad, block_table, rotary_cos)
+        plan = plan_kvcache(problem, out, lse, family=getattr(backend, "family", "apple8"),
+                            pipeline_info=backend.pipeline_info)
+        if not isinstance(plan, Unsupported):
+            backend.run(plan)
+            backends.record_run(backend.name)
+            return out, lse
+        backends.fallback(plan.reason)
+    backends.record_run("reference")
+    ref_out, ref_lse = kvcache_reference.forward(
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+        block_table, alibi_slopes, seqlen, scale, window_left, window_right, softcap, rotary_interleaved)
+    out.copy_(ref_out)
+    lse.copy_(ref_lse)
+    return out, lse
+
+
+def _kvcache_buffers(q: Tensor):
+    B, Lq, Hq, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((B, Hq, Lq), dtype=stats_dtype(q.dtype))
+
+
+@fwd_kvcache.register_fake
+def _(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+      alibi_slopes, seqlen, scale, window_left, window_right, softcap, rotary_interleaved, num_splits):
+    return _kvcache_buffers(q)
