@@ -195,7 +195,7 @@ def test_params_layout():
         setattr(p, n, (k + 1) * 1_000_000_007)
     for k, n in enumerate(ints):
         setattr(p, n, -(k + 1) * 13)
-    p.qk_scale, p.softcap_log2 = 0.5, -2.25
+    p.qk_scale, p.softcap = 0.5, -2.25
     lib = emulator.compile_shader(shaders_dir() / "flash_decode.metal",
                                   function_constants={i: False for i in range(8)})
     out_l, out_i, out_f = torch.zeros(len(longs), dtype=torch.int64), torch.zeros(len(ints), dtype=torch.int32), \
