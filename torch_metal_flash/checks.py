@@ -105,3 +105,47 @@ def softcap(value) -> float:
     if not isinstance(value, (int, float)) or value < 0:
         raise ValueError(f"softcap: expected a float >= 0 (0 = off), got {value!r}")
     return float(value)
+
+
+def kv_tensor(name: str, t, ndim: Optional[Sequence[int]] = None):
+    """A K/V argument: a tensor, or a :class:`~torch_metal_flash.quant.QuantizedTensor`."""
+    from .quant import QuantizedTensor
+    if isinstance(t, QuantizedTensor):
+        if ndim is not None and t.dim() not in ndim:
+            want = " or ".join(f"{n}-D" for n in ndim)
+            raise ValueError(f"{name}: expected a {want} tensor, got a QuantizedTensor of shape {tuple(t.shape)}")
+        return t
+    tensor(name, t, ndim)
+    float_dtype(name, t)
+    return t
+
+
+def kv_dtypes(q_name: str, q: torch.Tensor, names: Sequence[str], k, v) -> bool:
+    """K and V alike (dtype; the same format when quantized) and readable for ``q``: in q's
+    dtype, or float16 / bfloat16 (plain or quantized) under a float32 q (mixed precision).
+    Returns whether K/V are quantized."""
+    from .quant import QuantizedTensor
+    quantized = isinstance(k, QuantizedTensor)
+    if quantized != isinstance(v, QuantizedTensor):
+        raise TypeError(f"{', '.join(names)}: pass both quantized (QuantizedTensor) or neither, got "
+                        f"{type(k).__name__} and {type(v).__name__}")
+    if quantized and not k.same_format(v):
+        raise ValueError(f"{', '.join(names)}: expected the same quantization format and dtype, got {k!r} and {v!r}")
+    if k.dtype != v.dtype:
+        raise ValueError(f"{', '.join(names)}: expected the same dtype, got {k.dtype} and {v.dtype}")
+    if k.dtype != q.dtype and not (q.dtype == torch.float32 and k.dtype in (torch.float16, torch.bfloat16)):
+        raise ValueError(f"{q_name}, {', '.join(names)}: expected {q_name} in the dtype of {names[0]} ({k.dtype}), "
+                         f"or float32 over float16 / bfloat16 {names[0]} (mixed precision), got {q_name} {q.dtype}")
+    for name, t in zip(names, (k, v)):
+        if t.device != q.device:
+            raise ValueError(f"{name}: expected device {q.device}, got {t.device}")
+    return quantized
+
+
+def inference_only(what: str, tensors) -> None:
+    """Quantized K/V have no backward: a clear error when autograd would need one."""
+    if torch.is_grad_enabled():
+        for name, t in tensors:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                raise RuntimeError(f"{name}: requires grad, but {what} are inference-only (no gradient through "
+                                   f"quantized K/V); run under torch.no_grad(), or attend to dequantize()d K/V")

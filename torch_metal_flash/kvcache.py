@@ -60,13 +60,11 @@ def _op_args(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
     checks.float_dtype("q", q)
     checks.last_dim_contiguous("q", q)
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        checks.tensor(name, t, ndim=(4,))
-        checks.float_dtype(name, t)
-        if t.shape[-1] > 1 and t.stride(-1) != 1:
+        checks.kv_tensor(name, t, ndim=(4,))
+        if isinstance(t, torch.Tensor) and t.shape[-1] > 1 and t.stride(-1) != 1:
             raise ValueError(f"{name}: expected a contiguous last dimension (stride 1), got strides "
                              f"{t.stride()}; the cache is updated in place, so it cannot be copied")
-    checks.same(("q", "k_cache", "v_cache"), (q, k_cache, v_cache), "dtype")
-    checks.same(("q", "k_cache", "v_cache"), (q, k_cache, v_cache), "device")
+    checks.kv_dtypes("q", q, ("k_cache", "v_cache"), k_cache, v_cache)
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"v_cache: expected the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
     B, Lq, Hq, D = q.shape
@@ -93,8 +91,8 @@ def _op_args(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
         for name, t in (("k", k), ("v", v)):
             checks.tensor(name, t, ndim=(4,))
             checks.float_dtype(name, t)
-            if t.dtype != q.dtype:
-                raise TypeError(f"{name}: expected dtype {q.dtype} (the cache's), got {t.dtype}")
+            if t.dtype not in (k_cache.dtype, q.dtype):
+                raise TypeError(f"{name}: expected dtype {k_cache.dtype} (the cache's) or q's, got {t.dtype}")
             if t.device != dev:
                 raise ValueError(f"{name}: expected device {dev}, got {t.device}")
             if tuple(t.shape[:1]) != (B,) or tuple(t.shape[2:]) != (Hkv, D):
@@ -103,8 +101,10 @@ def _op_args(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
             raise ValueError(f"v: expected the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
         if cache_seqlens is None:
             raise ValueError("cache_seqlens: required when new k/v are given (where to append them)")
+        # The new rows only (small): in the cache's dtype, last dim contiguous.
+        k, v = k.to(k_cache.dtype), v.to(k_cache.dtype)
         if D > 1 and k.stride(-1) != 1:
-            k = k.contiguous()  # the new rows only: small
+            k = k.contiguous()
         if D > 1 and v.stride(-1) != 1:
             v = v.contiguous()
     g = Geometry.of(q, k_cache, k, block_table, -1, -1)
@@ -220,9 +220,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         out (batch, seqlen_q, nheads, headdim), and ``softmax_lse`` if asked.
         A row with no visible key gets zeros (lse = +inf).
     """
-    args = _op_args(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-                    block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
-                    num_splits)
+    op, args = _op_args(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                        cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
+                        alibi_slopes, num_splits).op_call()
     with torch.no_grad():
-        out, lse = torch.ops.metal_flash.fwd_kvcache(*args)
+        out, lse = op(*args)
     return (out, lse) if return_softmax_lse else out

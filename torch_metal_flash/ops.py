@@ -7,6 +7,23 @@ SDPA and flash-attn faces map onto them without copies.  ``fwd_kvcache``
 Each call plans the kernels for the selected backend and falls back to the
 reference path (with a one-time warning naming the reason) when the kernels do
 not cover it.
+
+Quantized K/V (:mod:`torch_metal_flash.quant`, inference only) have their own
+ops, each the plain op's arguments with ``k``/``v`` (``k_cache``/``v_cache``)
+the packed data, followed by the scales, the biases (None: symmetric int8) and
+the format ``kv_bits, kv_group_size, kv_dtype`` (dtype code of
+:data:`~torch_metal_flash.quant.DTYPE_CODES`):
+
+* ``fwd_quantized(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset,
+  window_left, window_right, softcap, k_scales, k_biases, v_scales, v_biases,
+  kv_bits, kv_group_size, kv_dtype) -> (out, lse)``; its backward raises.
+* ``fwd_kvcache_quantized(<fwd_kvcache's arguments>, k_cache_scales,
+  k_cache_biases, v_cache_scales, v_cache_biases, kv_bits, kv_group_size,
+  kv_dtype) -> (out, lse)``, mutating the caches' data, scales and biases (the
+  new rows are quantized by the append kernel).
+
+``fwd`` and ``fwd_kvcache`` also take K/V (caches) in float16 / bfloat16 under a
+float32 q (mixed precision, on the decode kernels).
 """
 from __future__ import annotations
 
@@ -15,10 +32,13 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+import dataclasses
+
 from . import backends, kvcache_reference, planner, reference
 from .layout import empty_in_layout
 from .plan import Unsupported
 from .planner.kvcache import KvCacheProblem, plan_kvcache
+from .quant import QuantizedTensor, from_flat
 from .spec import AttentionSpec, make_spec, stats_dtype
 
 
@@ -175,16 +195,22 @@ def fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor]
     clamped or ignored (shaders/kvcache_index.h); the reference path, and the
     kernel path in debug mode (``TORCH_METAL_FLASH_DEBUG=1``), validate them on the
     host.  Returns ``out`` (B, Lq, Hq, D) and ``lse`` (B, Hq, Lq)."""
+    return _kvcache(KvCacheProblem(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                                   cache_leftpad, block_table, alibi_slopes, seqlen, scale, window_left, window_right,
+                                   softcap, rotary_interleaved, num_splits))
+
+
+def _kvcache(problem: KvCacheProblem):
+    """The body of both KV-cache ops (caches plain or QuantizedTensor)."""
+    q = problem.q
     out, lse = _kvcache_buffers(q)
-    problem = KvCacheProblem(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                             cache_leftpad, block_table, alibi_slopes, seqlen, scale, window_left, window_right,
-                             softcap, rotary_interleaved, num_splits)
     backend = backends.resolve(q.device)
     if backend is not None:
         if backends.is_debug():  # a GPU synchronisation on MPS: opt-in only
+            p = problem
             kvcache_reference.host_indices(
-                kvcache_reference.Geometry.of(q, k_cache, k, block_table, window_left, window_right),
-                cache_seqlens, seqlen, cache_batch_idx, cache_leftpad, block_table, rotary_cos)
+                kvcache_reference.Geometry.of(q, p.k_cache, p.k, p.block_table, p.window_left, p.window_right),
+                p.cache_seqlens, p.seqlen, p.cache_batch_idx, p.cache_leftpad, p.block_table, p.rotary_cos)
         plan = plan_kvcache(problem, out, lse, family=getattr(backend, "family", "apple8"),
                             pipeline_info=backend.pipeline_info)
         if not isinstance(plan, Unsupported):
@@ -193,9 +219,7 @@ def fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor]
             return out, lse
         backends.fallback(plan.reason)
     backends.record_run("reference")
-    ref_out, ref_lse = kvcache_reference.forward(
-        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-        block_table, alibi_slopes, seqlen, scale, window_left, window_right, softcap, rotary_interleaved)
+    ref_out, ref_lse = kvcache_reference.forward(*problem[:-1])
     out.copy_(ref_out)
     lse.copy_(ref_lse)
     return out, lse
@@ -209,4 +233,69 @@ def _kvcache_buffers(q: Tensor):
 @fwd_kvcache.register_fake
 def _(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
       alibi_slopes, seqlen, scale, window_left, window_right, softcap, rotary_interleaved, num_splits):
+    return _kvcache_buffers(q)
+
+
+# ---------------------------------------------------------------------------
+# Quantized K/V (inference only): the ops take each quantized tensor flat.
+# ---------------------------------------------------------------------------
+
+@torch.library.custom_op("metal_flash::fwd_quantized", mutates_args=())
+def fwd_quantized(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], alibi_slopes: Optional[Tensor],
+                  sinks: Optional[Tensor], scale: float, diag_offset: int, window_left: int, window_right: int,
+                  softcap: float, k_scales: Tensor, k_biases: Optional[Tensor], v_scales: Tensor,
+                  v_biases: Optional[Tensor], kv_bits: int, kv_group_size: int,
+                  kv_dtype: int) -> tuple[Tensor, Tensor]:
+    """:func:`fwd` over quantized K/V: ``k``/``v`` are the packed data of (B, Hkv, Lk, D)
+    QuantizedTensors (see the module doc).  The kernels dequantize in registers; the
+    reference path dequantizes the tensors first."""
+    kq = from_flat(k, k_scales, k_biases, kv_bits, kv_group_size, kv_dtype)
+    vq = from_flat(v, v_scales, v_biases, kv_bits, kv_group_size, kv_dtype)
+    spec = _spec(q, kq, vq, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right, softcap)
+    out, lse = _fwd_buffers(q, vq)
+    if not _run_kernels(spec, "plan_forward", out, lse):
+        ref_out, ref_lse = reference.forward(dataclasses.replace(spec, k=kq.dequantize(), v=vq.dequantize()))
+        out.copy_(ref_out)
+        lse.copy_(ref_lse)
+    return out, lse
+
+
+@fwd_quantized.register_fake
+def _(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right, softcap, k_scales,
+      k_biases, v_scales, v_biases, kv_bits, kv_group_size, kv_dtype):
+    return _fwd_buffers(q, from_flat(v, v_scales, v_biases, kv_bits, kv_group_size, kv_dtype))
+
+
+def _no_backward(ctx, *grads):
+    raise RuntimeError("metal_flash::fwd_quantized is inference-only: quantized K/V have no gradient (run under "
+                       "torch.no_grad(), or attend to dequantize()d tensors to train)")
+
+
+torch.library.register_autograd("metal_flash::fwd_quantized", _no_backward,
+                                setup_context=lambda ctx, inputs, output: None)
+
+
+@torch.library.custom_op("metal_flash::fwd_kvcache_quantized",
+                         mutates_args=("k_cache", "v_cache", "k_cache_scales", "k_cache_biases", "v_cache_scales",
+                                       "v_cache_biases"))
+def fwd_kvcache_quantized(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v: Optional[Tensor],
+                          rotary_cos: Optional[Tensor], rotary_sin: Optional[Tensor], cache_seqlens: Optional[Tensor],
+                          cache_batch_idx: Optional[Tensor], cache_leftpad: Optional[Tensor],
+                          block_table: Optional[Tensor], alibi_slopes: Optional[Tensor], seqlen: int, scale: float,
+                          window_left: int, window_right: int, softcap: float, rotary_interleaved: bool,
+                          num_splits: int, k_cache_scales: Tensor, k_cache_biases: Optional[Tensor],
+                          v_cache_scales: Tensor, v_cache_biases: Optional[Tensor], kv_bits: int, kv_group_size: int,
+                          kv_dtype: int) -> tuple[Tensor, Tensor]:
+    """:func:`fwd_kvcache` over quantized caches (``k_cache``/``v_cache`` their packed
+    data): the new ``k``/``v`` rows (in the caches' dtype) are quantized by the append
+    kernel into the caches in place, and the attention reads the stored values."""
+    kc = from_flat(k_cache, k_cache_scales, k_cache_biases, kv_bits, kv_group_size, kv_dtype)
+    vc = from_flat(v_cache, v_cache_scales, v_cache_biases, kv_bits, kv_group_size, kv_dtype)
+    return _kvcache(KvCacheProblem(q, kc, vc, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                                   cache_leftpad, block_table, alibi_slopes, seqlen, scale, window_left, window_right,
+                                   softcap, rotary_interleaved, num_splits))
+
+
+@fwd_kvcache_quantized.register_fake
+def _(q, *args):
     return _kvcache_buffers(q)
