@@ -131,11 +131,11 @@ def kv_dtypes(q_name: str, q: torch.Tensor, names: Sequence[str], k, v) -> bool:
                         f"{type(k).__name__} and {type(v).__name__}")
     if quantized and not k.same_format(v):
         raise ValueError(f"{', '.join(names)}: expected the same quantization format and dtype, got {k!r} and {v!r}")
-    if k.dtype != v.dtype:
-        raise ValueError(f"{', '.join(names)}: expected the same dtype, got {k.dtype} and {v.dtype}")
-    if k.dtype != q.dtype and not (q.dtype == torch.float32 and k.dtype in (torch.float16, torch.bfloat16)):
-        raise ValueError(f"{q_name}, {', '.join(names)}: expected {q_name} in the dtype of {names[0]} ({k.dtype}), "
-                         f"or float32 over float16 / bfloat16 {names[0]} (mixed precision), got {q_name} {q.dtype}")
+    mixed = q.dtype == torch.float32 and k.dtype in (torch.float16, torch.bfloat16)
+    if k.dtype != v.dtype or (k.dtype != q.dtype and not mixed):
+        raise ValueError(f"{q_name}, {', '.join(names)}: expected the same dtype (or {'/'.join(names)} in float16 / "
+                         f"bfloat16 under a float32 {q_name}: mixed precision), got {q_name}={q.dtype}, "
+                         f"{names[0]}={k.dtype}, {names[1]}={v.dtype}")
     for name, t in zip(names, (k, v)):
         if t.device != q.device:
             raise ValueError(f"{name}: expected device {q.device}, got {t.device}")

@@ -226,3 +226,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     with torch.no_grad():
         out, lse = op(*args)
     return (out, lse) if return_softmax_lse else out
+
+
+def append_kv(k_cache, v_cache, k: torch.Tensor, v: torch.Tensor,
+              cache_seqlens: Union[int, torch.Tensor], block_table: Optional[torch.Tensor] = None) -> None:
+    """Write ``k``/``v`` (batch, seqlen_new, nheads_k, headdim) into the caches at
+    ``cache_seqlens`` in place, without attending: :func:`flash_attn_with_kvcache` with
+    no query rows (the append kernel alone; quantized caches get the rows quantized)."""
+    B, _, H, D = k.shape
+    q = torch.empty((B, 0, H, D), dtype=k_cache.dtype, device=k.device)
+    flash_attn_with_kvcache(q, k_cache, v_cache, k.to(k_cache.dtype), v.to(v_cache.dtype),
+                            cache_seqlens=cache_seqlens, block_table=block_table)

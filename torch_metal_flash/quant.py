@@ -229,20 +229,32 @@ class QuantizedTensor:
         return d
 
     def _key(self, key) -> tuple:
-        """An index of the leading dims, completed with a full slice of the last dim."""
+        """``key`` over the logical dims, checked to leave the last dim whole (the same key
+        then indexes every component)."""
         key = key if isinstance(key, tuple) else (key,)
-        used = sum(t.dim() if isinstance(t, torch.Tensor) and t.dtype == torch.bool else 1
-                   for t in key if t is not None and t is not Ellipsis)
-        lead = self.dim() - 1
-        if used > lead:
-            raise IndexError(f"QuantizedTensor: index {key!r} reaches the last dim (head dim); only the {lead} leading "
-                             f"dims can be indexed")
+
+        def width(t):  # dims an index entry consumes
+            if t is None or t is Ellipsis:
+                return 0
+            return t.dim() if isinstance(t, torch.Tensor) and t.dtype == torch.bool else 1
+        n = self.dim()
+        used = sum(width(t) for t in key)
+        if used > n:
+            raise IndexError(f"QuantizedTensor: index {key!r} has more entries than the {n} dims")
         if any(t is Ellipsis for t in key):
             at = next(i for i, t in enumerate(key) if t is Ellipsis)
-            key = key[:at] + (slice(None),) * (lead - used) + key[at + 1:]
+            key = key[:at] + (slice(None),) * (n - used) + key[at + 1:]
         else:
-            key = key + (slice(None),) * (lead - used)
-        return key + (slice(None),)
+            key = key + (slice(None),) * (n - used)
+        consumed = 0
+        for t in key:
+            consumed += width(t)
+            if consumed == n:  # the entry that reaches the last dim
+                if not (isinstance(t, slice) and t == slice(None)):
+                    raise IndexError(f"QuantizedTensor: index {key!r} reaches the last dim (head dim); only the "
+                                     f"{n - 1} leading dims can be indexed")
+                break
+        return key
 
     def __getitem__(self, key) -> "QuantizedTensor":
         key = self._key(key)
