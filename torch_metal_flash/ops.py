@@ -38,7 +38,7 @@ from . import backends, kvcache_reference, planner, reference
 from .layout import empty_in_layout
 from .plan import Unsupported
 from .planner.kvcache import KvCacheProblem, plan_kvcache
-from .quant import QuantizedTensor, from_flat
+from .quant import from_flat
 from .spec import AttentionSpec, make_spec, stats_dtype
 
 

@@ -78,9 +78,10 @@ def metal_sdpa_attention_forward(module: torch.nn.Module, query: torch.Tensor, k
         _warned_output_attentions = True
         log.warning("metal_sdpa does not return attention weights (output_attentions=True); use 'eager' for them")
     for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, (torch.Tensor, QuantizedTensor)) or t.dim() != 4:
+        tensor_like = isinstance(t, (torch.Tensor, QuantizedTensor))
+        if not tensor_like or t.dim() != 4:
             raise ValueError(f"{name}: expected a 4-D tensor (batch, heads, seq_len, head_dim), got "
-                             f"{tuple(t.shape) if isinstance(t, (torch.Tensor, QuantizedTensor)) else type(t).__name__}")
+                             f"{tuple(t.shape) if tensor_like else type(t).__name__}")
     B, Hq, Lq, D = query.shape
     Hkv, Lk = key.shape[1], key.shape[2]
     if isinstance(key, QuantizedTensor):
