@@ -15,10 +15,10 @@ saved forward results and the preallocated gradients into an ordered plan:
 
 No atomics anywhere: every output element has one writer and every
 reduction runs in a fixed order, so results are bitwise reproducible.
-Tensors are bound as they are (no copies of q/k/v/out/mask); ``dout`` is
-copied only when its last dim is not contiguous (autograd may hand over an
-expanded gradient), ``dlse`` is converted to a contiguous float32 vector
-(O(B*H*L)).
+Tensors are bound as they are (no copies of q/k/v/out/mask): ``dout`` must
+have a contiguous last dim and ``dlse`` be contiguous float32 (the autograd
+formula in :mod:`torch_metal_flash.ops` makes them so); delta and lse2 are
+:class:`~torch_metal_flash.plan.Scratch`.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from typing import Optional, Union
 
 import torch
 
-from ..plan import Launch, Plan, Unsupported
+from ..plan import Launch, Plan, Scratch, Unsupported
 from ..spec import AttentionSpec
 from .backward_tiles import (DSINKS_THREADS, PRE_ROWS_PER_GROUP, PRE_THREADS, BackwardTiles,
                              backward_tiles)
@@ -110,8 +110,11 @@ def _check(spec: AttentionSpec, dout, out, lse, dlse, dq, dk, dv, dbias, dsinks)
         return f"dout must be {q.dtype} of shape {(B, Hq, Lq, Dv)}"
     if tuple(lse.shape) != (B, Hq, Lq) or lse.dtype != torch.float32 or not lse.is_contiguous():
         return "lse must be contiguous float32 (B, Hq, Lq)"
-    if dlse is not None and tuple(dlse.shape) != (B, Hq, Lq):
-        return f"dlse must be (B, Hq, Lq), got {tuple(dlse.shape)}"
+    if not _last_dim_contiguous(dout):
+        return f"dout last dim is not contiguous (stride {dout.stride(-1)})"
+    if dlse is not None and (tuple(dlse.shape) != (B, Hq, Lq) or dlse.dtype != torch.float32
+                             or not dlse.is_contiguous()):
+        return f"dlse must be contiguous float32 (B, Hq, Lq), got {dlse.dtype} {tuple(dlse.shape)}"
     if dbias is not None and dbias.numel() > 0:
         if tuple(dbias.shape) != (B, Hq, Lq, Lk) or dbias.dtype != torch.float32 or dbias.stride(-1) != 1:
             return "dbias must be float32 (B, Hq, Lq, Lk) with a contiguous last dim"
@@ -140,10 +143,6 @@ def plan_backward(spec: AttentionSpec, dout: torch.Tensor, out: torch.Tensor, ls
         return Unsupported("empty problem (the reference fills the zeros)")
 
     compute_dbias = dbias is not None and dbias.numel() > 0
-    if not _last_dim_contiguous(dout):
-        dout = dout.contiguous()  # e.g. an expanded gradient of a sum(): O(B*H*L*Dv)
-    if dlse is not None:
-        dlse = dlse.to(torch.float32).contiguous()
 
     wl, wr, has_band = effective_band(spec)
     has_softcap = spec.softcap > 0
@@ -176,8 +175,6 @@ def plan_backward(spec: AttentionSpec, dout: torch.Tensor, out: torch.Tensor, ls
         shared[BUF_MASK] = m
     if spec.alibi_slopes is not None:
         a = spec.alibi_slopes
-        if a.dtype != torch.float32:
-            a = a.to(torch.float32)
         _set(f, a_stride_b=a.stride(0), a_stride_h=a.stride(1))
         shared[BUF_ALIBI] = a
     params = p.to_bytes()
@@ -195,8 +192,8 @@ def plan_backward(spec: AttentionSpec, dout: torch.Tensor, out: torch.Tensor, ls
     }
 
     # The only scratch: two float32 vectors of B*Hq*Lq.
-    delta = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
-    lse2 = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
+    delta = Scratch((B, Hq, Lq), torch.float32, q.device)
+    lse2 = Scratch((B, Hq, Lq), torch.float32, q.device)
 
     launches = []
     pre_bufs = {BUF_PRE_DOUT: dout, BUF_PRE_OUT: out, BUF_PRE_LSE: lse, BUF_PRE_DELTA: delta,
@@ -225,10 +222,9 @@ def plan_backward(spec: AttentionSpec, dout: torch.Tensor, out: torch.Tensor, ls
                                threadgroups=(-(-Lk // t.bk), Hkv, B), threadgroup=(t.threads, 1, 1),
                                buffers=bufs, function_constants=dict(constants)))
     if spec.sinks is not None:
-        sinks = spec.sinks.detach().to(torch.float32).contiguous()
         launches.append(Launch(source=SOURCE, kernel="flash_bwd_dsinks", threadgroups=(Hq, 1, 1),
                                threadgroup=(DSINKS_THREADS, 1, 1),
-                               buffers={BUF_S_LSE2: lse2, BUF_S_DELTA: delta, BUF_S_SINKS: sinks,
+                               buffers={BUF_S_LSE2: lse2, BUF_S_DELTA: delta, BUF_S_SINKS: spec.sinks,
                                         BUF_S_DSINKS: dsinks, BUF_S_PARAMS: params},
                                function_constants=dict(constants)))
     return Plan(launches=tuple(launches))
@@ -239,7 +235,6 @@ def backward_tiles_for(spec: AttentionSpec, family: str = "apple8") -> BackwardT
     return backward_tiles(spec.q.dtype, max(spec.head_dim, spec.head_dim_v), family)
 
 
-def scratch_bytes(spec: AttentionSpec, has_dlse: bool = False) -> int:
-    """Bytes the plan allocates beyond the gradients (delta, lse2; a float32 dlse copy)."""
-    rows = spec.batch * spec.heads * spec.seqlen_q
-    return 4 * rows * (2 + (1 if has_dlse else 0))
+def scratch_bytes(spec: AttentionSpec) -> int:
+    """Bytes the plan allocates beyond the gradients (the delta and lse2 scratch)."""
+    return 4 * spec.batch * spec.heads * spec.seqlen_q * 2

@@ -11,7 +11,7 @@ parameters, preallocated out/lse) into one or two launches:
    from device memory once per group (and once per row block).
 2. when ``splits > 1``, ``flash_decode_combine_<dtype>``: one simdgroup per
    (b, h, i), 8 per threadgroup, merges the partials (float32 scratch of
-   ``B * Hq * Lq * splits * (D + 2)`` floats, allocated here) with log-sum-exp.
+   ``B * Hq * Lq * splits * (D + 2)`` floats) with log-sum-exp.
 
 ``num_splits=0`` picks the split count from the KV length and the GPU size
 (:func:`choose_splits`); ``num_splits > 0`` forces it (capped at
@@ -28,7 +28,7 @@ from typing import Optional, Union
 
 import torch
 
-from ..plan import Launch, Plan, Unsupported
+from ..plan import Launch, Plan, Scratch, Unsupported
 from ..spec import AttentionSpec
 
 SOURCE = "flash_decode.metal"
@@ -95,7 +95,7 @@ class DecodeProblem:
     v_cache: torch.Tensor
     out: torch.Tensor
     lse: torch.Tensor
-    seqlens_k: torch.Tensor
+    seqlens_k: Union[torch.Tensor, Scratch]  # a filled Scratch when every row has the same length
     leftpad: Optional[torch.Tensor]
     batch_idx: Optional[torch.Tensor]
     block_table: Optional[torch.Tensor]
@@ -196,14 +196,16 @@ def _check(pb: DecodeProblem) -> Optional[str]:
     if not (math.isfinite(pb.scale) and math.isfinite(pb.softcap)) or pb.softcap < 0:
         return "scale and softcap must be finite (softcap >= 0)"
     for name, t in (("seqlens_k", pb.seqlens_k), ("leftpad", pb.leftpad), ("batch_idx", pb.batch_idx)):
-        if t is not None and (t.dtype != torch.int32 or tuple(t.shape) != (B,) or not t.is_contiguous()):
+        if t is not None and (t.dtype != torch.int32 or tuple(t.shape) != (B,)
+                              or not (isinstance(t, Scratch) or t.is_contiguous())):
             return f"{name} must be a contiguous int32 ({B},) tensor"
     if pb.block_table is not None:
         bt = pb.block_table
         if bt.dtype != torch.int32 or bt.dim() != 2 or bt.shape[0] != B or (bt.shape[1] > 1 and bt.stride(1) != 1):
             return "block_table must be int32 (B, max_blocks) with contiguous rows"
-    if pb.alibi_slopes is not None and tuple(pb.alibi_slopes.shape) != (B, Hq):
-        return "alibi_slopes must be a (B, Hq) view"
+    if pb.alibi_slopes is not None and (tuple(pb.alibi_slopes.shape) != (B, Hq)
+                                        or pb.alibi_slopes.dtype != torch.float32):
+        return "alibi_slopes must be a float32 (B, Hq) view"
     return None
 
 
@@ -263,14 +265,12 @@ def plan_decode(pb: DecodeProblem, num_splits: int = 0,
         buffers[BUF_BLOCK_TABLE] = pb.block_table
         p.bt_stride_b = pb.block_table.stride(0)
     if pb.alibi_slopes is not None:
-        a = pb.alibi_slopes if pb.alibi_slopes.dtype == torch.float32 else pb.alibi_slopes.float()
-        p.a_stride_b, p.a_stride_h = a.stride()
-        buffers[BUF_ALIBI] = a
+        p.a_stride_b, p.a_stride_h = pb.alibi_slopes.stride()
+        buffers[BUF_ALIBI] = pb.alibi_slopes
     use_splits = splits > 1
     if use_splits:
-        dev = q.device
-        buffers[BUF_PART_O] = torch.empty(B * Hq * Lq * splits * D, dtype=torch.float32, device=dev)
-        buffers[BUF_PART_ML] = torch.empty(B * Hq * Lq * splits * 2, dtype=torch.float32, device=dev)
+        buffers[BUF_PART_O] = Scratch((B * Hq * Lq * splits * D,), torch.float32, q.device)
+        buffers[BUF_PART_ML] = Scratch((B * Hq * Lq * splits * 2,), torch.float32, q.device)
     params = p.to_bytes()
     buffers[BUF_PARAMS] = params
     constants = {
@@ -336,13 +336,14 @@ def route_reason(spec: AttentionSpec) -> Optional[str]:
 def plan_decode_spec(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor,
                      num_splits: int = 0) -> Union[Plan, Unsupported]:
     """The decode launches for the op's general problem: the (B, H, L, D) K/V views
-    are a contiguous cache of full length seen as (B, L, H, D) (no copy), and
-    the op's band offset becomes the per-row bottom-right adjustment."""
+    are a contiguous cache of full length seen as (B, L, H, D) (no copy), every
+    row's length is Lk (a filled scratch vector), and the op's band offset
+    becomes the per-row bottom-right adjustment."""
     B, Hq, Lq, _ = spec.q.shape
     Lk = spec.seqlen_k
     problem = DecodeProblem(
         q=spec.q, k_cache=spec.k.transpose(1, 2), v_cache=spec.v.transpose(1, 2), out=out, lse=lse,
-        seqlens_k=torch.full((B,), Lk, dtype=torch.int32, device=spec.q.device), leftpad=None, batch_idx=None,
+        seqlens_k=Scratch((B,), torch.int32, spec.q.device, fill=Lk), leftpad=None, batch_idx=None,
         block_table=None, alibi_slopes=spec.alibi_slopes, scale=spec.scale, window_left=spec.window_left,
         window_right=spec.window_right, softcap=spec.softcap, max_seqlen_k=Lk,
         diag_adjust=spec.diag_offset - (Lk - Lq))
