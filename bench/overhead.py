@@ -58,6 +58,7 @@ def per_call_us(fn, iters: int, before=None) -> float:
 
 
 def measure(iters: int) -> tuple[float, dict]:
+    torch.set_num_threads(1)  # tiny tensors: one thread is torch's fastest, and steadier on a shared machine
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 8, 64, generator=g, dtype=torch.float32).to(torch.float16) for _ in range(3))
     qf, kf, vf = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # flash-attn layout (B, L, H, D)

@@ -49,15 +49,23 @@ class CoreOp:
     :class:`~.plan.Plan`, :class:`~.plan.Unsupported` (fallback with the reason) or
     None (nothing for a kernel to do: the reference path, silently);
     ``reference(*args)`` returns the outputs computed on the reference path.
+    ``setup_context``/``backward``: the autograd formula.  The core's C++ autograd
+    kernel lets calls that need no graph through without Python and runs calls
+    that do through an ``autograd.Function`` made of this formula; other devices
+    use it through ``torch.library.register_autograd``.
     """
 
     name: str
     outputs: Callable[..., tuple]
     plan: Callable[[str, tuple, tuple], Union[Plan, Unsupported, None]]
     reference: Callable[..., tuple]
+    # The autograd formula, as for torch.library.register_autograd (None: not differentiable).
+    setup_context: Optional[Callable] = None
+    backward: Optional[Callable] = None
 
 
 _OPS: list[CoreOp] = []
+_INDEX: dict[str, int] = {}  # name -> position in _OPS (= the C++ op index)
 _ext = None
 _lock = threading.Lock()
 
@@ -67,15 +75,45 @@ _ARG, _OUTPUT, _SCRATCH, _TENSOR = 0, 1, 2, 4
 _WHY_SELECTED, _WHY_ROUTE, _WHY_UNSUPPORTED, _WHY_EMPTY = range(4)
 
 
+_AUTOGRAD: list = []  # per op: the apply of its autograd.Function
+
+
 def register(op: CoreOp) -> CoreOp:
     """Add ``op`` to the core (now, or when the core loads)."""
     with _lock:
         if any(o.name == op.name for o in _OPS):
             raise ValueError(f"{op.name} is already registered with the core")
+        if op.backward is not None:
+            torch.library.register_autograd(op.name, op.backward, setup_context=op.setup_context)
+        _INDEX[op.name] = len(_OPS)
         _OPS.append(op)
+        _AUTOGRAD.append(_autograd_function(op))
         if _ext is not None:
             _register_with(_ext, len(_OPS) - 1)
     return op
+
+
+def _autograd_function(op: CoreOp) -> Callable:
+    """``apply`` of an autograd.Function that runs ``op`` below autograd and
+    differentiates it with its formula (what torch.library builds for custom ops)."""
+    ns, name = op.name.split("::")
+    overload = getattr(getattr(torch.ops, ns), name).default
+
+    def forward(ctx, *args):
+        with torch._C._AutoDispatchBelowAutograd():
+            output = overload(*args)
+        if op.setup_context is not None:
+            op.setup_context(ctx, args, output)
+        return output
+
+    def backward(ctx, *grads):
+        if op.backward is None:
+            raise RuntimeError(f"Trying to backward through {op.name} but no autograd formula was registered.")
+        return op.backward(ctx, *grads)
+
+    function = type(f"Autograd_{ns}_{name}", (torch.autograd.Function,),
+                    {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+    return function.apply
 
 
 def _register_with(ext, index: int) -> None:
@@ -96,7 +134,7 @@ def load():
             if ext is None or not hasattr(ext, "core"):
                 from . import _core_build
                 ext = _core_build.load()
-            ext.core.init(_on_miss, _reference, _current_choice, _emulator_prepare, _emulator_encode,
+            ext.core.init(_on_miss, _reference, _autograd, _current_choice, _emulator_prepare, _emulator_encode,
                           _emulator_family())
             for i in range(len(_OPS)):
                 _register_with(ext, i)
@@ -135,12 +173,26 @@ def probe(op: CoreOp, backend_name: str, args: tuple) -> Optional[str]:
 
 def run_plan(backend_name: str, plan: Plan) -> None:
     """Encode a plan as it is (tensors and bytes bound directly), through the same encoder as the ops."""
-    launches = [(launch.source, launch.kernel, sorted(launch.function_constants.items()),
-                 [(i, b if isinstance(b, bytes) else (_TENSOR, b, extent_bytes(b)))
-                  for i, b in sorted(launch.buffers.items())],
-                 tuple(launch.threadgroups), tuple(launch.threadgroup), sorted(launch.threadgroup_memory.items()))
-                for launch in plan.bound_launches()]
+    device = "mps" if backend_name == "metal" else "cpu"
+    launches = []
+    for launch in plan.bound_launches():
+        buffers = []
+        for i, b in sorted(launch.buffers.items()):
+            if not isinstance(b, bytes):
+                _check_device(launch.kernel, i, b, device)
+                b = (_TENSOR, b, extent_bytes(b))
+            buffers.append((i, b))
+        launches.append((launch.source, launch.kernel, sorted(launch.function_constants.items()), buffers,
+                         tuple(launch.threadgroups), tuple(launch.threadgroup),
+                         sorted(launch.threadgroup_memory.items())))
     load().core.run_plan(backend_name, launches)
+
+
+def _check_device(kernel: str, index: int, t, device: str) -> None:
+    if not isinstance(t, torch.Tensor) or t.device.type != device:
+        got = t.device if isinstance(t, torch.Tensor) else type(t).__name__
+        raise RuntimeError(f"torch_metal_flash: {kernel}: buffer {index} must be a{'n MPS' if device == 'mps' else ' CPU'}"
+                           f" tensor or bytes, got {got}")
 
 
 def plan_cache_info() -> dict:
@@ -176,7 +228,7 @@ def run_counts(reset: bool = False) -> dict:
 # ---------------------------------------------------------------------------
 
 def _index(op: CoreOp) -> int:
-    return _OPS.index(op)
+    return _INDEX[op.name]
 
 
 def _device(args) -> torch.device:
@@ -207,6 +259,11 @@ def _reference(index: int, why: int, reason: str, args: tuple):
         backends.fallback(reason)
     backends.record_run("reference")
     return tuple(_OPS[index].reference(*args))
+
+
+def _autograd(index: int, args: tuple):
+    output = _AUTOGRAD[index](*args)
+    return (output,) if isinstance(output, torch.Tensor) else output
 
 
 def extent_bytes(t: torch.Tensor) -> int:
@@ -245,6 +302,7 @@ def _template(plan: Plan, args: tuple, outputs: tuple):
                     scratch_list.append((b.allocate(), b.fill))
                 buffers.append((index, (_SCRATCH, scratch[b], extent_bytes(scratch_list[scratch[b]][0]))))
                 continue
+            _check_device(launch.kernel, index, b, outputs[0].device.type if outputs else _device(args).type)
             ref = by_id.get(id(b))
             if ref is None and b.untyped_storage().data_ptr() != 0:
                 ref = by_place.get(_place(b))

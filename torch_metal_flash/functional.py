@@ -66,7 +66,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     mask = None if attn_mask is None else _as_4d(attn_mask.expand(mask_shape))
     out, _ = _attention(_as_4d(query), _as_4d(key), _as_4d(value), mask, None, None, scale, 0, -1, window_right, 0.0,
                         dropout_p)
-    return out.reshape(tuple(query.shape[:-1]) + (value.shape[-1],))
+    return out if query.dim() == 4 else out.reshape(tuple(query.shape[:-1]) + (value.shape[-1],))
 
 
 _SDPA_CHECKED = checks.Memo()

@@ -95,7 +95,6 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], alibi_slop
 
 
 fwd.register_fake(_fwd_outputs)
-FWD = core.register(core.CoreOp("metal_flash::fwd", outputs=_fwd_outputs, plan=_fwd_plan, reference=_fwd_reference))
 
 
 # ---------------------------------------------------------------------------
@@ -147,7 +146,6 @@ def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
 
 
 bwd.register_fake(_bwd_outputs)
-BWD = core.register(core.CoreOp("metal_flash::bwd", outputs=_bwd_outputs, plan=_bwd_plan, reference=_bwd_reference))
 
 
 # ---------------------------------------------------------------------------
@@ -185,4 +183,10 @@ def _backward(ctx, dout, dlse):
     return dq, dk, dv, dmask, None, dsinks, None, None, None, None, None
 
 
-torch.library.register_autograd("metal_flash::fwd", _backward, setup_context=_setup_context)
+# ---------------------------------------------------------------------------
+# The C++ core runs both ops (and fwd's autograd formula when a call needs a graph).
+# ---------------------------------------------------------------------------
+
+FWD = core.register(core.CoreOp("metal_flash::fwd", outputs=_fwd_outputs, plan=_fwd_plan, reference=_fwd_reference,
+                                setup_context=_setup_context, backward=_backward))
+BWD = core.register(core.CoreOp("metal_flash::bwd", outputs=_bwd_outputs, plan=_bwd_plan, reference=_bwd_reference))

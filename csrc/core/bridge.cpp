@@ -15,7 +15,7 @@ namespace {
 
 // Set once by core.init(); never destroyed (no Python objects die at shutdown).
 struct Callbacks {
-  py::object on_miss, reference, current_choice, emulator_prepare, emulator_encode;
+  py::object on_miss, reference, autograd, current_choice, emulator_prepare, emulator_encode;
 };
 Callbacks* g_callbacks = nullptr;
 
@@ -34,6 +34,9 @@ py::object to_python(const c10::IValue& v) {
   if (v.isDouble()) return py::float_(v.toDouble());
   if (v.isIntList()) return py::cast(v.toIntVector());
   if (v.isString()) return py::str(v.toStringRef());
+  if (v.isSymInt()) return py::cast(v.toSymInt());  // symbolic sizes while torch.compile traces
+  if (v.isSymFloat()) return py::cast(v.toSymFloat());
+  if (v.isSymBool()) return py::cast(v.toSymBool());
   TORCH_CHECK(false, "torch_metal_flash core: cannot pass a ", v.tagKind(), " argument to Python");
 }
 
@@ -133,7 +136,7 @@ BufferRef to_buffer(py::handle index, py::handle ref, bool one_shot) {
     b.kind = RefKind::Bytes;
     b.bytes = py::cast<std::string>(ref);
     TORCH_CHECK(!b.bytes.empty() && b.bytes.size() <= kMaxSetBytesLength, "torch_metal_flash: buffer ", i, " has ",
-                b.bytes.size(), " bytes; bytes are bound by value, 1 to ", kMaxSetBytesLength, " of them");
+                b.bytes.size(), " bytes; setBytes takes 1 to ", kMaxSetBytesLength, " bytes (use a tensor for more)");
   } else {
     // (kind, source, nbytes): source is an index, or the tensor itself for RefKind::Tensor
     py::tuple t = py::cast<py::tuple>(ref);
@@ -358,6 +361,16 @@ std::vector<at::Tensor> reference(int32_t op_index, Why why, const std::string& 
   return out;
 }
 
+std::vector<at::Tensor> autograd(int32_t op_index, c10::ArrayRef<c10::IValue> args) {
+  py::gil_scoped_acquire gil;
+  py::object result = callbacks().autograd(op_index, to_python(args));
+  std::vector<at::Tensor> out;
+  for (py::handle t : result) {
+    out.push_back(py::cast<at::Tensor>(t));
+  }
+  return out;
+}
+
 WithoutGil::WithoutGil() {
   if (PyGILState_Check()) {
     state_ = PyEval_SaveThread();
@@ -379,18 +392,19 @@ WithoutGil::~WithoutGil() {
 void bind_core(py::module_& parent) {
   py::module_ m = parent.def_submodule("core", "torch_metal_flash's C++ op core (see torch_metal_flash/core.py)");
 
-  m.def("init", [](py::object on_miss, py::object reference, py::object current_choice, py::object emulator_prepare,
-                   py::object emulator_encode, const std::string& emulator_family) {
+  m.def("init", [](py::object on_miss, py::object reference, py::object autograd, py::object current_choice,
+                   py::object emulator_prepare, py::object emulator_encode, const std::string& emulator_family) {
     std::lock_guard<std::mutex> lock(g_init_mutex);
     if (g_callbacks == nullptr) {
-      g_callbacks = new Callbacks{on_miss, reference, current_choice, emulator_prepare, emulator_encode};
+      g_callbacks = new Callbacks{on_miss, reference, autograd, current_choice, emulator_prepare, emulator_encode};
       g_emulator = std::make_shared<EmulatorEncoder>(emulator_family);
       g_stub = std::make_shared<StubEncoder>();
       set_encoder(Backend::Emulator, g_emulator);
     }
   });
   m.def("register_op", &core::register_op, py::arg("qualified_name"),
-        "Register the core's kernel for an op defined with torch.library (CPU and MPS keys); returns its index.");
+        "Register the core's kernels for an op defined with torch.library (CPU, MPS and their autograd keys); "
+        "returns its index.");
   m.def("set_thread_backend", &core::set_thread_choice, py::arg("name"),
         "Mirror this thread's torch_metal_flash.backend() choice (None: the environment decides).");
   m.def("call", [](int32_t op_index, py::sequence args) {

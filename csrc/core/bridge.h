@@ -48,6 +48,9 @@ std::shared_ptr<PlanTemplate> plan(int32_t op_index, const std::string& family, 
 std::vector<at::Tensor> reference(int32_t op_index, Why why, const std::string& reason,
                                   c10::ArrayRef<c10::IValue> args);
 
+// Runs the op's Python autograd formula (a call that needs a graph).
+std::vector<at::Tensor> autograd(int32_t op_index, c10::ArrayRef<c10::IValue> args);
+
 // Releases the GIL for its scope when the calling thread holds it.
 class WithoutGil {
  public:

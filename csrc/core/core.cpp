@@ -4,7 +4,9 @@
 
 #include "bridge.h"
 
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/core/stack.h>
 #include <c10/core/StorageImpl.h>
 #include <torch/library.h>
@@ -427,6 +429,31 @@ std::vector<at::Tensor> run_op(const OpEntry& e, c10::ArrayRef<c10::IValue> args
   return outputs;
 }
 
+// The boxed kernel registered for the AutogradCPU and AutogradMPS keys: a call
+// that needs no graph goes straight on in C++; one that does runs the op's
+// Python autograd formula (torch_metal_flash.core: an autograd.Function around
+// the op).  Other devices keep torch.library's Python autograd kernel.
+void autograd_body(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  const OpEntry& e = entry_for(op);
+  const c10::ArrayRef<c10::IValue> args = torch::jit::last(*stack, e.num_args);
+  bool needs_graph = false;
+  if (at::GradMode::is_enabled()) {
+    for (const c10::IValue& v : args) {
+      needs_graph |= v.isTensor() && v.toTensor().defined() && v.toTensor().requires_grad();
+    }
+  }
+  if (!needs_graph) {
+    at::AutoDispatchBelowAutograd guard;  // ADInplaceOrView still runs (version bumps of mutated arguments)
+    op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
+    return;
+  }
+  std::vector<at::Tensor> outputs = bridge::autograd(e.index, args);
+  torch::jit::drop(*stack, e.num_args);
+  for (at::Tensor& t : outputs) {
+    stack->emplace_back(std::move(t));
+  }
+}
+
 // The boxed kernel registered for the CPU and MPS keys.
 void op_body(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
   const OpEntry& e = entry_for(op);
@@ -486,6 +513,11 @@ int32_t register_op(const std::string& qualified_name) {
   for (c10::DispatchKey key : {c10::DispatchKey::CPU, c10::DispatchKey::MPS}) {
     auto lib = std::make_unique<torch::Library>(torch::Library::IMPL, ns, key, __FILE__, __LINE__);
     lib->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunction<&op_body>());
+    t.libraries.push_back(std::move(lib));
+  }
+  for (c10::DispatchKey key : {c10::DispatchKey::AutogradCPU, c10::DispatchKey::AutogradMPS}) {
+    auto lib = std::make_unique<torch::Library>(torch::Library::IMPL, ns, key, __FILE__, __LINE__);
+    lib->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunction<&autograd_body>());
     t.libraries.push_back(std::move(lib));
   }
   t.count.store(n + 1, std::memory_order_release);
