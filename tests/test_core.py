@@ -96,7 +96,7 @@ def test_verify_mode_catches_an_incomplete_key(monkeypatch):
     calls = []
     plan_forward = ops.planner.plan_forward
 
-    def drifting(spec, out, lse, family):
+    def drifting(spec, out, lse, family, pipeline_info):
         calls.append(1)
         return plan_forward(spec, out, lse, family=family) if len(calls) == 1 else plan_forward(
             make_spec(spec.q, spec.k, spec.v, scale=spec.scale * 2), out, lse, family=family)
@@ -114,7 +114,7 @@ def test_verify_mode_catches_an_incomplete_key(monkeypatch):
 
 
 def test_planners_must_not_derive_tensors(monkeypatch):
-    def deriving(spec, out, lse, family):
+    def deriving(spec, out, lse, family, pipeline_info):
         return Plan((Launch("flash_fwd.metal", "k", (1, 1, 1), (32, 1, 1), {0: spec.q.clone(), 3: out}),))
     monkeypatch.setattr(ops, "planner", type("P", (), {"plan_forward": staticmethod(deriving)}))
     q, k, v = _qkv()

@@ -64,13 +64,20 @@ def broadcastable(name: str, t: torch.Tensor, shape: Sequence[int]) -> None:
                          f"(batch, heads, seqlen_q, seqlen_k)")
 
 
-def window(window_size) -> tuple[int, int]:
+def window(window_size, causal: bool = False, seqlen_k: Optional[int] = None) -> tuple[int, int]:
+    """(left, right) of a flash-attn ``window_size``; ``causal`` sets right = 0.  With
+    ``seqlen_k``, a side >= seqlen_k becomes -1 (unbounded), as flash-attn's ``mha_fwd``,
+    ``mha_varlen_fwd``, ``mha_bwd`` and ``mha_fwd_kvcache`` all do (see spec.py)."""
     try:
         left, right = (int(w) for w in window_size)
     except (TypeError, ValueError):
         raise ValueError(f"window_size: expected a pair (left, right) of ints, got {window_size!r}") from None
     if left < -1 or right < -1:
         raise ValueError(f"window_size: expected values >= 0 or -1 (unbounded), got {window_size!r}")
+    if causal:
+        right = 0
+    if seqlen_k is not None:
+        left, right = (-1 if w >= seqlen_k else w for w in (left, right))
     return left, right
 
 

@@ -45,7 +45,8 @@ class CoreOp:
     """An op whose body is the C++ core.
 
     ``outputs(*args)`` allocates the op's outputs (the fake kernel uses it too, so
-    the strides match); ``plan(family, args, outputs)`` returns a
+    the strides match); ``plan(backend, args, outputs)`` (``backend.family``: the
+    tile tables; ``backend.pipeline_info``: the pipelines' limits) returns a
     :class:`~.plan.Plan`, :class:`~.plan.Unsupported` (fallback with the reason) or
     None (nothing for a kernel to do: the reference path, silently);
     ``reference(*args)`` returns the outputs computed on the reference path.
@@ -57,7 +58,7 @@ class CoreOp:
 
     name: str
     outputs: Callable[..., tuple]
-    plan: Callable[[str, tuple, tuple], Union[Plan, Unsupported, None]]
+    plan: Callable[[object, tuple, tuple], Union[Plan, Unsupported, None]]
     reference: Callable[..., tuple]
     # The autograd formula, as for torch.library.register_autograd (None: not differentiable).
     setup_context: Optional[Callable] = None
@@ -134,8 +135,7 @@ def load():
             if ext is None or not hasattr(ext, "core"):
                 from . import _core_build
                 ext = _core_build.load()
-            ext.core.init(_on_miss, _reference, _autograd, _current_choice, _emulator_prepare, _emulator_encode,
-                          _emulator_family())
+            ext.core.init(_on_miss, _reference, _autograd, _current_choice, _emulator_prepare, _emulator_encode)
             for i in range(len(_OPS)):
                 _register_with(ext, i)
             backends._mirror = ext.core.set_thread_backend
@@ -239,10 +239,11 @@ def _current_choice() -> Optional[str]:
     return backends._choice.get()
 
 
-def _on_miss(index: int, family: str, args: tuple):
+def _on_miss(index: int, encoder: str, args: tuple):
     op = _OPS[index]
     outputs = tuple(op.outputs(*args))
-    plan = op.plan(family, args, outputs)
+    # The stub encoder stands in for the emulator's: it plans as the emulator does.
+    plan = op.plan(backends.instance("metal" if encoder == "metal" else "emulator"), args, outputs)
     if plan is None:
         return (2,)
     if isinstance(plan, Unsupported):
@@ -314,11 +315,6 @@ def _template(plan: Plan, args: tuple, outputs: tuple):
                          tuple(launch.threadgroups), tuple(launch.threadgroup),
                          sorted(launch.threadgroup_memory.items())))
     return scratch_list, launches
-
-
-def _emulator_family() -> str:
-    from .backends.emulator import EmulatorBackend
-    return EmulatorBackend.family
 
 
 def _emulator_prepare(source, kernel, constants, threadgroups, threadgroup, threadgroup_memory):

@@ -167,14 +167,12 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                            alibi_slopes)
     checked = _FLASH_CHECKED.get(signature)
     if checked is None:
-        checked = _flash_func_checks(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
+        _flash_checks(q, k, v)
+        checked = _flash_arguments(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                   seqlen_k=k.shape[1])
         if signature is not None:
             _FLASH_CHECKED.put(signature, checked)
-    dropout_p, scale, left, right, softcap = checked
-    out, lse = _attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, alibi_slopes, None, scale,
-                          k.shape[1] - q.shape[1], left, right, softcap, dropout_p)
-    out = out.transpose(1, 2)
-    return (out, lse, None) if return_attn_probs else out
+    return _flash_attn(q, k, v, alibi_slopes, return_attn_probs, *checked)
 
 
 _FLASH_CHECKED = checks.Memo()
@@ -186,18 +184,25 @@ def _flash_signature(q, k, v, dropout_p, softmax_scale, causal, window_size, sof
             checks.signature(alibi_slopes))
 
 
-def _flash_func_checks(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes):
-    """Check flash_attn_func's arguments; (dropout_p, scale, window left, window right, softcap) for the op."""
-    _flash_checks(q, k, v)
+def _flash_arguments(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, seqlen_k):
+    """Check flash_attn_func's other arguments; (dropout_p, scale, window left, window right, softcap)
+    for the op.  ``seqlen_k`` is the length windows are clamped against (the call's key
+    length; the batch's longest for varlen), as flash-attn does."""
     dropout_p = checks.dropout(dropout_p)
-    left, right = checks.window(window_size)
-    if causal:
-        right = 0
+    left, right = checks.window(window_size, causal=causal, seqlen_k=seqlen_k)
     softcap = checks.softcap(softcap)
     batch, seqlen_q, heads, head_dim = q.shape
     checks.alibi(alibi_slopes, batch, heads, q.device)
     scale = head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
     return dropout_p, scale, left, right, softcap
+
+
+def _flash_attn(q, k, v, alibi_slopes, return_attn_probs, dropout_p, scale, left, right, softcap):
+    """flash_attn_func on checked arguments."""
+    out, lse = _attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, alibi_slopes, None, scale,
+                          k.shape[1] - q.shape[1], left, right, softcap, dropout_p)
+    out = out.transpose(1, 2)
+    return (out, lse, None) if return_attn_probs else out
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -261,8 +266,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     for b in range(batch):
         (q0, q1), (k0, k1) = bounds[0][b:b + 2], bounds[1][b:b + 2]
         slopes = alibi_slopes[b] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
-        out, lse, _ = flash_attn_func(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], dropout_p, softmax_scale,
-                                      causal, window_size, softcap, slopes, deterministic, True)
+        qb = q[None, q0:q1]
+        out, lse, _ = _flash_attn(qb, k[None, k0:k1], v[None, k0:k1], slopes, True,
+                                  *_flash_arguments(qb, dropout_p, softmax_scale, causal, window_size, softcap, slopes,
+                                                    seqlen_k=max_seqlen_k))
         outs.append(out[0])
         lses.append(lse[0])
     if batch == 0:

@@ -377,7 +377,7 @@ def _kernels(a: _Args, q, k_cache, v_cache, block_table, cache_batch_idx):
         alibi_slopes=None if a.alibi is None else a.alibi.expand(B, Hq),
         scale=a.scale, window_left=a.left, window_right=a.right, softcap=a.softcap,
         max_seqlen_k=int(a.total.max()) if B else 0, diag_adjust=0)
-    plan = plan_decode(prob, num_splits=a.num_splits)
+    plan = plan_decode(prob, num_splits=a.num_splits, pipeline_info=backend.pipeline_info)
     if isinstance(plan, Unsupported):
         backends.fallback(plan.reason)
         return None

@@ -70,11 +70,12 @@ def _fwd_outputs(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, wi
     return _fwd_buffers(q, v)
 
 
-def _fwd_plan(family: str, args: tuple, outputs: tuple):
+def _fwd_plan(backend, args: tuple, outputs: tuple):
     spec = _spec(*args)
     if spec.q.numel() == 0 or spec.seqlen_k == 0:
         return None  # nothing for a kernel to do: the reference fills zeros / lse
-    return planner.plan_forward(spec, *outputs, family=family)
+    # Launches are checked against the pipelines' limits here, before any is encoded.
+    return planner.plan_forward(spec, *outputs, family=backend.family, pipeline_info=backend.pipeline_info)
 
 
 def _fwd_reference(*args):
@@ -115,12 +116,13 @@ def _bwd_outputs(dout, q, k, v, out, lse, dlse, attn_mask, alibi_slopes, sinks, 
                               window_right, softcap), compute_dbias)
 
 
-def _bwd_plan(family: str, args: tuple, outputs: tuple):
+def _bwd_plan(backend, args: tuple, outputs: tuple):
     dout, q, k, v, out, lse, dlse = args[:7]
     spec = _spec(q, k, v, *args[7:15])
     if q.numel() == 0 or spec.seqlen_k == 0:
         return None
-    return planner.plan_backward(spec, dout, out, lse, dlse, *outputs, family=family)
+    return planner.plan_backward(spec, dout, out, lse, dlse, *outputs, family=backend.family,
+                                 pipeline_info=backend.pipeline_info)
 
 
 def _bwd_reference(*args):

@@ -61,7 +61,9 @@ class Launch:
       ``bytes`` (1..4096 of them, e.g. a packed params struct) are bound by value.
     * ``threadgroup_memory`` lengths are rounded up to a multiple of 16 bytes.
     * Threads per threadgroup must not exceed the pipeline's limit, nor
-      threadgroup memory the device's (32 KiB): both backends raise otherwise.
+      threadgroup memory the device's (32 KiB): planners check both against
+      ``backend.pipeline_info`` before a plan runs (``planner/limits.py``), and
+      both backends raise at launch otherwise.
     """
 
     source: str  # shader file name under shaders/, e.g. "flash_fwd.metal"

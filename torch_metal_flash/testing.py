@@ -78,3 +78,31 @@ def check_forward(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor) -> 
     dtype = spec.q.dtype
     assert_matches_oracle("out", out, ref_out, low_out, dtype=dtype)
     assert_matches_oracle("lse", lse, ref_lse, low_lse, dtype=dtype)
+
+
+def _autograd_grads(spec: AttentionSpec, dout: torch.Tensor, dtype: torch.dtype):
+    """dq, dk, dv of the plain math in ``dtype`` on the CPU (autograd)."""
+    q, k, v = (t.detach().cpu().to(dtype).requires_grad_() for t in (spec.q, spec.k, spec.v))
+    out, _ = reference.forward(dataclasses.replace(cast_spec(spec, dtype), q=q, k=k, v=v), dtype=dtype)
+    return torch.autograd.grad(out, (q, k, v), dout.detach().cpu().to(dtype))
+
+
+def backward_errors(spec: AttentionSpec, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                    grads) -> list[tuple[str, float, float]]:
+    """``(name, error, allowed)`` for kernel gradients ``grads = (dq, dk, dv)`` of a
+    spec without a trainable mask or sinks.  The budget is twice the larger error
+    of two plain computations in the inputs' dtype: autograd of the math, and the
+    FlashAttention-2 formulation the kernels implement (delta from the saved
+    ``out``, float32 accumulation), whose cancellation in ``P (dP - delta)``
+    autograd does not have (it matters in float32)."""
+    dtype = spec.q.dtype
+    ref = _autograd_grads(spec, dout, torch.float64)
+    low = _autograd_grads(spec, dout, dtype)
+    fa2 = reference.backward(cast_spec(spec, dtype), dout.detach().cpu(), out.detach().cpu(), lse.detach().cpu(),
+                             None, False)
+    rows = []
+    for i, name in enumerate(("dq", "dk", "dv")):
+        err, allowed = error_budget(name, grads[i], ref[i], low[i], dtype=dtype)
+        _, allowed_fa2 = error_budget(name, grads[i], ref[i], fa2[i], dtype=dtype)
+        rows.append((name, err, max(allowed, allowed_fa2)))
+    return rows

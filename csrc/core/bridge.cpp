@@ -220,10 +220,8 @@ std::shared_ptr<void> hold(py::object obj) {
 // kernels take milliseconds there, so one Python call per plan costs nothing.
 class EmulatorEncoder final : public Encoder {
  public:
-  explicit EmulatorEncoder(std::string family) : family_(std::move(family)) {}
   const std::string& name() const override { return name_; }
   c10::DeviceType device_type() const override { return c10::DeviceType::CPU; }
-  const std::string& family() override { return family_; }
 
   void prepare(LaunchTemplate& l) override {
     py::gil_scoped_acquire gil;
@@ -264,7 +262,6 @@ class EmulatorEncoder final : public Encoder {
 
  private:
   std::string name_ = "emulator";
-  std::string family_;
 };
 
 // Encodes nothing: bench/overhead.py measures the host path with it.
@@ -272,13 +269,11 @@ class StubEncoder final : public Encoder {
  public:
   const std::string& name() const override { return name_; }
   c10::DeviceType device_type() const override { return c10::DeviceType::CPU; }
-  const std::string& family() override { return family_; }
   void prepare(LaunchTemplate&) override {}
   void encode(const PlanTemplate&, const BoundBuffer*) override {}
 
  private:
   std::string name_ = "stub";
-  std::string family_ = "apple8";
 };
 
 std::shared_ptr<Encoder> g_emulator, g_stub;
@@ -299,10 +294,10 @@ std::optional<std::string> current_choice() {
   return py::cast<std::string>(name);
 }
 
-std::shared_ptr<PlanTemplate> plan(int32_t op_index, const std::string& family, c10::ArrayRef<c10::IValue> args,
+std::shared_ptr<PlanTemplate> plan(int32_t op_index, const std::string& encoder, c10::ArrayRef<c10::IValue> args,
                                    CallTensors* call) {
   py::gil_scoped_acquire gil;
-  py::tuple result = py::cast<py::tuple>(callbacks().on_miss(op_index, family, to_python(args)));
+  py::tuple result = py::cast<py::tuple>(callbacks().on_miss(op_index, encoder, to_python(args)));
   auto t = std::make_shared<PlanTemplate>();
   const int64_t kind = py::cast<int64_t>(result[0]);
   if (kind == 1) {
@@ -393,11 +388,11 @@ void bind_core(py::module_& parent) {
   py::module_ m = parent.def_submodule("core", "torch_metal_flash's C++ op core (see torch_metal_flash/core.py)");
 
   m.def("init", [](py::object on_miss, py::object reference, py::object autograd, py::object current_choice,
-                   py::object emulator_prepare, py::object emulator_encode, const std::string& emulator_family) {
+                   py::object emulator_prepare, py::object emulator_encode) {
     std::lock_guard<std::mutex> lock(g_init_mutex);
     if (g_callbacks == nullptr) {
       g_callbacks = new Callbacks{on_miss, reference, autograd, current_choice, emulator_prepare, emulator_encode};
-      g_emulator = std::make_shared<EmulatorEncoder>(emulator_family);
+      g_emulator = std::make_shared<EmulatorEncoder>();
       g_stub = std::make_shared<StubEncoder>();
       set_encoder(Backend::Emulator, g_emulator);
     }

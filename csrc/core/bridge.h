@@ -39,9 +39,9 @@ enum class Why : int {
 // The contextvar choice of torch_metal_flash.backend() (None: the environment).
 std::optional<std::string> current_choice();
 
-// Plans a call in Python and returns the template; on a kernels plan, `call`
+// Plans a call in Python for `encoder` and returns the template; on a kernels plan, `call`
 // receives the outputs and scratch the planner allocated for this call.
-std::shared_ptr<PlanTemplate> plan(int32_t op_index, const std::string& family, c10::ArrayRef<c10::IValue> args,
+std::shared_ptr<PlanTemplate> plan(int32_t op_index, const std::string& encoder, c10::ArrayRef<c10::IValue> args,
                                    CallTensors* call);
 
 // Runs the reference path in Python and returns the op's outputs.

@@ -362,7 +362,7 @@ std::string describe_difference(const PlanTemplate& a, const PlanTemplate& b) {
 }
 
 TemplatePtr plan_miss(const OpEntry& e, Encoder& enc, c10::ArrayRef<c10::IValue> args, CallTensors* call) {
-  std::shared_ptr<PlanTemplate> t = bridge::plan(e.index, enc.family(), args, call);
+  std::shared_ptr<PlanTemplate> t = bridge::plan(e.index, enc.name(), args, call);
   TORCH_CHECK(t->kind != PlanKind::Kernels || t->outputs.size() == e.num_returns, "torch_metal_flash core: the ",
               e.name, " planner returned ", t->outputs.size(), " outputs, the schema has ", e.num_returns);
   if (t->kind == PlanKind::Kernels) {

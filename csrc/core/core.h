@@ -133,8 +133,6 @@ class Encoder {
   // The name run_counts() reports ("metal", "emulator", "stub").
   virtual const std::string& name() const = 0;
   virtual c10::DeviceType device_type() const = 0;
-  // The tile-table family the planner plans for ("apple8", ...).
-  virtual const std::string& family() = 0;
   // Called once per launch of a new template, without the GIL: look up or
   // build what encode() needs (may compile).
   virtual void prepare(LaunchTemplate& launch) = 0;

@@ -583,17 +583,10 @@ CommitPolicy& commit_policy() {
 // The Metal encoder of the C++ op core.
 // ---------------------------------------------------------------------------
 
-std::string gpu_family();
-
 class MetalEncoder final : public tmf::Encoder {
  public:
   const std::string& name() const override { return name_; }
   c10::DeviceType device_type() const override { return c10::DeviceType::MPS; }
-
-  const std::string& family() override {
-    std::call_once(family_once_, [this] { family_ = gpu_family(); });
-    return family_;
-  }
 
   // Compile (once) and check the launch against its pipeline's limits here,
   // before any launch of the plan is encoded.
@@ -656,8 +649,6 @@ class MetalEncoder final : public tmf::Encoder {
 
  private:
   std::string name_ = "metal";
-  std::string family_;
-  std::once_flag family_once_;
 };
 
 // ---------------------------------------------------------------------------

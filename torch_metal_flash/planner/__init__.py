@@ -2,11 +2,13 @@
 
 Pure and backend-agnostic.  The prefill forward lives in :mod:`.forward`
 (tile table :mod:`.tiles`, params mirror :mod:`.params`), the backward in
-:mod:`.backward`, the split-K decode kernels in :mod:`.decode`.
+:mod:`.backward`, the split-K decode kernels in :mod:`.decode`.  Each checks
+its launches against the backend's pipeline limits before anything runs
+(:mod:`.limits`).
 """
 from __future__ import annotations
 
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
@@ -15,19 +17,21 @@ from ..spec import AttentionSpec
 from . import decode
 from .backward import plan_backward
 from .forward import plan_forward as plan_prefill
+from .limits import PipelineInfo
 from .tiles import FAMILIES, ForwardTile, forward_tile, forward_variants
 
 __all__ = ["plan_forward", "plan_backward", "plan_prefill", "forward_tile", "forward_variants", "ForwardTile",
            "FAMILIES"]
 
 
-def plan_forward(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor,
-                 family: str = "apple8") -> Union[Plan, Unsupported]:
+def plan_forward(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor, family: str = "apple8",
+                 pipeline_info: Optional[PipelineInfo] = None) -> Union[Plan, Unsupported]:
     """Decode-shaped problems (few query rows per KV head, long keys) take the
     split-K decode kernels, which read each K/V row once per GQA group; all
-    others, and whatever those decline, the prefill kernels."""
+    others, and whatever those decline, the prefill kernels.  ``pipeline_info``:
+    the backend's pipeline limits (:mod:`.limits`)."""
     if decode.route_reason(spec) is None:
-        plan = decode.plan_decode_spec(spec, out, lse)
+        plan = decode.plan_decode_spec(spec, out, lse, pipeline_info=pipeline_info)
         if not isinstance(plan, Unsupported):
             return plan
-    return plan_prefill(spec, out, lse, family)
+    return plan_prefill(spec, out, lse, family, pipeline_info)

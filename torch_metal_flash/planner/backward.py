@@ -29,9 +29,10 @@ import torch
 
 from ..plan import Launch, Plan, Scratch, Unsupported
 from ..spec import AttentionSpec
-from .backward_tiles import (DSINKS_THREADS, PRE_ROWS_PER_GROUP, PRE_THREADS, BackwardTiles,
-                             backward_tiles)
+from .backward_tiles import (DSINKS_KERNEL, DSINKS_THREADS, PRE_ROWS_PER_GROUP, PRE_THREADS, BackwardTiles,
+                             backward_candidates, backward_tiles)
 from .forward import MASK_KINDS, _last_dim_contiguous, check_problem, effective_band
+from .limits import PipelineInfo, first_fitting
 from .params import FlashFwdParams
 
 SOURCE = "flash_bwd.metal"
@@ -128,20 +129,49 @@ def _check(spec: AttentionSpec, dout, out, lse, dlse, dq, dk, dv, dbias, dsinks)
 def plan_backward(spec: AttentionSpec, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                   dlse: Optional[torch.Tensor], dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
                   dbias: Optional[torch.Tensor], dsinks: Optional[torch.Tensor],
-                  family: str = "apple8") -> Union[Plan, Unsupported]:
+                  family: str = "apple8", pipeline_info: Optional[PipelineInfo] = None) -> Union[Plan, Unsupported]:
+    """The backward launches; with ``pipeline_info`` (the backend's) the table's tiles
+    are checked against their pipelines' limits and those of a larger bucket taken
+    when they do not fit (:mod:`.limits`)."""
     reason = _check(spec, dout, out, lse, dlse, dq, dk, dv, dbias, dsinks)
     if reason is not None:
         return Unsupported(reason)
+    try:
+        candidates = backward_candidates(spec.q.dtype, max(spec.head_dim, spec.head_dim_v), family)
+    except (KeyError, ValueError) as e:
+        return Unsupported(str(e))
+    if spec.batch == 0 or spec.heads == 0 or spec.seqlen_q == 0 or spec.seqlen_k == 0:
+        return Unsupported("empty problem (the reference fills the zeros)")
+    return first_fitting((_plan_tiles(spec, dout, out, lse, dlse, dq, dk, dv, dbias, dsinks, tiles)
+                          for tiles in candidates), pipeline_info)
+
+
+def function_constants(mask_kind: int, alibi: bool, sinks: bool, softcap: bool, band: bool, dims_aligned: bool,
+                       dbias: bool, dlse: bool) -> dict:
+    """The ``[[function_constant]]`` values of ``flash_bwd.metal`` for these features."""
+    return {
+        FC_HAS_MASK: mask_kind != 0,
+        FC_MASK_KIND: mask_kind,
+        FC_HAS_ALIBI: alibi,
+        FC_HAS_SINKS: sinks,
+        FC_HAS_SOFTCAP: softcap,
+        FC_HAS_BAND: band,
+        FC_DIMS_ALIGNED: dims_aligned,
+        FC_HAS_DBIAS: dbias,
+        FC_HAS_DLSE: dlse,
+    }
+
+
+# Every value plan_backward can pass to function_constants() (the doctor enumerates the variants from these).
+FEATURE_VALUES = {"mask_kind": (0, *MASK_KINDS.values()), "alibi": (False, True), "sinks": (False, True),
+                  "softcap": (False, True), "band": (False, True), "dims_aligned": (False, True),
+                  "dbias": (False, True), "dlse": (False, True)}
+
+
+def _plan_tiles(spec: AttentionSpec, dout, out, lse, dlse, dq, dk, dv, dbias, dsinks, tiles: BackwardTiles) -> Plan:
     q, k, v = spec.q, spec.k, spec.v
     B, Hq, Lq, D = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
-    try:
-        tiles = backward_tiles(q.dtype, max(D, Dv), family)
-    except (KeyError, ValueError) as e:
-        return Unsupported(str(e))
-    if B == 0 or Hq == 0 or Lq == 0 or Lk == 0:
-        return Unsupported("empty problem (the reference fills the zeros)")
-
     compute_dbias = dbias is not None and dbias.numel() > 0
 
     wl, wr, has_band = effective_band(spec)
@@ -179,17 +209,8 @@ def plan_backward(spec: AttentionSpec, dout: torch.Tensor, out: torch.Tensor, ls
         shared[BUF_ALIBI] = a
     params = p.to_bytes()
 
-    constants = {
-        FC_HAS_MASK: mask_kind != 0,
-        FC_MASK_KIND: mask_kind,
-        FC_HAS_ALIBI: spec.alibi_slopes is not None,
-        FC_HAS_SINKS: spec.sinks is not None,
-        FC_HAS_SOFTCAP: has_softcap,
-        FC_HAS_BAND: has_band,
-        FC_DIMS_ALIGNED: D == tiles.dq.bd and Dv == tiles.dq.bd,
-        FC_HAS_DBIAS: compute_dbias,
-        FC_HAS_DLSE: dlse is not None,
-    }
+    constants = function_constants(mask_kind, spec.alibi_slopes is not None, spec.sinks is not None, has_softcap,
+                                   has_band, D == tiles.dq.bd and Dv == tiles.dq.bd, compute_dbias, dlse is not None)
 
     # The only scratch: two float32 vectors of B*Hq*Lq.
     delta = Scratch((B, Hq, Lq), torch.float32, q.device)
@@ -222,7 +243,7 @@ def plan_backward(spec: AttentionSpec, dout: torch.Tensor, out: torch.Tensor, ls
                                threadgroups=(-(-Lk // t.bk), Hkv, B), threadgroup=(t.threads, 1, 1),
                                buffers=bufs, function_constants=dict(constants)))
     if spec.sinks is not None:
-        launches.append(Launch(source=SOURCE, kernel="flash_bwd_dsinks", threadgroups=(Hq, 1, 1),
+        launches.append(Launch(source=SOURCE, kernel=DSINKS_KERNEL, threadgroups=(Hq, 1, 1),
                                threadgroup=(DSINKS_THREADS, 1, 1),
                                buffers={BUF_S_LSE2: lse2, BUF_S_DELTA: delta, BUF_S_SINKS: spec.sinks,
                                         BUF_S_DSINKS: dsinks, BUF_S_PARAMS: params},

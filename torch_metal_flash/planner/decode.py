@@ -30,6 +30,7 @@ import torch
 
 from ..plan import Launch, Plan, Scratch, Unsupported
 from ..spec import AttentionSpec
+from .limits import PipelineInfo, first_fitting
 
 SOURCE = "flash_decode.metal"
 LOG2E = 1.4426950408889634
@@ -119,6 +120,11 @@ class DecodeTile:
         return f"flash_decode_{self.dtype}_d{self.bd}_k{self.bk}"
 
 
+def combine_kernel(dtype: str) -> str:
+    """The kernel that merges the split partials, for dtype name ``f32|f16|bf16``."""
+    return f"flash_decode_combine_{dtype}"
+
+
 def decode_tile(dtype: torch.dtype, head_dim: int) -> DecodeTile:
     dt = DTYPE_NAMES[dtype]
     for bd in HEAD_DIM_BUCKETS:
@@ -131,9 +137,13 @@ def decode_variants() -> list[DecodeTile]:
     return [DecodeTile(dt, bd, bk) for dt, rows in DECODE_TILES.items() for bd, bk in rows.items()]
 
 
-def row_blocking(rows: int, bd: int = 128) -> tuple[int, int]:
-    """(rows_per_tg, row_blocks) for ``rows`` query rows per KV head and head-dim bucket ``bd``."""
-    cap = MAX_ROWS_PER_TG if bd <= 128 else MAX_ROWS_PER_TG_WIDE
+def row_cap(bd: int) -> int:
+    """Query rows per threadgroup at most, for head-dim bucket ``bd``."""
+    return MAX_ROWS_PER_TG if bd <= 128 else MAX_ROWS_PER_TG_WIDE
+
+
+def row_blocking(rows: int, cap: int = MAX_ROWS_PER_TG) -> tuple[int, int]:
+    """(rows_per_tg, row_blocks) for ``rows`` query rows per KV head, at most ``cap`` per threadgroup."""
     blocks = max(1, -(-rows // cap))
     return -(-rows // blocks), blocks
 
@@ -209,20 +219,32 @@ def _check(pb: DecodeProblem) -> Optional[str]:
     return None
 
 
-def plan_decode(pb: DecodeProblem, num_splits: int = 0,
-                gpu_cores: int = DEFAULT_GPU_CORES) -> Union[Plan, Unsupported]:
-    """Launches for ``pb``; ``num_splits`` 0 = heuristic, n > 0 forces n (capped at MAX_SPLITS)."""
+def plan_decode(pb: DecodeProblem, num_splits: int = 0, gpu_cores: int = DEFAULT_GPU_CORES,
+                pipeline_info: Optional[PipelineInfo] = None) -> Union[Plan, Unsupported]:
+    """Launches for ``pb``; ``num_splits`` 0 = heuristic, n > 0 forces n (capped at MAX_SPLITS).
+
+    With ``pipeline_info`` (the backend's), a decode pipeline that allows fewer
+    threads than planned gets fewer query rows (simdgroups) per threadgroup and
+    more row blocks (:mod:`.limits`)."""
     reason = _check(pb)
     if reason is not None:
         return Unsupported(reason)
+    B, Hq, Lq, D = pb.q.shape
+    if B == 0 or Hq == 0 or Lq == 0:
+        return Plan(launches=())
+    tile = decode_tile(pb.q.dtype, D)
+    widest = row_cap(tile.bd)
+    caps = [widest >> i for i in range(widest.bit_length()) if widest >> i >= 8]  # halved down to one simdgroup
+    return first_fitting((_plan_rows(pb, tile, cap, num_splits, gpu_cores) for cap in caps), pipeline_info)
+
+
+def _plan_rows(pb: DecodeProblem, tile: DecodeTile, cap: int, num_splits: int, gpu_cores: int) -> Plan:
+    """The launches with at most ``cap`` query rows (``cap / 8`` simdgroups) per threadgroup."""
     q, kc, vc = pb.q, pb.k_cache, pb.v_cache
     B, Hq, Lq, D = q.shape
     Hkv = kc.shape[2]
     G = Hq // Hkv
-    if B == 0 or Hq == 0 or Lq == 0:
-        return Plan(launches=())
-    tile = decode_tile(q.dtype, D)
-    rows_per_tg, row_blocks = row_blocking(G * Lq, tile.bd)
+    rows_per_tg, row_blocks = row_blocking(G * Lq, cap)
     if num_splits and num_splits > 0:
         splits = min(int(num_splits), MAX_SPLITS)
     else:
@@ -247,7 +269,7 @@ def plan_decode(pb: DecodeProblem, num_splits: int = 0,
     p.page_size = kc.shape[1] if paged else 0
     p.diag_adjust, p.window_left, p.window_right = pb.diag_adjust, wl, wr
     p.rows_per_tg, p.row_blocks = rows_per_tg, row_blocks
-    simdgroups = max(-(-rows_per_tg // 8), MIN_SIMDGROUPS)
+    simdgroups = max(-(-rows_per_tg // 8), min(MIN_SIMDGROUPS, cap // 8))
     p.num_threads = 32 * simdgroups
     if has_softcap:
         p.qk_scale = pb.scale / pb.softcap
@@ -273,25 +295,30 @@ def plan_decode(pb: DecodeProblem, num_splits: int = 0,
         buffers[BUF_PART_ML] = Scratch((B * Hq * Lq * splits * 2,), torch.float32, q.device)
     params = p.to_bytes()
     buffers[BUF_PARAMS] = params
-    constants = {
-        FC_PAGED: paged,
-        FC_HAS_LEFTPAD: pb.leftpad is not None,
-        FC_HAS_BATCH_IDX: pb.batch_idx is not None and not paged,
-        FC_HAS_ALIBI: pb.alibi_slopes is not None,
-        FC_HAS_SOFTCAP: has_softcap,
-        FC_HAS_BAND: wl >= 0 or wr >= 0,
-        FC_USE_SPLITS: use_splits,
-    }
+    constants = function_constants(paged, pb.leftpad is not None, pb.batch_idx is not None and not paged,
+                                   pb.alibi_slopes is not None, has_softcap, wl >= 0 or wr >= 0, use_splits)
     launches = [Launch(source=SOURCE, kernel=tile.kernel, threadgroups=(splits, Hkv * row_blocks, B),
                        threadgroup=(32 * simdgroups, 1, 1), buffers=buffers, function_constants=constants)]
     if use_splits:
         launches.append(Launch(
-            source=SOURCE, kernel=f"flash_decode_combine_{tile.dtype}",
+            source=SOURCE, kernel=combine_kernel(tile.dtype),
             threadgroups=(-(-B * Hq * Lq // COMBINE_ROWS), 1, 1), threadgroup=(32 * COMBINE_ROWS, 1, 1),
             buffers={BUF_O: out, BUF_LSE: pb.lse, BUF_PARAMS: params, BUF_PART_O: buffers[BUF_PART_O],
                      BUF_PART_ML: buffers[BUF_PART_ML]},
             function_constants=constants))
     return Plan(launches=tuple(launches))
+
+
+def function_constants(paged: bool, leftpad: bool, batch_idx: bool, alibi: bool, softcap: bool, band: bool,
+                       splits: bool) -> dict:
+    """The ``[[function_constant]]`` values of ``flash_decode.metal`` for these features."""
+    return {FC_PAGED: paged, FC_HAS_LEFTPAD: leftpad, FC_HAS_BATCH_IDX: batch_idx, FC_HAS_ALIBI: alibi,
+            FC_HAS_SOFTCAP: softcap, FC_HAS_BAND: band, FC_USE_SPLITS: splits}
+
+
+# Every value plan_decode can pass to function_constants() (the doctor enumerates the variants from these).
+FEATURE_VALUES = {name: (False, True) for name in ("paged", "leftpad", "batch_idx", "alibi", "softcap", "band",
+                                                  "splits")}
 
 
 def compulsory_bytes(pb: DecodeProblem) -> int:
@@ -333,8 +360,8 @@ def route_reason(spec: AttentionSpec) -> Optional[str]:
     return None
 
 
-def plan_decode_spec(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor,
-                     num_splits: int = 0) -> Union[Plan, Unsupported]:
+def plan_decode_spec(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor, num_splits: int = 0,
+                     pipeline_info: Optional[PipelineInfo] = None) -> Union[Plan, Unsupported]:
     """The decode launches for the op's general problem: the (B, H, L, D) K/V views
     are a contiguous cache of full length seen as (B, L, H, D) (no copy), every
     row's length is Lk (a filled scratch vector), and the op's band offset
@@ -347,4 +374,4 @@ def plan_decode_spec(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor,
         block_table=None, alibi_slopes=spec.alibi_slopes, scale=spec.scale, window_left=spec.window_left,
         window_right=spec.window_right, softcap=spec.softcap, max_seqlen_k=Lk,
         diag_adjust=spec.diag_offset - (Lk - Lq))
-    return plan_decode(problem, num_splits=num_splits)
+    return plan_decode(problem, num_splits=num_splits, pipeline_info=pipeline_info)

@@ -20,8 +20,9 @@ import torch
 
 from ..plan import Launch, Plan, Unsupported
 from ..spec import AttentionSpec
+from .limits import PipelineInfo, first_fitting
 from .params import FlashFwdParams
-from .tiles import DTYPE_NAMES, MAX_HEAD_DIM, ForwardTile, forward_tile
+from .tiles import DTYPE_NAMES, MAX_HEAD_DIM, ForwardTile, forward_candidates, forward_tile
 
 SOURCE = "flash_fwd.metal"
 
@@ -144,26 +145,53 @@ def effective_band(spec: AttentionSpec) -> tuple[int, int, bool]:
     return wl, wr, wl >= 0 or wr >= 0
 
 
-def plan_forward(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor,
-                 family: str = "apple8") -> Union[Plan, Unsupported]:
+def plan_forward(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor, family: str = "apple8",
+                 pipeline_info: Optional[PipelineInfo] = None) -> Union[Plan, Unsupported]:
     """The ``flash_fwd.metal`` launch for the op's forward (the prefill kernel).
 
     ``torch_metal_flash.planner.plan_forward`` sends decode-shaped problems to
-    the split-K decode kernels first and everything else here.
+    the split-K decode kernels first and everything else here.  With
+    ``pipeline_info`` (the backend's), the table's tile is checked against its
+    pipeline's limits and a fitting one of larger buckets taken when it does
+    not fit (:mod:`.limits`).
     """
     reason = _check(spec, out, lse)
     if reason is not None:
         return Unsupported(reason)
+    try:
+        tiles = forward_candidates(spec.q.dtype, max(spec.head_dim, spec.head_dim_v), family)
+    except (KeyError, ValueError) as e:
+        return Unsupported(str(e))
+    if spec.batch == 0 or spec.heads == 0 or spec.seqlen_q == 0:
+        return Plan(launches=())
+    return first_fitting((_plan_tile(spec, out, lse, tile) for tile in tiles), pipeline_info)
+
+
+def function_constants(mask_kind: int, alibi: bool, sinks: bool, softcap: bool, band: bool, dims_aligned: bool,
+                       kv_vec_aligned: bool) -> dict:
+    """The ``[[function_constant]]`` values of ``flash_fwd.metal`` for these features."""
+    return {
+        FC_HAS_MASK: mask_kind != 0,
+        FC_MASK_KIND: mask_kind,
+        FC_HAS_ALIBI: alibi,
+        FC_HAS_SINKS: sinks,
+        FC_HAS_SOFTCAP: softcap,
+        FC_HAS_BAND: band,
+        FC_DIMS_ALIGNED: dims_aligned,
+        FC_KV_VEC_ALIGNED: dims_aligned and kv_vec_aligned,
+    }
+
+
+# Every value plan_forward can pass to function_constants() (the doctor enumerates the variants from these).
+FEATURE_VALUES = {"mask_kind": (0, *MASK_KINDS.values()), "alibi": (False, True), "sinks": (False, True),
+                  "softcap": (False, True), "band": (False, True), "dims_aligned": (False, True),
+                  "kv_vec_aligned": (False, True)}
+
+
+def _plan_tile(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor, tile: ForwardTile) -> Plan:
     q, k, v = spec.q, spec.k, spec.v
     B, Hq, Lq, D = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
-    try:
-        tile = forward_tile(q.dtype, max(D, Dv), family)
-    except (KeyError, ValueError) as e:
-        return Unsupported(str(e))
-    if B == 0 or Hq == 0 or Lq == 0:
-        return Plan(launches=())
-
     wl, wr, has_band = effective_band(spec)
     has_softcap = spec.softcap > 0
 
@@ -200,16 +228,8 @@ def plan_forward(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor,
     buffers[BUF_PARAMS] = p.to_bytes()
 
     dims_aligned = D == tile.bd and Dv == tile.bd
-    constants = {
-        FC_HAS_MASK: mask_kind != 0,
-        FC_MASK_KIND: mask_kind,
-        FC_HAS_ALIBI: spec.alibi_slopes is not None,
-        FC_HAS_SINKS: spec.sinks is not None,
-        FC_HAS_SOFTCAP: has_softcap,
-        FC_HAS_BAND: has_band,
-        FC_DIMS_ALIGNED: dims_aligned,
-        FC_KV_VEC_ALIGNED: dims_aligned and _vec4_aligned(k) and _vec4_aligned(v),
-    }
+    constants = function_constants(mask_kind, spec.alibi_slopes is not None, spec.sinks is not None, has_softcap,
+                                   has_band, dims_aligned, dims_aligned and _vec4_aligned(k) and _vec4_aligned(v))
     launch = Launch(
         source=SOURCE,
         kernel=tile.kernel,
