@@ -18,6 +18,7 @@ fwd = torch.ops.metal_flash.fwd
 def fresh_cache(monkeypatch):
     monkeypatch.delenv("TORCH_METAL_FLASH_BACKEND", raising=False)
     core.plan_cache_clear()
+    tmf.run_counts(reset=True)
     yield
     core.plan_cache_clear()
 
