@@ -8,6 +8,7 @@ import torch
 
 import torch_metal_flash as tmf
 from torch_metal_flash import backends, core, ops
+from torch_metal_flash.backends.emulator import EmulatorBackend
 from torch_metal_flash.plan import Launch, Plan, Unsupported
 
 
@@ -89,9 +90,9 @@ def seam(monkeypatch, request):
             calls.append(spec)
             return answer(spec, out, lse)
         monkeypatch.setattr(ops, "planner", types.SimpleNamespace(plan_forward=plan_forward))
-        emulator = backends.instance("emulator")
-        monkeypatch.setattr(emulator, "prepare", lambda *launch: launch)
-        monkeypatch.setattr(emulator, "encode", encoder)
+        # (patched on the class: undoing a patch of the instance would leave an instance attribute behind)
+        monkeypatch.setattr(EmulatorBackend, "prepare", lambda self, *launch: launch)
+        monkeypatch.setattr(EmulatorBackend, "encode", lambda self, launches: encoder(launches))
         core.plan_cache_clear()  # the stand-in planner must see the calls ...
         request.addfinalizer(core.plan_cache_clear)  # ... and its templates must not outlive the test
         return encoder, calls

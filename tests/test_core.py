@@ -8,6 +8,7 @@ import torch
 
 import torch_metal_flash as tmf
 from torch_metal_flash import backends, core, emulator, ops, reference
+from torch_metal_flash.backends.emulator import EmulatorBackend
 from torch_metal_flash.plan import Launch, Plan
 from torch_metal_flash.spec import make_spec
 
@@ -181,9 +182,9 @@ def test_stub_encoder_runs_nothing():
 
 
 def test_emulator_errors_keep_their_type(monkeypatch):
-    def failing(launches):
+    def failing(self, launches):
         raise emulator.OutOfBoundsError("kernel 'k': out of bounds", kernel="k")
-    monkeypatch.setattr(backends.instance("emulator"), "encode", failing)
+    monkeypatch.setattr(EmulatorBackend, "encode", failing)
     q, k, v = _qkv()
     with tmf.backend("emulator"), pytest.raises(emulator.OutOfBoundsError, match="out of bounds"):
         fwd(*_args(q, k, v))
