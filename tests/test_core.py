@@ -82,7 +82,7 @@ def test_key_covers_what_the_plan_depends_on():
 def test_lru_bounds_the_cache():
     q, k, v = _qkv()
     info = core.plan_cache_info()
-    core.load().core.plan_cache_configure(capacity=2)
+    core.configure_plan_cache(capacity=2)
     try:
         with tmf.backend("emulator"):
             for scale in (0.1, 0.2, 0.3, 0.1):
@@ -90,7 +90,7 @@ def test_lru_bounds_the_cache():
         info2 = core.plan_cache_info()
         assert info2["size"] == 2 and info2["evictions"] == 2 and info2["misses"] == 4
     finally:
-        core.load().core.plan_cache_configure(capacity=info["capacity"])
+        core.configure_plan_cache(capacity=info["capacity"])
 
 
 def test_verify_mode_catches_an_incomplete_key(monkeypatch):
@@ -104,7 +104,7 @@ def test_verify_mode_catches_an_incomplete_key(monkeypatch):
             make_spec(spec.q, spec.k, spec.v, scale=spec.scale * 2), out, lse, family=family)
     monkeypatch.setattr(ops, "planner", type("P", (), {"plan_forward": staticmethod(drifting)}))
     verify = core.plan_cache_info()["verify"]
-    core.load().core.plan_cache_configure(verify=True)
+    core.configure_plan_cache(verify=True)
     q, k, v = _qkv()
     try:
         with tmf.backend("emulator"):
@@ -112,7 +112,7 @@ def test_verify_mode_catches_an_incomplete_key(monkeypatch):
             with pytest.raises(RuntimeError, match="differs from a fresh plan"):
                 fwd(*_args(q, k, v, window_right=-1))
     finally:
-        core.load().core.plan_cache_configure(verify=verify)
+        core.configure_plan_cache(verify=verify)
 
 
 def test_planners_must_not_derive_tensors(monkeypatch):

@@ -1,14 +1,14 @@
-"""Type-check the Objective-C++ Metal launcher and the C++ op core on Linux.
+"""Type-check the Objective-C++ Metal launcher on Linux.
 
 The launcher cannot be built without the macOS SDK, but clang can parse it as
 Objective-C++ (ARC, blocks) against the real torch 2.13 headers and the small
 stub Apple headers in csrc/metal/typecheck_stubs/, which declare exactly the
 Metal/Foundation API the launcher uses (with the signatures from Apple's
-documentation), as declared before and from the macOS 15 SDK.  This catches C++/torch API errors, misspelled selectors and a
-Metal encoder that no longer implements the core's Encoder interface; it cannot
-catch Apple-SDK mismatches the stubs do not model.  The core itself is built
-for real on Linux (the suite runs through it); here it is also held to
--Wall -Wextra -Werror, which the build does not ask for.
+documentation), as declared before and from the macOS 15 SDK.  This catches
+C++/torch API errors, misspelled selectors and a Metal encoder that no longer
+implements the core's Encoder interface; it cannot catch Apple-SDK mismatches
+the stubs do not model.  (The C++ op core it is the
+Metal encoder of is built for real on Linux: the suite runs through it.)
 """
 import os
 import subprocess
@@ -36,11 +36,3 @@ def test_launcher_typechecks(sdk):
            "-isystem", str(csrc_dir() / "metal" / "typecheck_stubs"), str(csrc_dir() / "metal" / "launcher.mm")]
     result = subprocess.run(cmd, capture_output=True, text=True)
     assert result.returncode == 0, f"launcher.mm does not type-check:\n{result.stderr[-4000:]}"
-
-
-@pytest.mark.parametrize("source", sorted(p.name for p in (csrc_dir() / "core").glob("*.cpp")))
-def test_core_compiles_without_warnings(source):
-    compiler = emulator.find_compiler()
-    result = subprocess.run([*compiler.argv, "-std=c++17", *COMMON, str(csrc_dir() / "core" / source)],
-                            capture_output=True, text=True)
-    assert result.returncode == 0, f"csrc/core/{source}:\n{result.stderr[-4000:]}"

@@ -37,7 +37,8 @@ import torch
 from . import backends
 from .plan import Plan, Scratch, Unsupported
 
-__all__ = ["CoreOp", "register", "load", "loaded", "plan_cache_info", "plan_cache_clear", "call_slow"]
+__all__ = ["CoreOp", "register", "load", "loaded", "plan_cache_info", "plan_cache_clear", "configure_plan_cache",
+           "call_slow"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,6 +209,12 @@ def plan_cache_clear(*, reset_counters: bool = True) -> None:
         _ext.core.plan_cache_clear()
         if reset_counters:
             _ext.core.plan_cache_configure(reset_counters=True)
+
+
+def configure_plan_cache(capacity: Optional[int] = None, verify: Optional[bool] = None) -> None:
+    """Set the cache's capacity (drops its templates) and/or verify mode (re-plan every hit
+    and raise when the template differs; ``TORCH_METAL_FLASH_PLAN_CACHE_VERIFY``)."""
+    load().core.plan_cache_configure(capacity=capacity, verify=verify)
 
 
 def use_stub_encoder(stub: bool) -> None:

@@ -84,12 +84,14 @@ enum class Choice : int8_t { Unsynced = -2, Env = -1, Auto = 0, Metal, Emulator,
 
 thread_local Choice tls_choice = Choice::Unsynced;
 
+// As backends.requested(): surrounding whitespace and case do not matter.
 Choice parse_choice(const char* text) {
-  std::string v;
-  for (const char* p = text; *p; ++p) {
-    if (!std::isspace(static_cast<unsigned char>(*p))) {
-      v += static_cast<char>(std::tolower(static_cast<unsigned char>(*p)));
-    }
+  std::string v(text);
+  const auto space = [](char ch) { return std::isspace(static_cast<unsigned char>(ch)) != 0; };
+  v.erase(v.begin(), std::find_if_not(v.begin(), v.end(), space));
+  v.erase(std::find_if_not(v.rbegin(), v.rend(), space).base(), v.end());
+  for (char& ch : v) {
+    ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
   }
   if (v.empty() || v == "auto") return Choice::Auto;
   if (v == "metal") return Choice::Metal;
