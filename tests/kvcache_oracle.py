@@ -4,6 +4,12 @@ Written from the flash-attn documentation with explicit loops (per batch row
 and head), in any dtype: float64 is the oracle, the inputs' own dtype is the
 "plain low-precision math" error budget of the DESIGN.md §5 rule.  It shares
 no code with ``torch_metal_flash``.
+
+Out-of-range index values follow the kernels' documented rules
+(docs/kvcache.md, "Index values"): lengths clamped to [0, capacity], new rows
+past the capacity dropped, leftpad clamped to [0, end], rotary positions
+clamped to the table, and a cache row or block outside the cache ignored.
+For valid values these rules change nothing.
 """
 from __future__ import annotations
 
@@ -17,7 +23,8 @@ def rotate(x, cos, sin, pos, interleaved):
     half = cos.shape[1]
     out = x.clone()
     for t in range(x.shape[0]):
-        c, s = cos[pos[t]], sin[pos[t]]
+        p = min(pos[t], cos.shape[0] - 1)
+        c, s = cos[p], sin[p]
         for f in range(half):
             if interleaved:
                 a, b = 2 * f, 2 * f + 1
@@ -61,15 +68,17 @@ def kvcache_attention(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rota
         right = 0
     local = causal or left >= 0 or right >= 0
 
-    def slot(b, p):  # (cache tensor index, row index) of logical position p of batch row b
-        if paged:
-            return int(block_table[b, p // page]), p % page
-        return rows[b], p
+    def slot(b, p):  # (cache tensor index, row index) of logical position p of batch row b; None: ignored
+        ci = int(block_table[b, p // page]) if paged else rows[b]
+        if not 0 <= ci < kc.shape[0]:
+            return None
+        return ci, (p % page if paged else p)
 
     out = torch.zeros(B, Lq, Hq, D, dtype=dtype)
     lse = torch.full((B, Hq, Lq), math.inf, dtype=dtype)
     for b in range(B):
-        s0 = seqlens[b]
+        s0 = min(max(seqlens[b], 0), cap)
+        end = min(s0 + lnew, cap)
         qb = q[b]
         if k is not None:
             kb = k[b]
@@ -77,16 +86,19 @@ def kvcache_attention(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rota
                 kb = rotate(kb, cos, sin, [s0 + t for t in range(lnew)], rotary_interleaved)
                 qpos = [s0 + i for i in range(Lq)] if local else [s0] * Lq
                 qb = rotate(qb, cos, sin, qpos, rotary_interleaved)
-            for t in range(lnew):
-                ci, ri = slot(b, s0 + t)
-                kc[ci, ri] = kb[t]
-                vc[ci, ri] = v[b, t]
-        start, end = lp[b], s0 + lnew
+            for t in range(end - s0):
+                sl = slot(b, s0 + t)
+                if sl is not None:
+                    kc[sl] = kb[t]
+                    vc[sl] = v[b, t]
+        start = min(max(lp[b], 0), end)
         Lk = end - start
-        if Lk <= 0:
+        if Lk <= 0 or (not paged and slot(b, 0) is None):
             continue
-        keys = torch.stack([kc[slot(b, p)] for p in range(start, end)])  # (Lk, Hkv, D)
-        vals = torch.stack([vc[slot(b, p)] for p in range(start, end)])
+        present = torch.tensor([slot(b, p) is not None for p in range(start, end)])
+        zero = torch.zeros(Hkv, D, dtype=dtype)
+        keys = torch.stack([kc[slot(b, p)] if slot(b, p) else zero for p in range(start, end)])  # (Lk, Hkv, D)
+        vals = torch.stack([vc[slot(b, p)] if slot(b, p) else zero for p in range(start, end)])
         for h in range(Hq):
             g = h // G
             s = (qb[:, h] @ keys[:, g].T) * scale  # (Lq, Lk)
@@ -97,7 +109,7 @@ def kvcache_attention(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rota
             if alibi_slopes is not None:
                 sl = alibi_slopes[h] if alibi_slopes.dim() == 1 else alibi_slopes[b, h]
                 s = s - float(sl) * (i + Lk - Lq - j).abs().to(dtype)
-            vis = torch.ones(Lq, Lk, dtype=torch.bool)
+            vis = present[None, :].expand(Lq, Lk).clone()
             if left >= 0:
                 vis &= j >= i + Lk - Lq - left
             if right >= 0:

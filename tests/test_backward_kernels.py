@@ -139,7 +139,7 @@ def _library(source: str, constants: dict):
 def run_plan(plan: Plan, order: str = "forward", checked: bool = True) -> list:
     """Run every launch of the plan in order; returns the emulator's stats per launch."""
     stats = []
-    for launch in plan.bound_launches():  # Scratch -> tensors
+    for launch in plan.launches:
         lib = _library(launch.source, launch.function_constants)
         stats.append(getattr(lib, launch.kernel)(buffers=launch.buffers, grid=launch.grid_threads,
                                                  threadgroup=launch.threadgroup, order=order,

@@ -10,7 +10,7 @@ from torch_metal_flash import doctor
 from torch_metal_flash.backends.emulator import EmulatorBackend
 from torch_metal_flash.layout import empty_in_layout
 from torch_metal_flash.plan import Unsupported
-from torch_metal_flash.planner import backward, decode, forward, variants
+from torch_metal_flash.planner import backward, forward, kvcache, variants
 from torch_metal_flash.spec import make_spec
 
 
@@ -107,6 +107,23 @@ def _specs():
                         softcap=5.0 if "softcap" in extras else 0.0), i
 
 
+def _kvcache_plan(spec, i):
+    """flash_attn_with_kvcache's plan (append + decode) on the spec's tensors, features varied by ``i``."""
+    q, kc, vc = spec.q.transpose(1, 2), spec.k.transpose(1, 2), spec.v.transpose(1, 2)
+    D, dt = q.shape[-1], q.dtype
+    table = torch.arange(11, dtype=torch.int32)[None] if i % 7 == 0 else None
+    if table is not None:  # paged, one position per page
+        kc, vc = kc.reshape(11, 1, 2, D), vc.reshape(11, 1, 2, D)
+    new = torch.zeros(1, 2, 2, D, dtype=dt) if i % 2 else None
+    rope = torch.zeros(11, D // 2, dtype=torch.float32 if i % 4 == 1 else dt) if i % 4 in (1, 3) else None
+    lengths = torch.full((1,), 9, dtype=torch.int32) if i % 3 else None
+    problem = kvcache.KvCacheProblem(
+        q, kc, vc, new, new, rope, rope, lengths, torch.zeros(1, dtype=torch.int32) if i % 5 == 0 and table is None
+        else None, torch.zeros(1, dtype=torch.int32) if i % 3 == 1 else None, table, spec.alibi_slopes, 9, 0.3,
+        spec.window_left, spec.window_right, spec.softcap, i % 8 < 4, 1 + i % 2)
+    return kvcache.plan_kvcache(problem, torch.empty(q.shape, dtype=dt), torch.empty(1, 4, 9))
+
+
 def test_every_planned_launch_is_a_listed_variant_within_its_planned_threads():
     listed = set(variants.all_variants())
     threads = variants.planned_threads()
@@ -120,13 +137,7 @@ def test_every_planned_launch_is_a_listed_variant_within_its_planned_threads():
         plans.append(backward.plan_backward(spec, out, out, lse, torch.randn(lse.shape) if i % 2 else None,
                                             *(empty_in_layout(t) for t in (spec.q, spec.k, spec.v)), dbias,
                                             torch.empty(4) if spec.sinks is not None else None))
-        pb = decode.DecodeProblem(
-            q=spec.q, k_cache=spec.k.transpose(1, 2), v_cache=spec.v.transpose(1, 2), out=out, lse=lse,
-            seqlens_k=torch.full((1,), 11, dtype=torch.int32), leftpad=torch.zeros(1, dtype=torch.int32) if i % 3
-            else None, batch_idx=torch.zeros(1, dtype=torch.int32) if i % 5 == 0 else None, block_table=None,
-            alibi_slopes=spec.alibi_slopes, scale=0.3, window_left=spec.window_left, window_right=spec.window_right,
-            softcap=spec.softcap, max_seqlen_k=11)
-        plans += [decode.plan_decode(pb, num_splits=1 + i % 2)]
+        plans.append(_kvcache_plan(spec, i))
         for plan in plans:
             assert not isinstance(plan, Unsupported), plan
             for launch in plan.launches:

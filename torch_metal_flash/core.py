@@ -35,7 +35,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from . import backends
-from .plan import Plan, Scratch, Unsupported
+from .plan import Plan, Unsupported
 
 __all__ = ["CoreOp", "register", "load", "loaded", "plan_cache_info", "plan_cache_clear", "configure_plan_cache",
            "call_slow"]
@@ -64,6 +64,9 @@ class CoreOp:
     # The autograd formula, as for torch.library.register_autograd (None: not differentiable).
     setup_context: Optional[Callable] = None
     backward: Optional[Callable] = None
+    # Host validation of argument *values* before the kernels run, with TORCH_METAL_FLASH_DEBUG=1
+    # only (it reads device tensors: a GPU synchronisation on MPS).
+    debug_check: Optional[Callable[..., None]] = None
 
 
 _OPS: list[CoreOp] = []
@@ -119,7 +122,7 @@ def _autograd_function(op: CoreOp) -> Callable:
 
 
 def _register_with(ext, index: int) -> None:
-    got = ext.core.register_op(_OPS[index].name)
+    got = ext.core.register_op(_OPS[index].name, _OPS[index].debug_check is not None)
     if got != index:
         raise RuntimeError(f"torch_metal_flash core: {_OPS[index].name} got index {got}, expected {index}")
 
@@ -136,7 +139,8 @@ def load():
             if ext is None or not hasattr(ext, "core"):
                 from . import _core_build
                 ext = _core_build.load()
-            ext.core.init(_on_miss, _reference, _autograd, _current_choice, _emulator_prepare, _emulator_encode)
+            ext.core.init(_on_miss, _reference, _autograd, _debug_check, _current_choice, _emulator_prepare,
+                          _emulator_encode)
             for i in range(len(_OPS)):
                 _register_with(ext, i)
             backends._mirror = ext.core.set_thread_backend
@@ -176,7 +180,7 @@ def run_plan(backend_name: str, plan: Plan) -> None:
     """Encode a plan as it is (tensors and bytes bound directly), through the same encoder as the ops."""
     device = "mps" if backend_name == "metal" else "cpu"
     launches = []
-    for launch in plan.bound_launches():
+    for launch in plan.launches:
         buffers = []
         for i, b in sorted(launch.buffers.items()):
             if not isinstance(b, bytes):
@@ -269,6 +273,10 @@ def _reference(index: int, why: int, reason: str, args: tuple):
     return tuple(_OPS[index].reference(*args))
 
 
+def _debug_check(index: int, args: tuple) -> None:
+    _OPS[index].debug_check(*args)
+
+
 def _autograd(index: int, args: tuple):
     output = _AUTOGRAD[index](*args)
     return (output,) if isinstance(output, torch.Tensor) else output
@@ -288,15 +296,15 @@ def _place(t: torch.Tensor):
 def _template(plan: Plan, args: tuple, outputs: tuple):
     """(scratch, launches) of a plan, each bound tensor named by what it is."""
     named = [(_OUTPUT, i, t) for i, t in enumerate(outputs)] + \
-            [(_ARG, i, t) for i, t in enumerate(args) if isinstance(t, torch.Tensor)]
+            [(_ARG, i, t) for i, t in enumerate(args) if isinstance(t, torch.Tensor)] + \
+            [(_SCRATCH, i, t) for i, t in enumerate(plan.scratch)]
     by_id = {}
     by_place = {}
     for kind, i, t in named:
         by_id.setdefault(id(t), (kind, i))
         if t.untyped_storage().data_ptr() != 0:
             by_place.setdefault(_place(t), (kind, i))
-    scratch: dict = {}
-    scratch_list = []
+    device = outputs[0].device.type if outputs else _device(args).type
     launches = []
     for launch in plan.launches:
         buffers = []
@@ -304,24 +312,18 @@ def _template(plan: Plan, args: tuple, outputs: tuple):
             if isinstance(b, bytes):
                 buffers.append((index, b))
                 continue
-            if isinstance(b, Scratch):
-                if b not in scratch:
-                    scratch[b] = len(scratch_list)
-                    scratch_list.append((b.allocate(), b.fill))
-                buffers.append((index, (_SCRATCH, scratch[b], extent_bytes(scratch_list[scratch[b]][0]))))
-                continue
-            _check_device(launch.kernel, index, b, outputs[0].device.type if outputs else _device(args).type)
+            _check_device(launch.kernel, index, b, device)
             ref = by_id.get(id(b))
             if ref is None and b.untyped_storage().data_ptr() != 0:
                 ref = by_place.get(_place(b))
             if ref is None:
                 raise RuntimeError(f"{launch.kernel}: buffer {index} is neither an argument of the op, an output nor "
-                                   f"Scratch; planners must not derive tensors (see torch_metal_flash.plan)")
+                                   f"the plan's scratch; planners must not derive tensors (see torch_metal_flash.plan)")
             buffers.append((index, (ref[0], ref[1], extent_bytes(b))))
         launches.append((launch.source, launch.kernel, sorted(launch.function_constants.items()), buffers,
                          tuple(launch.threadgroups), tuple(launch.threadgroup),
                          sorted(launch.threadgroup_memory.items())))
-    return scratch_list, launches
+    return list(plan.scratch), launches
 
 
 def _emulator_prepare(source, kernel, constants, threadgroups, threadgroup, threadgroup_memory):

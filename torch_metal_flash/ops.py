@@ -2,7 +2,8 @@
 
 ``fwd`` returns ``(out, lse)``; ``bwd`` returns ``(dq, dk, dv, dbias, dsinks)``.
 Both take the general problem of :mod:`torch_metal_flash.spec` so that the
-SDPA and flash-attn faces map onto them without copies.
+SDPA and flash-attn faces map onto them without copies.  ``fwd_kvcache``
+(``flash_attn_with_kvcache``) appends to a KV cache in place and attends to it.
 
 Their bodies run in the C++ core (:mod:`torch_metal_flash.core`): each op is a
 :class:`~torch_metal_flash.core.CoreOp` (outputs, planner, reference path) and
@@ -23,8 +24,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import backends, core, planner, reference
+from . import backends, core, kvcache_reference, planner, reference
 from .layout import empty_in_layout
+from .planner.kvcache import KvCacheProblem, plan_kvcache
 from .spec import AttentionSpec, make_spec, stats_dtype
 
 
@@ -186,9 +188,67 @@ def _backward(ctx, dout, dlse):
 
 
 # ---------------------------------------------------------------------------
-# The C++ core runs both ops (and fwd's autograd formula when a call needs a graph).
+# fwd_kvcache
+# ---------------------------------------------------------------------------
+
+def _kvcache_buffers(q: Tensor):
+    B, Lq, Hq, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((B, Hq, Lq), dtype=stats_dtype(q.dtype))
+
+
+def _kvcache_outputs(q, *args):
+    return _kvcache_buffers(q)
+
+
+def _kvcache_plan(backend, args: tuple, outputs: tuple):
+    return plan_kvcache(KvCacheProblem(*args), *outputs, family=backend.family, pipeline_info=backend.pipeline_info)
+
+
+def _kvcache_debug_check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                         cache_leftpad, block_table, alibi_slopes, seqlen, scale, window_left, window_right, softcap,
+                         rotary_interleaved, num_splits):
+    kvcache_reference.host_indices(kvcache_reference.Geometry.of(q, k_cache, k, block_table, window_left, window_right),
+                                   cache_seqlens, seqlen, cache_batch_idx, cache_leftpad, block_table, rotary_cos)
+
+
+def _kvcache_reference(*args):
+    out, lse = _kvcache_buffers(args[0])
+    ref_out, ref_lse = kvcache_reference.forward(*args[:-1])  # all but num_splits
+    out.copy_(ref_out)
+    lse.copy_(ref_lse)
+    return out, lse
+
+
+@torch.library.custom_op("metal_flash::fwd_kvcache", mutates_args=("k_cache", "v_cache"))
+def fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v: Optional[Tensor],
+                rotary_cos: Optional[Tensor], rotary_sin: Optional[Tensor], cache_seqlens: Optional[Tensor],
+                cache_batch_idx: Optional[Tensor], cache_leftpad: Optional[Tensor], block_table: Optional[Tensor],
+                alibi_slopes: Optional[Tensor], seqlen: int, scale: float, window_left: int, window_right: int,
+                softcap: float, rotary_interleaved: bool, num_splits: int) -> tuple[Tensor, Tensor]:
+    """``flash_attn_with_kvcache`` as an op: rotary of q and the new ``k``, ``k``/``v``
+    written into ``k_cache``/``v_cache`` **in place** at ``cache_seqlens`` (``seqlen``
+    for every row when None), then q (B, Lq, Hq, D) attends to keys
+    [cache_leftpad, cache_seqlens + seqlen_new) of its cache row, with the band
+    ``window_left/right`` aligned bottom-right per row (causal: window_right = 0;
+    q is rotated per row when a window side is >= 0).  Index tensors are int32;
+    on the kernel path they are read on the GPU only, and out-of-range values are
+    clamped or ignored (shaders/kvcache_index.h); the reference path, and the
+    kernel path in debug mode (``TORCH_METAL_FLASH_DEBUG=1``), validate them on the
+    host.  Returns ``out`` (B, Lq, Hq, D) and ``lse`` (B, Hq, Lq)."""
+    return core.call_slow(FWD_KVCACHE, (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                        cache_batch_idx, cache_leftpad, block_table, alibi_slopes, seqlen, scale,
+                                        window_left, window_right, softcap, rotary_interleaved, num_splits))
+
+
+fwd_kvcache.register_fake(_kvcache_outputs)
+
+
+# ---------------------------------------------------------------------------
+# The C++ core runs the ops (and fwd's autograd formula when a call needs a graph).
 # ---------------------------------------------------------------------------
 
 FWD = core.register(core.CoreOp("metal_flash::fwd", outputs=_fwd_outputs, plan=_fwd_plan, reference=_fwd_reference,
                                 setup_context=_setup_context, backward=_backward))
 BWD = core.register(core.CoreOp("metal_flash::bwd", outputs=_bwd_outputs, plan=_bwd_plan, reference=_bwd_reference))
+FWD_KVCACHE = core.register(core.CoreOp("metal_flash::fwd_kvcache", outputs=_kvcache_outputs, plan=_kvcache_plan,
+                                        reference=_kvcache_reference, debug_check=_kvcache_debug_check))

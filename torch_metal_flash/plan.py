@@ -10,40 +10,23 @@ When the kernels do not cover a configuration, a planner returns an
 :class:`Unsupported` with a human-readable reason instead of a plan.
 
 Every tensor a launch binds is an argument of the op (or a view of one at the
-same storage offset), an output the op allocated, or a :class:`Scratch` buffer
-the plan asks for.  That is what lets the C++ core replay a plan as a template
+same storage offset), an output the op allocated, or scratch the plan allocated
+and lists in :attr:`Plan.scratch` (or a view of it).  That is what lets the C++ core replay a plan as a template
 (``csrc/core``): on a plan-cache hit it binds the new call's arguments and
-outputs and allocates fresh scratch, without calling the planner.  A planner
-therefore never derives tensors (``.to()``, ``.contiguous()``, ``torch.full``):
-the faces convert small vectors before calling the op, and the planner returns
-:class:`Unsupported` for what it cannot bind as given.
+outputs and allocates fresh scratch like the plan's, without calling the
+planner.  A planner therefore never derives tensors from its inputs (``.to()``,
+``.contiguous()``): the faces convert small vectors before calling the op, and
+the planner returns :class:`Unsupported` for what it cannot bind as given.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Union
+from typing import Union
 
 import torch
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class Scratch:
-    """A device buffer a plan uses internally, allocated for every run (left
-    uninitialised, or filled with ``fill``).  The same object bound in several
-    launches of a plan is one buffer."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    device: torch.device
-    fill: Optional[Union[int, float]] = None
-
-    def allocate(self) -> torch.Tensor:
-        if self.fill is None:
-            return torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        return torch.full(self.shape, self.fill, dtype=self.dtype, device=self.device)
-
-
-Bindable = Union[torch.Tensor, Scratch, bytes]
+Bindable = Union[torch.Tensor, bytes]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +38,7 @@ class Launch:
     * ``function_constants`` values are typed by their Python type: ``bool`` ->
       ``constant bool``, ``int`` (32-bit) -> ``constant int``, ``float`` ->
       ``constant float``.
-    * ``buffers`` indices run 0..30.  A tensor (or :class:`Scratch`) is bound at
+    * ``buffers`` indices run 0..30.  A tensor is bound at
       ``storage_offset * element_size`` of its storage; declare it as a ``device``
       pointer (macOS wants 256-byte aligned offsets for ``constant`` buffers).
       ``bytes`` (1..4096 of them, e.g. a packed params struct) are bound by value.
@@ -86,21 +69,9 @@ class Launch:
 @dataclasses.dataclass(frozen=True)
 class Plan:
     launches: tuple[Launch, ...]
-
-    def bound_launches(self) -> list[Launch]:
-        """The launches with each :class:`Scratch` replaced by a tensor allocated
-        for this run (one per Scratch object), for backends that run a plan as is."""
-        scratch: dict = {}
-        out = []
-        for launch in self.launches:
-            buffers = dict(launch.buffers)
-            for index, b in buffers.items():
-                if isinstance(b, Scratch):
-                    if b not in scratch:
-                        scratch[b] = b.allocate()
-                    buffers[index] = scratch[b]
-            out.append(dataclasses.replace(launch, buffers=buffers))
-        return out
+    # Tensors the plan allocated for its own use (e.g. partial results), uninitialised:
+    # fresh ones of the same shape, strides and dtype for every run; launches may bind views.
+    scratch: tuple[torch.Tensor, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

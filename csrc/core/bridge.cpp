@@ -15,7 +15,7 @@ namespace {
 
 // Set once by core.init(); never destroyed (no Python objects die at shutdown).
 struct Callbacks {
-  py::object on_miss, reference, autograd, current_choice, emulator_prepare, emulator_encode;
+  py::object on_miss, reference, autograd, debug_check, current_choice, emulator_prepare, emulator_encode;
 };
 Callbacks* g_callbacks = nullptr;
 
@@ -317,17 +317,9 @@ std::shared_ptr<PlanTemplate> plan(int32_t op_index, const std::string& encoder,
     call->outputs.push_back(std::move(out));
   }
   for (py::handle s : result[2]) {
-    py::tuple pair = py::cast<py::tuple>(s);
-    at::Tensor tensor = py::cast<at::Tensor>(pair[0]);
-    TensorSpec spec(tensor);
-    if (!pair[1].is_none()) {
-      spec.filled = true;
-      spec.fill = PyBool_Check(pair[1].ptr())    ? c10::Scalar(py::cast<bool>(pair[1]))
-                  : PyLong_Check(pair[1].ptr()) ? c10::Scalar(py::cast<int64_t>(pair[1]))
-                                                 : c10::Scalar(py::cast<double>(pair[1]));
-    }
-    t->scratch.push_back(std::move(spec));
-    call->scratch.push_back(std::move(tensor));
+    at::Tensor scratch = py::cast<at::Tensor>(s);
+    t->scratch.emplace_back(scratch);
+    call->scratch.push_back(std::move(scratch));
   }
   for (py::handle l : result[3]) {
     t->launches.push_back(to_launch(l, false));
@@ -354,6 +346,11 @@ std::vector<at::Tensor> reference(int32_t op_index, Why why, const std::string& 
     out.push_back(py::cast<at::Tensor>(t));
   }
   return out;
+}
+
+void debug_check(int32_t op_index, c10::ArrayRef<c10::IValue> args) {
+  py::gil_scoped_acquire gil;
+  callbacks().debug_check(op_index, to_python(args));
 }
 
 std::vector<at::Tensor> autograd(int32_t op_index, c10::ArrayRef<c10::IValue> args) {
@@ -387,17 +384,18 @@ WithoutGil::~WithoutGil() {
 void bind_core(py::module_& parent) {
   py::module_ m = parent.def_submodule("core", "torch_metal_flash's C++ op core (see torch_metal_flash/core.py)");
 
-  m.def("init", [](py::object on_miss, py::object reference, py::object autograd, py::object current_choice,
-                   py::object emulator_prepare, py::object emulator_encode) {
+  m.def("init", [](py::object on_miss, py::object reference, py::object autograd, py::object debug_check,
+                   py::object current_choice, py::object emulator_prepare, py::object emulator_encode) {
     std::lock_guard<std::mutex> lock(g_init_mutex);
     if (g_callbacks == nullptr) {
-      g_callbacks = new Callbacks{on_miss, reference, autograd, current_choice, emulator_prepare, emulator_encode};
+      g_callbacks = new Callbacks{on_miss,      reference,        autograd,       debug_check,
+                                  current_choice, emulator_prepare, emulator_encode};
       g_emulator = std::make_shared<EmulatorEncoder>();
       g_stub = std::make_shared<StubEncoder>();
       set_encoder(Backend::Emulator, g_emulator);
     }
   });
-  m.def("register_op", &core::register_op, py::arg("qualified_name"),
+  m.def("register_op", &core::register_op, py::arg("qualified_name"), py::arg("debug_check") = false,
         "Register the core's kernels for an op defined with torch.library (CPU, MPS and their autograd keys); "
         "returns its index.");
   m.def("set_thread_backend", &core::set_thread_choice, py::arg("name"),

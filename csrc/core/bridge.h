@@ -48,6 +48,9 @@ std::shared_ptr<PlanTemplate> plan(int32_t op_index, const std::string& encoder,
 std::vector<at::Tensor> reference(int32_t op_index, Why why, const std::string& reason,
                                   c10::ArrayRef<c10::IValue> args);
 
+// Validates the argument values on the host (the op's debug check, TORCH_METAL_FLASH_DEBUG=1).
+void debug_check(int32_t op_index, c10::ArrayRef<c10::IValue> args);
+
 // Runs the op's Python autograd formula (a call that needs a graph).
 std::vector<at::Tensor> autograd(int32_t op_index, c10::ArrayRef<c10::IValue> args);
 
@@ -73,7 +76,7 @@ struct CacheInfo {
   bool verify;
 };
 
-int32_t register_op(const std::string& qualified_name);
+int32_t register_op(const std::string& qualified_name, bool debug_check);
 void set_thread_choice(const std::optional<std::string>& name);
 std::vector<at::Tensor> call(int32_t op_index, torch::jit::Stack& args);
 std::optional<std::string> probe(int32_t op_index, const std::string& backend, torch::jit::Stack& args);

@@ -49,6 +49,7 @@ struct OpEntry {
   int32_t index;
   size_t num_args;
   size_t num_returns;
+  bool debug_check;  // validate values on the host in debug mode (bridge::debug_check)
 };
 
 constexpr size_t kMaxOps = 64;
@@ -84,8 +85,8 @@ enum class Choice : int8_t { Unsynced = -2, Env = -1, Auto = 0, Metal, Emulator,
 
 thread_local Choice tls_choice = Choice::Unsynced;
 
-// As backends.requested(): surrounding whitespace and case do not matter.
-Choice parse_choice(const char* text) {
+// An environment value as the Python side reads it: stripped, lower case.
+std::string normalized(const char* text) {
   std::string v(text);
   const auto space = [](char ch) { return std::isspace(static_cast<unsigned char>(ch)) != 0; };
   v.erase(v.begin(), std::find_if_not(v.begin(), v.end(), space));
@@ -93,6 +94,11 @@ Choice parse_choice(const char* text) {
   for (char& ch : v) {
     ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
   }
+  return v;
+}
+
+Choice parse_choice(const char* text) {
+  const std::string v = normalized(text);
   if (v.empty() || v == "auto") return Choice::Auto;
   if (v == "metal") return Choice::Metal;
   if (v == "emulator") return Choice::Emulator;
@@ -114,6 +120,14 @@ Choice requested() {
     c = env ? parse_choice(env) : Choice::Auto;
   }
   return c;
+}
+
+// TORCH_METAL_FLASH_DEBUG, as backends.is_debug() reads it.
+bool debug_mode() {
+  const char* env = std::getenv("TORCH_METAL_FLASH_DEBUG");
+  if (env == nullptr) return false;
+  const std::string v = normalized(env);
+  return !(v.empty() || v == "0" || v == "false" || v == "no");
 }
 
 // The encoder that runs a call on `device`, or nullptr for the Python side:
@@ -320,8 +334,7 @@ void allocate(const PlanTemplate& t, const c10::Device& device, CallTensors& cal
   }
   call.scratch.reserve(t.scratch.size());
   for (const TensorSpec& s : t.scratch) {
-    call.scratch.push_back(s.filled ? at::full(s.sizes, s.fill, options.dtype(s.dtype))
-                                    : at::empty_strided(s.sizes, s.strides, options.dtype(s.dtype)));
+    call.scratch.push_back(at::empty_strided(s.sizes, s.strides, options.dtype(s.dtype)));
   }
 }
 
@@ -413,6 +426,9 @@ std::vector<at::Tensor> run_op(const OpEntry& e, c10::ArrayRef<c10::IValue> args
   if (enc == nullptr) {
     outputs = bridge::reference(e.index, reference ? bridge::Why::Selected : bridge::Why::Route, "", args);
   } else {
+    if (e.debug_check && debug_mode()) {
+      bridge::debug_check(e.index, args);
+    }
     CallTensors call;  // filled by the planner on a miss
     TemplatePtr t = lookup_or_plan(e, *enc, args, &call);
     if (t->kind == PlanKind::Kernels) {
@@ -494,7 +510,7 @@ void clear_plan_cache() { cache().clear(); }
 
 namespace core {
 
-int32_t register_op(const std::string& qualified_name) {
+int32_t register_op(const std::string& qualified_name, bool debug_check) {
   OpTable& t = ops();
   std::lock_guard<std::mutex> lock(t.mutex);
   const size_t n = t.count.load();
@@ -511,7 +527,7 @@ int32_t register_op(const std::string& qualified_name) {
   TORCH_CHECK(handle.has_value(), "torch_metal_flash core: op ", qualified_name, " is not defined (define it first)");
   const c10::FunctionSchema& schema = handle->schema();
   t.entries[n] = OpEntry{*handle, qualified_name, static_cast<int32_t>(n), schema.arguments().size(),
-                         schema.returns().size()};
+                         schema.returns().size(), debug_check};
   for (c10::DispatchKey key : {c10::DispatchKey::CPU, c10::DispatchKey::MPS}) {
     auto lib = std::make_unique<torch::Library>(torch::Library::IMPL, ns, key, __FILE__, __LINE__);
     lib->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunction<&op_body>());

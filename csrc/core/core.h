@@ -48,7 +48,7 @@ struct Constant {
 enum class RefKind : uint8_t {
   Arg,     // the op's argument `source` (a tensor), at its storage offset
   Output,  // the op's output `source`
-  Scratch, // the template's scratch buffer `source`
+  Scratch, // the template's scratch tensor `source`
   Bytes,   // `bytes` by value (a packed params struct)
   Tensor,  // `tensor` itself (one-shot plans run with run_plan only)
 };
@@ -83,20 +83,17 @@ struct LaunchTemplate {
   }
 };
 
+// An output or scratch tensor of a template: allocated per call (uninitialised).
 struct TensorSpec {
   std::vector<int64_t> sizes;
   std::vector<int64_t> strides;
   at::ScalarType dtype = at::kFloat;
-  bool filled = false;  // scratch only: filled with `fill`
-  c10::Scalar fill;
 
   TensorSpec() = default;
-  TensorSpec(const at::Tensor& t) : sizes(t.sizes().vec()), strides(t.strides().vec()), dtype(t.scalar_type()) {}
+  explicit TensorSpec(const at::Tensor& t)
+      : sizes(t.sizes().vec()), strides(t.strides().vec()), dtype(t.scalar_type()) {}
 
-  bool operator==(const TensorSpec& o) const {
-    return sizes == o.sizes && strides == o.strides && dtype == o.dtype && filled == o.filled &&
-           (!filled || (fill.type() == o.fill.type() && fill.toDouble() == o.fill.toDouble()));
-  }
+  bool operator==(const TensorSpec& o) const { return sizes == o.sizes && strides == o.strides && dtype == o.dtype; }
 };
 
 enum class PlanKind : uint8_t {

@@ -64,6 +64,12 @@ def is_strict() -> bool:
     return strict
 
 
+def is_debug() -> bool:
+    """``TORCH_METAL_FLASH_DEBUG=1``: validate index values on the host (kv-cache calls),
+    at the cost of a GPU synchronisation per call on MPS."""
+    return os.environ.get("TORCH_METAL_FLASH_DEBUG", "0").strip().lower() not in ("", "0", "false", "no")
+
+
 @contextlib.contextmanager
 def backend(name: str, *, strict: Optional[bool] = None) -> Iterator[None]:
     """Run the enclosed calls on backend ``name`` (``auto|metal|emulator|reference``).

@@ -80,4 +80,4 @@ class EmulatorBackend:
     def run(self, plan: Plan) -> None:
         self.encode([(self.prepare(launch.source, launch.kernel, launch.function_constants, launch.threadgroups,
                                    launch.threadgroup, launch.threadgroup_memory), dict(launch.buffers))
-                     for launch in plan.bound_launches()])
+                     for launch in plan.launches])

@@ -2,9 +2,9 @@
 
 Pure and backend-agnostic.  The prefill forward lives in :mod:`.forward`
 (tile table :mod:`.tiles`, params mirror :mod:`.params`), the backward in
-:mod:`.backward`, the split-K decode kernels in :mod:`.decode`.  Each checks
-its launches against the backend's pipeline limits before anything runs
-(:mod:`.limits`).
+:mod:`.backward`, the split-K decode kernels in :mod:`.decode`, the KV-cache op
+(append + decode) in :mod:`.kvcache`.  Each checks its launches against the
+backend's pipeline limits before anything runs (:mod:`.limits`).
 """
 from __future__ import annotations
 

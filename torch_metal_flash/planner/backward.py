@@ -18,7 +18,7 @@ reduction runs in a fixed order, so results are bitwise reproducible.
 Tensors are bound as they are (no copies of q/k/v/out/mask): ``dout`` must
 have a contiguous last dim and ``dlse`` be contiguous float32 (the autograd
 formula in :mod:`torch_metal_flash.ops` makes them so); delta and lse2 are
-:class:`~torch_metal_flash.plan.Scratch`.
+the plan's scratch.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from typing import Optional, Union
 
 import torch
 
-from ..plan import Launch, Plan, Scratch, Unsupported
+from ..plan import Launch, Plan, Unsupported
 from ..spec import AttentionSpec
 from .backward_tiles import (DSINKS_KERNEL, DSINKS_THREADS, PRE_ROWS_PER_GROUP, PRE_THREADS, BackwardTiles,
                              backward_candidates, backward_tiles)
@@ -213,8 +213,8 @@ def _plan_tiles(spec: AttentionSpec, dout, out, lse, dlse, dq, dk, dv, dbias, ds
                                    has_band, D == tiles.dq.bd and Dv == tiles.dq.bd, compute_dbias, dlse is not None)
 
     # The only scratch: two float32 vectors of B*Hq*Lq.
-    delta = Scratch((B, Hq, Lq), torch.float32, q.device)
-    lse2 = Scratch((B, Hq, Lq), torch.float32, q.device)
+    delta = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
+    lse2 = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
 
     launches = []
     pre_bufs = {BUF_PRE_DOUT: dout, BUF_PRE_OUT: out, BUF_PRE_LSE: lse, BUF_PRE_DELTA: delta,
@@ -248,7 +248,7 @@ def _plan_tiles(spec: AttentionSpec, dout, out, lse, dlse, dq, dk, dv, dbias, ds
                                buffers={BUF_S_LSE2: lse2, BUF_S_DELTA: delta, BUF_S_SINKS: spec.sinks,
                                         BUF_S_DSINKS: dsinks, BUF_S_PARAMS: params},
                                function_constants=dict(constants)))
-    return Plan(launches=tuple(launches))
+    return Plan(launches=tuple(launches), scratch=(delta, lse2))
 
 
 def backward_tiles_for(spec: AttentionSpec, family: str = "apple8") -> BackwardTiles:

@@ -12,7 +12,7 @@ import dataclasses
 import itertools
 from typing import Iterator
 
-from . import backward, decode, forward
+from . import backward, decode, forward, kvcache
 from .backward_tiles import DSINKS_KERNEL, DSINKS_THREADS, PRE_THREADS, backward_tiles, backward_variants
 from .tiles import DTYPE_NAMES, forward_variants
 
@@ -37,6 +37,7 @@ def kernels() -> dict[str, dict[str, int]]:
                           **{t.kernel: t.threads for t in backward_variants()}, DSINKS_KERNEL: DSINKS_THREADS},
         decode.SOURCE: {**{t.kernel: 32 * decode.row_cap(t.bd) // 8 for t in decode.decode_variants()},
                         **{decode.combine_kernel(DTYPE_NAMES[dt]): 32 * decode.COMBINE_ROWS for dt in dtypes}},
+        kvcache.SOURCE: {kernel: kvcache.MAX_THREADS for kernel in kvcache.append_kernels()},
     }
 
 
@@ -45,7 +46,7 @@ def planned_threads() -> dict[str, int]:
     return {kernel: threads for group in kernels().values() for kernel, threads in group.items()}
 
 
-_PLANNERS = {forward.SOURCE: forward, backward.SOURCE: backward, decode.SOURCE: decode}
+_PLANNERS = {forward.SOURCE: forward, backward.SOURCE: backward, decode.SOURCE: decode, kvcache.SOURCE: kvcache}
 
 
 def _constant_sets(module) -> list[tuple]:
