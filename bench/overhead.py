@@ -14,11 +14,12 @@ stubbed too).
     python bench/overhead.py [--iters N] [--json]
 
 Writes bench/results/overhead.md; ``--json`` prints one JSON object as the last line.
-Timings are medians of 7 rounds; shared machines are noisy, so read the ratios.
+Timings are medians of 7 interleaved rounds (load shifts all rows alike); read the ratios.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import pathlib
 import statistics
@@ -34,27 +35,34 @@ import torch_metal_flash as tmf  # noqa: E402
 from torch_metal_flash import backends, core  # noqa: E402
 
 
-def per_call_us(fn, iters: int, before=None) -> float:
-    for _ in range(max(20, iters // 10)):
-        if before:
-            before()
-        fn()
-    samples = []
-    for _ in range(7):
-        if before is None:
-            start = time.perf_counter()
-            for _ in range(iters):
-                fn()
-            samples.append((time.perf_counter() - start) / iters * 1e6)
-        else:  # time only fn, not the preparation
+def per_call_us(calls: dict, iters: int, rounds: int = 7) -> dict:
+    """Median µs per call of each ``name: (fn, before, context)``: ``before`` (or None) runs
+    untimed before each call, ``context`` (or None) makes the context the calls run in.
+    Rounds interleave the rows, so load on a shared machine shifts every row alike and
+    the ratios hold."""
+    def timed(fn, before, context, n):
+        with context() if context else contextlib.nullcontext():
+            if before is None:
+                start = time.perf_counter()
+                for _ in range(n):
+                    fn()
+                return time.perf_counter() - start
             total = 0.0
-            for _ in range(iters):
+            for _ in range(n):
                 before()
                 start = time.perf_counter()
                 fn()
                 total += time.perf_counter() - start
-            samples.append(total / iters * 1e6)
-    return statistics.median(samples)
+            return total
+
+    samples = {name: [] for name in calls}
+    for fn, before, context in calls.values():
+        timed(fn, before, context, max(20, iters // 10))  # warm up
+    for _ in range(rounds):
+        for name, (fn, before, context) in calls.items():
+            n = iters if before is None else max(1, iters // 10)
+            samples[name].append(timed(fn, before, context, n) / n * 1e6)
+    return {name: statistics.median(s) for name, s in samples.items()}
 
 
 def measure(iters: int) -> tuple[float, dict]:
@@ -73,29 +81,29 @@ def measure(iters: int) -> tuple[float, dict]:
     v1 = torch.randn(1, 1, 1, 64, generator=g).to(torch.float16)
     lens = torch.tensor([40], dtype=torch.int32)
 
-    results = {"torch_sdpa": per_call_us(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), iters)}
     core.configure_plan_cache(verify=False)  # (the test suite's verify mode re-plans every hit)
     emulator = backends.instance("emulator")
     core.use_stub_encoder(True)
-    emulator.encode = lambda launches: None  # plan runs outside the core (none for fwd/bwd)
+    emulator.encode = lambda launches: None  # plan runs outside the core (none for these calls)
     try:
         with tmf.backend("emulator"):
             out, lse = fwd(*fwd_args)
             dout = torch.randn(out.shape, generator=g).to(out.dtype)
             bwd_args = (dout, q, k, v, out, lse, None, None, None, None, 0.125, 0, -1, 0, 0.0, False)
-            results["op_hit"] = per_call_us(lambda: fwd(*fwd_args), iters)
-            results["op_miss"] = per_call_us(lambda: fwd(*fwd_args), max(1, iters // 10),
-                                             before=lambda: core.plan_cache_clear(reset_counters=False))
-            results["scaled_dot_product_attention"] = per_call_us(
-                lambda: tmf.scaled_dot_product_attention(q, k, v, is_causal=True), iters)
-            results["flash_attn_func"] = per_call_us(lambda: tmf.flash_attn_func(qf, kf, vf, causal=True), iters)
-            with tmf.sdpa_override():
-                results["sdpa_override"] = per_call_us(
-                    lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), iters)
-            results["backward"] = per_call_us(lambda: bwd(*bwd_args), iters)
-            results["decode"] = per_call_us(
-                lambda: tmf.flash_attn_with_kvcache(q1, k_cache, v_cache, k=k1, v=v1, cache_seqlens=lens, causal=True),
-                iters)
+            sdpa = (lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), None)
+            calls = {
+                "torch_sdpa": (*sdpa, None),
+                "op_hit": (lambda: fwd(*fwd_args), None, None),
+                "op_miss": (lambda: fwd(*fwd_args), lambda: core.plan_cache_clear(reset_counters=False), None),
+                "scaled_dot_product_attention": (lambda: tmf.scaled_dot_product_attention(q, k, v, is_causal=True),
+                                                 None, None),
+                "flash_attn_func": (lambda: tmf.flash_attn_func(qf, kf, vf, causal=True), None, None),
+                "sdpa_override": (*sdpa, tmf.sdpa_override),  # routes CPU calls while the emulator is selected
+                "backward": (lambda: bwd(*bwd_args), None, None),
+                "decode": (lambda: tmf.flash_attn_with_kvcache(q1, k_cache, v_cache, k=k1, v=v1, cache_seqlens=lens,
+                                                                causal=True), None, None),
+            }
+            results = per_call_us(calls, iters)
             runs = tmf.run_counts(reset=True)
     finally:
         core.use_stub_encoder(False)

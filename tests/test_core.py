@@ -236,3 +236,17 @@ def test_concurrent_calls():
         core.use_stub_encoder(False)  # (drops the cache)
     assert not errors and tmf.run_counts(reset=True) == {"stub": 80}
     assert info["size"] == 2 and info["hits"] + info["misses"] == 80
+
+
+def test_mutating_op_bumps_the_versions_of_what_it_writes():
+    """A call of a mutating op that needs no graph skips torch.library's (Python)
+    ADInplaceOrView kernel: the core bumps the written arguments' versions itself."""
+    g = torch.Generator().manual_seed(9)
+    k_cache, v_cache = torch.zeros(1, 8, 1, 16), torch.zeros(1, 8, 1, 16)
+    q, k, v = (torch.randn(1, 1, h, 16, generator=g) for h in (2, 1, 1))
+    versions = k_cache._version, v_cache._version
+    with tmf.backend("emulator", strict=True), torch.no_grad():
+        tmf.flash_attn_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=torch.tensor([3], dtype=torch.int32))
+    assert k_cache._version > versions[0] and v_cache._version > versions[1]
+    assert torch.equal(k_cache[0, 3], k[0, 0]) and torch.equal(v_cache[0, 3], v[0, 0])
+    assert tmf.run_counts(reset=True) == {"emulator": 1}

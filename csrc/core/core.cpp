@@ -9,6 +9,7 @@
 #include <ATen/core/grad_mode.h>
 #include <ATen/core/stack.h>
 #include <c10/core/StorageImpl.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -50,6 +51,7 @@ struct OpEntry {
   size_t num_args;
   size_t num_returns;
   bool debug_check;  // validate values on the host in debug mode (bridge::debug_check)
+  std::vector<size_t> written;  // arguments the schema declares mutable (Tensor(a!))
 };
 
 constexpr size_t kMaxOps = 64;
@@ -448,9 +450,10 @@ std::vector<at::Tensor> run_op(const OpEntry& e, c10::ArrayRef<c10::IValue> args
 }
 
 // The boxed kernel registered for the AutogradCPU and AutogradMPS keys: a call
-// that needs no graph goes straight on in C++; one that does runs the op's
-// Python autograd formula (torch_metal_flash.core: an autograd.Function around
-// the op).  Other devices keep torch.library's Python autograd kernel.
+// that needs no graph goes straight on in C++ (for a mutating op, past
+// ADInplaceOrView too, doing its version bumps here); one that does runs the
+// op's Python autograd formula (torch_metal_flash.core: an autograd.Function
+// around the op).  Other devices keep torch.library's Python kernels.
 void autograd_body(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   const OpEntry& e = entry_for(op);
   const c10::ArrayRef<c10::IValue> args = torch::jit::last(*stack, e.num_args);
@@ -460,9 +463,27 @@ void autograd_body(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torc
       needs_graph |= v.isTensor() && v.toTensor().defined() && v.toTensor().requires_grad();
     }
   }
-  if (!needs_graph) {
-    at::AutoDispatchBelowAutograd guard;  // ADInplaceOrView still runs (version bumps of mutated arguments)
+  if (!needs_graph && e.written.empty()) {
+    at::AutoDispatchBelowAutograd guard;
     op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
+    return;
+  }
+  if (!needs_graph) {
+    // Also do what an ADInplaceOrView kernel does (torch.library's is Python, and slow):
+    // bump the versions of the arguments the op writes.
+    c10::SmallVector<at::Tensor, 4> written;
+    for (size_t i : e.written) {
+      if (args[i].isTensor() && args[i].toTensor().defined()) {
+        written.push_back(args[i].toTensor());
+      }
+    }
+    {
+      at::AutoDispatchBelowADInplaceOrView guard;
+      op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
+    }
+    for (const at::Tensor& t : written) {
+      torch::autograd::impl::bump_version(t);
+    }
     return;
   }
   std::vector<at::Tensor> outputs = bridge::autograd(e.index, args);
@@ -526,8 +547,15 @@ int32_t register_op(const std::string& qualified_name, bool debug_check) {
   auto handle = c10::Dispatcher::singleton().findSchema({qualified_name, ""});
   TORCH_CHECK(handle.has_value(), "torch_metal_flash core: op ", qualified_name, " is not defined (define it first)");
   const c10::FunctionSchema& schema = handle->schema();
+  std::vector<size_t> written;
+  for (size_t i = 0; i < schema.arguments().size(); ++i) {
+    const c10::AliasInfo* alias = schema.arguments()[i].alias_info();
+    if (alias != nullptr && alias->isWrite()) {
+      written.push_back(i);
+    }
+  }
   t.entries[n] = OpEntry{*handle, qualified_name, static_cast<int32_t>(n), schema.arguments().size(),
-                         schema.returns().size(), debug_check};
+                         schema.returns().size(), debug_check, std::move(written)};
   for (c10::DispatchKey key : {c10::DispatchKey::CPU, c10::DispatchKey::MPS}) {
     auto lib = std::make_unique<torch::Library>(torch::Library::IMPL, ns, key, __FILE__, __LINE__);
     lib->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunction<&op_body>());
