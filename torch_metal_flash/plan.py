@@ -11,10 +11,10 @@ When the kernels do not cover a configuration, a planner returns an
 
 Every tensor a launch binds is an argument of the op (or a view of one at the
 same storage offset), an output the op allocated, or scratch the plan allocated
-and lists in :attr:`Plan.scratch` (or a view of it).  That is what lets the C++ core replay a plan as a template
-(``csrc/core``): on a plan-cache hit it binds the new call's arguments and
-outputs and allocates fresh scratch like the plan's, without calling the
-planner.  A planner therefore never derives tensors from its inputs (``.to()``,
+and lists in :attr:`Plan.scratch` (or a view of it).  That is what lets the C++
+core replay a plan as a template (``csrc/core``): on a plan-cache hit it binds
+the new call's arguments and outputs and allocates fresh scratch like the
+plan's, without calling the planner.  A planner therefore never derives tensors from its inputs (``.to()``,
 ``.contiguous()``): the faces convert small vectors before calling the op, and
 the planner returns :class:`Unsupported` for what it cannot bind as given.
 """
@@ -24,7 +24,6 @@ import dataclasses
 from typing import Union
 
 import torch
-
 
 Bindable = Union[torch.Tensor, bytes]
 

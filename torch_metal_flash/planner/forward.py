@@ -97,7 +97,7 @@ def check_problem(spec: AttentionSpec) -> Optional[str]:
         if tuple(s.shape) != (Hq,):
             return f"sinks must be (Hq,), got {tuple(s.shape)}"
         if s.dtype != torch.float32 or not s.is_contiguous():
-            return f"sinks must be a contiguous float32 vector for the kernels, got {s.dtype} with stride {s.stride()}"
+            return f"sinks must be a contiguous float32 vector for the kernels, got {s.dtype}, strides {s.stride()}"
     if not (math.isfinite(spec.scale) and math.isfinite(spec.softcap)) or spec.softcap < 0:
         return "scale and softcap must be finite (softcap >= 0)"
     return None
