@@ -52,9 +52,13 @@ def extension():
     if not torch.backends.mps.is_built():
         return [], {}, torch.__version__, f"torch {torch.__version__} was built without MPS"
     from torch.utils.cpp_extension import BuildExtension, CppExtension
+    # The Metal launcher plus the C++ op core it is the Metal encoder of (csrc/core/module.cpp is
+    # the core's own module for builds without Metal; torch_metal_flash/_core_build.py).
+    core = sorted(os.path.join("csrc", "core", f) for f in os.listdir(os.path.join("csrc", "core"))
+                  if f.endswith(".cpp") and f != "module.cpp")
     ext = CppExtension(
         "torch_metal_flash._C",
-        sources=["csrc/metal/launcher.mm"],
+        sources=["csrc/metal/launcher.mm"] + core,
         extra_compile_args={"cxx": ["-std=c++17", "-ObjC++", "-fobjc-arc"]},
         extra_link_args=["-framework", "Metal", "-framework", "Foundation"],
     )

@@ -6,6 +6,7 @@ debug mode that reports them.  Kernel tests run in the emulator in checked mode
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import itertools
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import kvcache_oracle  # noqa: E402
 from test_kvcache import check_call, make_case  # noqa: E402
-from torch_metal_flash import backends, emulator  # noqa: E402
+from torch_metal_flash import backends, core, emulator  # noqa: E402
 from torch_metal_flash.backends.emulator import EmulatorBackend  # noqa: E402
 from torch_metal_flash.kvcache import apply_rotary, flash_attn_with_kvcache  # noqa: E402
 from torch_metal_flash.planner import kvcache as kv_planner  # noqa: E402
@@ -157,15 +158,15 @@ def test_compiled_decode_step_static_cache_runs_on_the_kernels(paged, monkeypatc
     def decode(fn):
         kc, vc, sl = k_cache.clone(), v_cache.clone(), start.clone()
         bound = []
-        run = EmulatorBackend.run
+        encode = EmulatorBackend.encode
 
-        def spy(self, plan):
-            bound.append(plan.launches[0].buffers[kv_planner.BUF_K_CACHE].data_ptr())
-            return run(self, plan)
+        def spy(self, launches):  # the op core's emulator encoder: raw memory of the bound tensors
+            bound.append(ctypes.addressof(launches[0][1][kv_planner.BUF_K_CACHE]))
+            return encode(self, launches)
         backends.run_counts(reset=True)
         with backends.backend("emulator", strict=True), emulator.settings(checked=True, order="reverse"), \
                 pytest.MonkeyPatch.context() as mp:
-            mp.setattr(EmulatorBackend, "run", spy)
+            mp.setattr(EmulatorBackend, "encode", spy)
             outs = [fn(q, k, v, kc, vc, sl) for q, k, v in tokens]
         assert backends.run_counts() == {"emulator": steps}
         assert bound == [kc.data_ptr()] * steps
@@ -198,7 +199,7 @@ def test_op_opcheck():
             torch.library.opcheck(torch.ops.metal_flash.fwd_kvcache.default, a)
 
 
-def test_append_pipeline_limit_falls_back_before_any_launch(monkeypatch):
+def test_append_pipeline_limit_falls_back_before_any_launch(monkeypatch, request):
     """An append pipeline that allows fewer threads than the head dim needs: the whole
     call falls back (one warning, caches written once, by the reference path)."""
     info = EmulatorBackend.pipeline_info
@@ -210,6 +211,8 @@ def test_append_pipeline_limit_falls_back_before_any_launch(monkeypatch):
         return limits
     monkeypatch.setattr(EmulatorBackend, "pipeline_info", lowered)
     monkeypatch.setattr(backends, "_warned", set())
+    core.plan_cache_clear()  # limits are checked when planning: on plan-cache misses
+    request.addfinalizer(core.plan_cache_clear)
     kw = make_case(seed=91, dtype="f16", B=2, Lq=1, Hq=4, Hkv=2, D=64, cap=12, lnew=1, causal=True)
     with pytest.raises(backends.UnsupportedError, match="kvcache_append_f16_rf16 needs 64 threads"):
         with backends.backend("emulator", strict=True):

@@ -5,11 +5,13 @@ kernels (as Apple's compiler lowers ``maxTotalThreadsPerThreadgroup`` for
 register-heavy kernels): the planners pick a variant that fits, or the op
 falls back with the one-time warning before any launch of the plan ran.
 """
+import types
+
 import pytest
 import torch
 
 import torch_metal_flash as tmf
-from torch_metal_flash import backends
+from torch_metal_flash import backends, core
 from torch_metal_flash.backends.emulator import EmulatorBackend
 from torch_metal_flash.plan import Launch, Plan, Unsupported
 from torch_metal_flash.planner import limits
@@ -27,16 +29,18 @@ def fresh_warnings(monkeypatch):
 
 
 @pytest.fixture
-def lowered(monkeypatch):
+def lowered(monkeypatch, request):
     """``lowered({kernel prefix: {key: value}})``: the emulator reports those limits;
-    returns the list of plans the backend ran."""
+    returns the list of plans the backend ran (each with its launches' kernel and grid)."""
     ran = []
-    original_run = EmulatorBackend.run
+    original_encode = EmulatorBackend.encode
     original_info = EmulatorBackend.pipeline_info
 
-    def run(self, plan):
-        ran.append(plan)
-        return original_run(self, plan)
+    def encode(self, launches):  # what the C++ core's emulator encoder calls, per plan
+        ran.append(types.SimpleNamespace(launches=[
+            types.SimpleNamespace(kernel=kernel.name, threadgroup=tg, threadgroups=tuple(g // t for g, t in zip(grid, tg)))
+            for (kernel, grid, tg, _), _ in launches]))
+        return original_encode(self, launches)
 
     def install(overrides):
         def pipeline_info(self, source, kernel, function_constants):
@@ -46,7 +50,9 @@ def lowered(monkeypatch):
                     info.update(values)
             return info
         monkeypatch.setattr(EmulatorBackend, "pipeline_info", pipeline_info)
-        monkeypatch.setattr(EmulatorBackend, "run", run)
+        monkeypatch.setattr(EmulatorBackend, "encode", encode)
+        core.plan_cache_clear()  # plans are made (and limits checked) on plan-cache misses
+        request.addfinalizer(core.plan_cache_clear)
         return ran
     return install
 

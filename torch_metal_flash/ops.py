@@ -4,9 +4,20 @@
 Both take the general problem of :mod:`torch_metal_flash.spec` so that the
 SDPA and flash-attn faces map onto them without copies.  ``fwd_kvcache``
 (``flash_attn_with_kvcache``) appends to a KV cache in place and attends to it.
-Each call plans the kernels for the selected backend and falls back to the
-reference path (with a one-time warning naming the reason) when the kernels do
-not cover it.
+
+Their bodies run in the C++ core (:mod:`torch_metal_flash.core`): each op is a
+:class:`~torch_metal_flash.core.CoreOp` (outputs, planner, reference path) and
+a call replays a cached launch template, planning once per problem signature;
+configurations the kernels do not cover fall back to the reference path with a
+one-time warning naming the reason.  The Python bodies below only serve devices
+the core does not (CUDA ...) and hand the first kernel call over to the core.
+
+Schema notes: the kernels take ``alibi_slopes`` as float32 and ``sinks`` as a
+contiguous float32 vector (other dtypes take the reference path; the faces
+convert), and ``bwd`` takes ``dout`` with a contiguous last dim and a
+contiguous ``dlse`` (the autograd formula makes them so).  ``fwd`` and
+``fwd_kvcache`` also take K/V (caches) in float16 / bfloat16 under a float32 q
+(mixed precision, on the decode kernels).
 
 Quantized K/V (:mod:`torch_metal_flash.quant`, inference only) have their own
 ops, each the plain op's arguments with ``k``/``v`` (``k_cache``/``v_cache``)
@@ -21,22 +32,17 @@ the format ``kv_bits, kv_group_size, kv_dtype`` (dtype code of
   k_cache_biases, v_cache_scales, v_cache_biases, kv_bits, kv_group_size,
   kv_dtype) -> (out, lse)``, mutating the caches' data, scales and biases (the
   new rows are quantized by the append kernel).
-
-``fwd`` and ``fwd_kvcache`` also take K/V (caches) in float16 / bfloat16 under a
-float32 q (mixed precision, on the decode kernels).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-import dataclasses
-
-from . import backends, kvcache_reference, planner, reference
+from . import backends, core, kvcache_reference, planner, reference
 from .layout import empty_in_layout
-from .plan import Unsupported
 from .planner.kvcache import KvCacheProblem, plan_kvcache
 from .quant import from_flat
 from .spec import AttentionSpec, make_spec, stats_dtype
@@ -52,44 +58,52 @@ def unsupported_reason(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offs
                        softcap) -> Optional[str]:
     """None when the selected backend would run the kernels for this call (and,
     when an input requires grad, for its backward); else why the op would take
-    the reference path.  Plans without launching, warns about nothing."""
+    the reference path.  Answered from the plan cache; warns about nothing."""
     backend, why = backends.select(q.device)
     if backend is None:
         return why or "the reference backend is selected"
-    spec = _spec(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right,
-                 softcap)
-    family = getattr(backend, "family", "apple8")
-    out, lse = _fwd_buffers(q, v)
-    plan = planner.plan_forward(spec, out, lse, family=family, pipeline_info=backend.pipeline_info)
-    if isinstance(plan, Unsupported):
-        return plan.reason
+    args = (q, k, v, attn_mask, alibi_slopes, sinks, float(scale), int(diag_offset), int(window_left),
+            int(window_right), float(softcap))
+    reason = core.probe(FWD, backend.name, args)
+    if reason is not None:
+        return reason
     tensors = (q, k, v, attn_mask, sinks)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        out, lse = _fwd_outputs(*args)
         compute_dbias = attn_mask is not None and attn_mask.requires_grad
-        plan = planner.plan_backward(spec, torch.empty_like(out), out, lse, None,
-                                        *_bwd_buffers(spec, compute_dbias), family=family,
-                                        pipeline_info=backend.pipeline_info)
-        if isinstance(plan, Unsupported):
-            return f"backward: {plan.reason}"
+        reason = core.probe(BWD, backend.name, (torch.empty_like(out), q, k, v, out, lse, None, *args[3:],
+                                                compute_dbias))
+        if reason is not None:
+            return f"backward: {reason}"
     return None
 
 
-def _run_kernels(spec: AttentionSpec, plan_name: str, *plan_args) -> bool:
-    """Plan and run on the selected backend; False means: use the reference path."""
-    backend = backends.resolve(spec.q.device)
-    if backend is not None and spec.q.numel() > 0 and spec.seqlen_k > 0:
-        # The tile tables are per GPU family; the emulator plans like an M2 ("apple8").
-        family = getattr(backend, "family", "apple8")
-        # Launches are checked against the pipelines' limits here, before any is encoded.
-        plan = getattr(planner, plan_name)(spec, *plan_args, family=family, pipeline_info=backend.pipeline_info)
-        if not isinstance(plan, Unsupported):
-            backend.run(plan)
-            backends.record_run(backend.name)
-            return True
-        backends.fallback(plan.reason)
-    # Also empty problems: nothing for a kernel to do, the reference fills zeros / lse.
-    backends.record_run("reference")
-    return False
+# ---------------------------------------------------------------------------
+# fwd
+# ---------------------------------------------------------------------------
+
+def _fwd_buffers(q: Tensor, v: Tensor):
+    return empty_in_layout(q, v.shape[-1]), q.new_empty(q.shape[:3], dtype=stats_dtype(q.dtype))
+
+
+def _fwd_outputs(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right, softcap):
+    return _fwd_buffers(q, v)
+
+
+def _fwd_plan(backend, args: tuple, outputs: tuple):
+    spec = _spec(*args)
+    if spec.q.numel() == 0 or spec.seqlen_k == 0:
+        return None  # nothing for a kernel to do: the reference fills zeros / lse
+    # Launches are checked against the pipelines' limits here, before any is encoded.
+    return planner.plan_forward(spec, *outputs, family=backend.family, pipeline_info=backend.pipeline_info)
+
+
+def _fwd_reference(*args):
+    out, lse = _fwd_outputs(*args)
+    ref_out, ref_lse = reference.forward(_spec(*args))
+    out.copy_(ref_out)
+    lse.copy_(ref_lse)
+    return out, lse
 
 
 @torch.library.custom_op("metal_flash::fwd", mutates_args=())
@@ -97,23 +111,48 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], alibi_slop
         sinks: Optional[Tensor], scale: float, diag_offset: int, window_left: int, window_right: int,
         softcap: float) -> tuple[Tensor, Tensor]:
     """Attention forward on (B, H, L, D)-indexed tensors; see :mod:`torch_metal_flash.spec`."""
-    spec = _spec(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right,
-                 softcap)
-    out, lse = _fwd_buffers(q, v)
-    if not _run_kernels(spec, "plan_forward", out, lse):
-        ref_out, ref_lse = reference.forward(spec)
-        out.copy_(ref_out)
-        lse.copy_(ref_lse)
-    return out, lse
+    return core.call_slow(FWD, (q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left,
+                                window_right, softcap))
 
 
-def _fwd_buffers(q: Tensor, v: Tensor):
-    return empty_in_layout(q, v.shape[-1]), q.new_empty(q.shape[:3], dtype=stats_dtype(q.dtype))
+fwd.register_fake(_fwd_outputs)
 
 
-@fwd.register_fake
-def _(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right, softcap):
-    return _fwd_buffers(q, v)
+# ---------------------------------------------------------------------------
+# bwd
+# ---------------------------------------------------------------------------
+
+def _bwd_buffers(spec: AttentionSpec, compute_dbias: bool):
+    q = spec.q
+    B, H, Lq, Lk = spec.batch, spec.heads, spec.seqlen_q, spec.seqlen_k
+    return (empty_in_layout(q), empty_in_layout(spec.k), empty_in_layout(spec.v),
+            q.new_empty((B, H, Lq, Lk) if compute_dbias else (0,), dtype=stats_dtype(q.dtype)),
+            q.new_empty((H,) if spec.sinks is not None else (0,), dtype=stats_dtype(q.dtype)))
+
+
+def _bwd_outputs(dout, q, k, v, out, lse, dlse, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left,
+                 window_right, softcap, compute_dbias):
+    return _bwd_buffers(_spec(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left,
+                              window_right, softcap), compute_dbias)
+
+
+def _bwd_plan(backend, args: tuple, outputs: tuple):
+    dout, q, k, v, out, lse, dlse = args[:7]
+    spec = _spec(q, k, v, *args[7:15])
+    if q.numel() == 0 or spec.seqlen_k == 0:
+        return None
+    return planner.plan_backward(spec, dout, out, lse, dlse, *outputs, family=backend.family,
+                                 pipeline_info=backend.pipeline_info)
+
+
+def _bwd_reference(*args):
+    dout, q, k, v, out, lse, dlse = args[:7]
+    compute_dbias = args[15]
+    grads = _bwd_outputs(*args)
+    for buf, ref in zip(grads, reference.backward(_spec(q, k, v, *args[7:15]), dout, out, lse, dlse,
+                                                  compute_dbias)):
+        buf.copy_(ref)
+    return grads
 
 
 @torch.library.custom_op("metal_flash::bwd", mutates_args=())
@@ -124,30 +163,16 @@ def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
     """Gradients of :func:`fwd`: ``dq, dk, dv`` in the inputs' dtypes and layouts,
     ``dbias`` (B, H, Lq, Lk) when ``compute_dbias`` else empty, ``dsinks`` (H,)
     when ``sinks`` is given else empty; both float32 (float64 for float64 inputs)."""
-    spec = _spec(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right,
-                 softcap)
-    grads = _bwd_buffers(spec, compute_dbias)
-    if not _run_kernels(spec, "plan_backward", dout, out, lse, dlse, *grads):
-        for buf, ref in zip(grads, reference.backward(spec, dout, out, lse, dlse, compute_dbias)):
-            buf.copy_(ref)
-    return grads
+    return core.call_slow(BWD, (dout, q, k, v, out, lse, dlse, attn_mask, alibi_slopes, sinks, scale, diag_offset,
+                                window_left, window_right, softcap, compute_dbias))
 
 
-def _bwd_buffers(spec: AttentionSpec, compute_dbias: bool):
-    q = spec.q
-    B, H, Lq, Lk = spec.batch, spec.heads, spec.seqlen_q, spec.seqlen_k
-    return (empty_in_layout(q), empty_in_layout(spec.k), empty_in_layout(spec.v),
-            q.new_empty((B, H, Lq, Lk) if compute_dbias else (0,), dtype=stats_dtype(q.dtype)),
-            q.new_empty((H,) if spec.sinks is not None else (0,), dtype=stats_dtype(q.dtype)))
+bwd.register_fake(_bwd_outputs)
 
 
-@bwd.register_fake
-def _(dout, q, k, v, out, lse, dlse, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left,
-      window_right, softcap, compute_dbias):
-    spec = _spec(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right,
-                 softcap)
-    return _bwd_buffers(spec, compute_dbias)
-
+# ---------------------------------------------------------------------------
+# autograd
+# ---------------------------------------------------------------------------
 
 _FWD_ARGS = ("q", "k", "v", "attn_mask", "alibi_slopes", "sinks", "scale", "diag_offset", "window_left",
              "window_right", "softcap")
@@ -168,6 +193,10 @@ def _backward(ctx, dout, dlse):
         raise NotImplementedError("metal_flash.fwd: gradients for alibi_slopes are not supported")
     if dout is None:
         dout = torch.zeros_like(out)
+    elif dout.shape[-1] > 1 and dout.stride(-1) != 1:
+        dout = dout.contiguous()  # e.g. the expanded gradient of a sum(): the kernels read rows
+    if dlse is not None:
+        dlse = dlse.contiguous()
     compute_dbias = bool(needs["attn_mask"])
     dq, dk, dv, dbias, dsinks = torch.ops.metal_flash.bwd(
         dout, q, k, v, out, lse, dlse, attn_mask, alibi_slopes, sinks, *ctx.scalars, compute_dbias)
@@ -176,7 +205,44 @@ def _backward(ctx, dout, dlse):
     return dq, dk, dv, dmask, None, dsinks, None, None, None, None, None
 
 
-torch.library.register_autograd("metal_flash::fwd", _backward, setup_context=_setup_context)
+# ---------------------------------------------------------------------------
+# fwd_kvcache
+# ---------------------------------------------------------------------------
+
+def _kvcache_buffers(q: Tensor):
+    B, Lq, Hq, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((B, Hq, Lq), dtype=stats_dtype(q.dtype))
+
+
+def _kvcache_outputs(q, *args):
+    return _kvcache_buffers(q)
+
+
+def _kvcache_plan(backend, args: tuple, outputs: tuple):
+    return _kvcache_problem_plan(KvCacheProblem(*args), backend, outputs)
+
+
+def _kvcache_problem_plan(problem: KvCacheProblem, backend, outputs: tuple):
+    return plan_kvcache(problem, *outputs, family=backend.family, pipeline_info=backend.pipeline_info)
+
+
+def _kvcache_debug_check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                         cache_leftpad, block_table, alibi_slopes, seqlen, scale, window_left, window_right, softcap,
+                         rotary_interleaved, num_splits):
+    kvcache_reference.host_indices(kvcache_reference.Geometry.of(q, k_cache, k, block_table, window_left, window_right),
+                                   cache_seqlens, seqlen, cache_batch_idx, cache_leftpad, block_table, rotary_cos)
+
+
+def _kvcache_reference(*args):
+    return _kvcache_problem_reference(KvCacheProblem(*args))
+
+
+def _kvcache_problem_reference(problem: KvCacheProblem):
+    out, lse = _kvcache_buffers(problem.q)
+    ref_out, ref_lse = kvcache_reference.forward(*problem[:-1])  # all but num_splits
+    out.copy_(ref_out)
+    lse.copy_(ref_lse)
+    return out, lse
 
 
 @torch.library.custom_op("metal_flash::fwd_kvcache", mutates_args=("k_cache", "v_cache"))
@@ -195,50 +261,51 @@ def fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor]
     clamped or ignored (shaders/kvcache_index.h); the reference path, and the
     kernel path in debug mode (``TORCH_METAL_FLASH_DEBUG=1``), validate them on the
     host.  Returns ``out`` (B, Lq, Hq, D) and ``lse`` (B, Hq, Lq)."""
-    return _kvcache(KvCacheProblem(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                                   cache_leftpad, block_table, alibi_slopes, seqlen, scale, window_left, window_right,
-                                   softcap, rotary_interleaved, num_splits))
+    return core.call_slow(FWD_KVCACHE, (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                        cache_batch_idx, cache_leftpad, block_table, alibi_slopes, seqlen, scale,
+                                        window_left, window_right, softcap, rotary_interleaved, num_splits))
 
 
-def _kvcache(problem: KvCacheProblem):
-    """The body of both KV-cache ops (caches plain or QuantizedTensor)."""
-    q = problem.q
-    out, lse = _kvcache_buffers(q)
-    backend = backends.resolve(q.device)
-    if backend is not None:
-        if backends.is_debug():  # a GPU synchronisation on MPS: opt-in only
-            p = problem
-            kvcache_reference.host_indices(
-                kvcache_reference.Geometry.of(q, p.k_cache, p.k, p.block_table, p.window_left, p.window_right),
-                p.cache_seqlens, p.seqlen, p.cache_batch_idx, p.cache_leftpad, p.block_table, p.rotary_cos)
-        plan = plan_kvcache(problem, out, lse, family=getattr(backend, "family", "apple8"),
-                            pipeline_info=backend.pipeline_info)
-        if not isinstance(plan, Unsupported):
-            backend.run(plan)
-            backends.record_run(backend.name)
-            return out, lse
-        backends.fallback(plan.reason)
-    backends.record_run("reference")
-    ref_out, ref_lse = kvcache_reference.forward(*problem[:-1])
+fwd_kvcache.register_fake(_kvcache_outputs)
+
+
+# ---------------------------------------------------------------------------
+# Quantized K/V (inference only): each quantized tensor enters flat, as its data,
+# scales and biases, then the format (the schemas know no dtype type).
+# ---------------------------------------------------------------------------
+
+def _quantized_spec(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right, softcap,
+                    k_scales, k_biases, v_scales, v_biases, kv_bits, kv_group_size, kv_dtype) -> AttentionSpec:
+    return _spec(q, from_flat(k, k_scales, k_biases, kv_bits, kv_group_size, kv_dtype),
+                 from_flat(v, v_scales, v_biases, kv_bits, kv_group_size, kv_dtype), attn_mask, alibi_slopes, sinks,
+                 scale, diag_offset, window_left, window_right, softcap)
+
+
+def _quantized_outputs(*args):
+    spec = _quantized_spec(*args)
+    return _fwd_buffers(spec.q, spec.v)
+
+
+def _quantized_plan(backend, args: tuple, outputs: tuple):
+    spec = _quantized_spec(*args)
+    if spec.q.numel() == 0 or spec.seqlen_k == 0:
+        return None
+    return planner.plan_forward(spec, *outputs, family=backend.family, pipeline_info=backend.pipeline_info)
+
+
+def _quantized_reference(*args):
+    spec = _quantized_spec(*args)
+    out, lse = _fwd_buffers(spec.q, spec.v)
+    ref_out, ref_lse = reference.forward(dataclasses.replace(spec, k=spec.k.dequantize(), v=spec.v.dequantize()))
     out.copy_(ref_out)
     lse.copy_(ref_lse)
     return out, lse
 
 
-def _kvcache_buffers(q: Tensor):
-    B, Lq, Hq, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((B, Hq, Lq), dtype=stats_dtype(q.dtype))
+def _quantized_no_backward(ctx, *grads):
+    raise RuntimeError("metal_flash::fwd_quantized is inference-only: quantized K/V have no gradient (run under "
+                       "torch.no_grad(), or attend to dequantize()d tensors to train)")
 
-
-@fwd_kvcache.register_fake
-def _(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
-      alibi_slopes, seqlen, scale, window_left, window_right, softcap, rotary_interleaved, num_splits):
-    return _kvcache_buffers(q)
-
-
-# ---------------------------------------------------------------------------
-# Quantized K/V (inference only): the ops take each quantized tensor flat.
-# ---------------------------------------------------------------------------
 
 @torch.library.custom_op("metal_flash::fwd_quantized", mutates_args=())
 def fwd_quantized(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], alibi_slopes: Optional[Tensor],
@@ -247,32 +314,21 @@ def fwd_quantized(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], 
                   v_biases: Optional[Tensor], kv_bits: int, kv_group_size: int,
                   kv_dtype: int) -> tuple[Tensor, Tensor]:
     """:func:`fwd` over quantized K/V: ``k``/``v`` are the packed data of (B, Hkv, Lk, D)
-    QuantizedTensors (see the module doc).  The kernels dequantize in registers; the
-    reference path dequantizes the tensors first."""
-    kq = from_flat(k, k_scales, k_biases, kv_bits, kv_group_size, kv_dtype)
-    vq = from_flat(v, v_scales, v_biases, kv_bits, kv_group_size, kv_dtype)
-    spec = _spec(q, kq, vq, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right, softcap)
-    out, lse = _fwd_buffers(q, vq)
-    if not _run_kernels(spec, "plan_forward", out, lse):
-        ref_out, ref_lse = reference.forward(dataclasses.replace(spec, k=kq.dequantize(), v=vq.dequantize()))
-        out.copy_(ref_out)
-        lse.copy_(ref_lse)
-    return out, lse
+    QuantizedTensors (see the module doc).  The kernels dequantize in registers (every
+    query length takes the decode kernels); the reference path dequantizes first."""
+    return core.call_slow(FWD_QUANTIZED, (q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left,
+                                          window_right, softcap, k_scales, k_biases, v_scales, v_biases, kv_bits,
+                                          kv_group_size, kv_dtype))
 
 
-@fwd_quantized.register_fake
-def _(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right, softcap, k_scales,
-      k_biases, v_scales, v_biases, kv_bits, kv_group_size, kv_dtype):
-    return _fwd_buffers(q, from_flat(v, v_scales, v_biases, kv_bits, kv_group_size, kv_dtype))
+fwd_quantized.register_fake(_quantized_outputs)
 
 
-def _no_backward(ctx, *grads):
-    raise RuntimeError("metal_flash::fwd_quantized is inference-only: quantized K/V have no gradient (run under "
-                       "torch.no_grad(), or attend to dequantize()d tensors to train)")
-
-
-torch.library.register_autograd("metal_flash::fwd_quantized", _no_backward,
-                                setup_context=lambda ctx, inputs, output: None)
+def _kvcache_quantized_problem(*args) -> KvCacheProblem:
+    *plain, k_scales, k_biases, v_scales, v_biases, kv_bits, kv_group_size, kv_dtype = args
+    problem = KvCacheProblem(*plain)
+    return problem._replace(k_cache=from_flat(problem.k_cache, k_scales, k_biases, kv_bits, kv_group_size, kv_dtype),
+                            v_cache=from_flat(problem.v_cache, v_scales, v_biases, kv_bits, kv_group_size, kv_dtype))
 
 
 @torch.library.custom_op("metal_flash::fwd_kvcache_quantized",
@@ -289,13 +345,29 @@ def fwd_kvcache_quantized(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Option
     """:func:`fwd_kvcache` over quantized caches (``k_cache``/``v_cache`` their packed
     data): the new ``k``/``v`` rows (in the caches' dtype) are quantized by the append
     kernel into the caches in place, and the attention reads the stored values."""
-    kc = from_flat(k_cache, k_cache_scales, k_cache_biases, kv_bits, kv_group_size, kv_dtype)
-    vc = from_flat(v_cache, v_cache_scales, v_cache_biases, kv_bits, kv_group_size, kv_dtype)
-    return _kvcache(KvCacheProblem(q, kc, vc, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                                   cache_leftpad, block_table, alibi_slopes, seqlen, scale, window_left, window_right,
-                                   softcap, rotary_interleaved, num_splits))
+    return core.call_slow(FWD_KVCACHE_QUANTIZED, (
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+        alibi_slopes, seqlen, scale, window_left, window_right, softcap, rotary_interleaved, num_splits,
+        k_cache_scales, k_cache_biases, v_cache_scales, v_cache_biases, kv_bits, kv_group_size, kv_dtype))
 
 
-@fwd_kvcache_quantized.register_fake
-def _(q, *args):
-    return _kvcache_buffers(q)
+fwd_kvcache_quantized.register_fake(_kvcache_outputs)
+
+
+# ---------------------------------------------------------------------------
+# The C++ core runs the ops (and fwd's autograd formula when a call needs a graph).
+# ---------------------------------------------------------------------------
+
+FWD = core.register(core.CoreOp("metal_flash::fwd", outputs=_fwd_outputs, plan=_fwd_plan, reference=_fwd_reference,
+                                setup_context=_setup_context, backward=_backward))
+BWD = core.register(core.CoreOp("metal_flash::bwd", outputs=_bwd_outputs, plan=_bwd_plan, reference=_bwd_reference))
+FWD_KVCACHE = core.register(core.CoreOp("metal_flash::fwd_kvcache", outputs=_kvcache_outputs, plan=_kvcache_plan,
+                                        reference=_kvcache_reference, debug_check=_kvcache_debug_check))
+FWD_QUANTIZED = core.register(core.CoreOp(
+    "metal_flash::fwd_quantized", outputs=_quantized_outputs, plan=_quantized_plan, reference=_quantized_reference,
+    setup_context=lambda ctx, inputs, output: None, backward=_quantized_no_backward))
+FWD_KVCACHE_QUANTIZED = core.register(core.CoreOp(
+    "metal_flash::fwd_kvcache_quantized", outputs=_kvcache_outputs,
+    plan=lambda backend, args, outputs: _kvcache_problem_plan(_kvcache_quantized_problem(*args), backend, outputs),
+    reference=lambda *args: _kvcache_problem_reference(_kvcache_quantized_problem(*args)),
+    debug_check=lambda *args: _kvcache_debug_check(*args[:19])))

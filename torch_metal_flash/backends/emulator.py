@@ -8,6 +8,11 @@ launch's buffers by index.  Schedule order, checked mode and seed come from
 :func:`torch_metal_flash.emulator.settings`, then the environment
 (``TORCH_METAL_FLASH_EMULATOR_ORDER`` / ``..._CHECKED`` / ``..._SEED``).
 
+Two ways in, one way to launch: the C++ core's emulator encoder calls
+:meth:`EmulatorBackend.prepare` once per launch of a cached template and
+:meth:`EmulatorBackend.encode` per call (raw bindings); :meth:`EmulatorBackend.run`
+runs a :class:`~torch_metal_flash.plan.Plan` as it is (tests, benches).
+
 ``pipeline_info`` reports a kernel's limits as the Metal backend does
 (``emulator.Library.pipeline_info``: ``[[max_total_threads_per_threadgroup(n)]]``,
 else 1024; threadgroup memory), so the planners check the same limits here.
@@ -26,6 +31,7 @@ from ..plan import Plan
 
 class EmulatorBackend:
     name = "emulator"
+    family = "apple8"  # the emulator plans with an M2's tile tables
 
     def __init__(self):
         self._libs: dict = {}
@@ -42,6 +48,18 @@ class EmulatorBackend:
             with self._lock:
                 self._libs[key] = lib
         return lib
+
+    def prepare(self, source: str, kernel: str, function_constants: dict, threadgroups, threadgroup,
+                threadgroup_memory: dict):
+        """Everything a launch needs but its buffers."""
+        grid = tuple(g * t for g, t in zip(threadgroups, threadgroup))
+        return self.library(source, function_constants)[kernel], grid, tuple(threadgroup), dict(threadgroup_memory)
+
+    def encode(self, launches) -> None:
+        """Run ``[(prepared, {index: buffer})]`` in order."""
+        self.last_stats = [kernel(buffers=buffers, grid=grid, threadgroup=threadgroup,
+                                  threadgroup_memory=tg_memory or None)
+                           for (kernel, grid, threadgroup, tg_memory), buffers in launches]
 
     def pipeline_info(self, source: str, kernel: str, function_constants: dict) -> dict:
         """The kernel's limits (keys as ``_C.pipeline_info``), cached; builds its library
@@ -60,10 +78,6 @@ class EmulatorBackend:
         return info
 
     def run(self, plan: Plan) -> None:
-        stats = []
-        for launch in plan.launches:
-            lib = self.library(launch.source, launch.function_constants)
-            kernel = lib[launch.kernel]
-            stats.append(kernel(buffers=dict(launch.buffers), grid=launch.grid_threads, threadgroup=launch.threadgroup,
-                                threadgroup_memory=dict(launch.threadgroup_memory) or None))
-        self.last_stats = stats
+        self.encode([(self.prepare(launch.source, launch.kernel, launch.function_constants, launch.threadgroups,
+                                   launch.threadgroup, launch.threadgroup_memory), dict(launch.buffers))
+                     for launch in plan.launches])

@@ -1,8 +1,9 @@
 """The Metal backend: hands a plan to the Objective-C++ launcher (macOS only).
 
-The launcher (``csrc/metal/launcher.mm``, built as ``torch_metal_flash._C``)
-encodes each launch on PyTorch's current MPS stream; everything it needs
-(kernel name, function constants, buffers, grid) arrives in the plan.
+The launcher (``csrc/metal/launcher.mm``, built as ``torch_metal_flash._C``
+together with the C++ op core) holds the Metal encoder: the ops' C++ bodies
+encode cached launch templates on PyTorch's current MPS stream, one
+``dispatch_sync`` per plan; :meth:`MetalBackend.run` encodes a plan as it is.
 
 The extension is imported once per process.  When that fails, the reason
 (the import error itself: an ABI mismatch with the running torch, a missing
@@ -88,15 +89,6 @@ class MetalBackend:
         return info
 
     def run(self, plan: Plan) -> None:
-        for launch in plan.launches:
-            buffers = sorted(launch.buffers.items())
-            self._C.launch(
-                launch.source,
-                launch.kernel,
-                sorted(launch.function_constants.items()),
-                [i for i, _ in buffers],
-                [b for _, b in buffers],
-                list(launch.threadgroups),
-                list(launch.threadgroup),
-                sorted(launch.threadgroup_memory.items()),
-            )
+        """Encode a plan as it is (the ops replay cached templates in C++ instead)."""
+        from .. import core
+        core.run_plan("metal", plan)

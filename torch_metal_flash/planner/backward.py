@@ -15,10 +15,10 @@ saved forward results and the preallocated gradients into an ordered plan:
 
 No atomics anywhere: every output element has one writer and every
 reduction runs in a fixed order, so results are bitwise reproducible.
-Tensors are bound as they are (no copies of q/k/v/out/mask); ``dout`` is
-copied only when its last dim is not contiguous (autograd may hand over an
-expanded gradient), ``dlse`` is converted to a contiguous float32 vector
-(O(B*H*L)).
+Tensors are bound as they are (no copies of q/k/v/out/mask): ``dout`` must
+have a contiguous last dim and ``dlse`` be contiguous float32 (the autograd
+formula in :mod:`torch_metal_flash.ops` makes them so); delta and lse2 are
+the plan's scratch.
 """
 from __future__ import annotations
 
@@ -111,8 +111,11 @@ def _check(spec: AttentionSpec, dout, out, lse, dlse, dq, dk, dv, dbias, dsinks)
         return f"dout must be {q.dtype} of shape {(B, Hq, Lq, Dv)}"
     if tuple(lse.shape) != (B, Hq, Lq) or lse.dtype != torch.float32 or not lse.is_contiguous():
         return "lse must be contiguous float32 (B, Hq, Lq)"
-    if dlse is not None and tuple(dlse.shape) != (B, Hq, Lq):
-        return f"dlse must be (B, Hq, Lq), got {tuple(dlse.shape)}"
+    if not _last_dim_contiguous(dout):
+        return f"dout last dim is not contiguous (stride {dout.stride(-1)})"
+    if dlse is not None and (tuple(dlse.shape) != (B, Hq, Lq) or dlse.dtype != torch.float32
+                             or not dlse.is_contiguous()):
+        return f"dlse must be contiguous float32 (B, Hq, Lq), got {dlse.dtype} {tuple(dlse.shape)}"
     if dbias is not None and dbias.numel() > 0:
         if tuple(dbias.shape) != (B, Hq, Lq, Lk) or dbias.dtype != torch.float32 or dbias.stride(-1) != 1:
             return "dbias must be float32 (B, Hq, Lq, Lk) with a contiguous last dim"
@@ -139,10 +142,6 @@ def plan_backward(spec: AttentionSpec, dout: torch.Tensor, out: torch.Tensor, ls
         return Unsupported(str(e))
     if spec.batch == 0 or spec.heads == 0 or spec.seqlen_q == 0 or spec.seqlen_k == 0:
         return Unsupported("empty problem (the reference fills the zeros)")
-    if not _last_dim_contiguous(dout):
-        dout = dout.contiguous()  # e.g. an expanded gradient of a sum(): O(B*H*L*Dv)
-    if dlse is not None:
-        dlse = dlse.to(torch.float32).contiguous()
     return first_fitting((_plan_tiles(spec, dout, out, lse, dlse, dq, dk, dv, dbias, dsinks, tiles)
                           for tiles in candidates), pipeline_info)
 
@@ -206,8 +205,6 @@ def _plan_tiles(spec: AttentionSpec, dout, out, lse, dlse, dq, dk, dv, dbias, ds
         shared[BUF_MASK] = m
     if spec.alibi_slopes is not None:
         a = spec.alibi_slopes
-        if a.dtype != torch.float32:
-            a = a.to(torch.float32)
         _set(f, a_stride_b=a.stride(0), a_stride_h=a.stride(1))
         shared[BUF_ALIBI] = a
     params = p.to_bytes()
@@ -246,13 +243,12 @@ def _plan_tiles(spec: AttentionSpec, dout, out, lse, dlse, dq, dk, dv, dbias, ds
                                threadgroups=(-(-Lk // t.bk), Hkv, B), threadgroup=(t.threads, 1, 1),
                                buffers=bufs, function_constants=dict(constants)))
     if spec.sinks is not None:
-        sinks = spec.sinks.detach().to(torch.float32).contiguous()
         launches.append(Launch(source=SOURCE, kernel=DSINKS_KERNEL, threadgroups=(Hq, 1, 1),
                                threadgroup=(DSINKS_THREADS, 1, 1),
-                               buffers={BUF_S_LSE2: lse2, BUF_S_DELTA: delta, BUF_S_SINKS: sinks,
+                               buffers={BUF_S_LSE2: lse2, BUF_S_DELTA: delta, BUF_S_SINKS: spec.sinks,
                                         BUF_S_DSINKS: dsinks, BUF_S_PARAMS: params},
                                function_constants=dict(constants)))
-    return Plan(launches=tuple(launches))
+    return Plan(launches=tuple(launches), scratch=(delta, lse2))
 
 
 def backward_tiles_for(spec: AttentionSpec, family: str = "apple8") -> BackwardTiles:
@@ -260,7 +256,6 @@ def backward_tiles_for(spec: AttentionSpec, family: str = "apple8") -> BackwardT
     return backward_tiles(spec.q.dtype, max(spec.head_dim, spec.head_dim_v), family)
 
 
-def scratch_bytes(spec: AttentionSpec, has_dlse: bool = False) -> int:
-    """Bytes the plan allocates beyond the gradients (delta, lse2; a float32 dlse copy)."""
-    rows = spec.batch * spec.heads * spec.seqlen_q
-    return 4 * rows * (2 + (1 if has_dlse else 0))
+def scratch_bytes(spec: AttentionSpec) -> int:
+    """Bytes the plan allocates beyond the gradients (the delta and lse2 scratch)."""
+    return 4 * spec.batch * spec.heads * spec.seqlen_q * 2

@@ -357,10 +357,12 @@ def _plan_rows(pb: DecodeProblem, tile: DecodeTile, cap: int, num_splits: int, g
     if pb.sinks is not None:
         buffers[BUF_SINKS] = pb.sinks
     use_splits = splits > 1
+    scratch: tuple = ()
     if use_splits:
         dev = q.device
         buffers[BUF_PART_O] = torch.empty(B * Hq * Lq * splits * D, dtype=torch.float32, device=dev)
         buffers[BUF_PART_ML] = torch.empty(B * Hq * Lq * splits * 2, dtype=torch.float32, device=dev)
+        scratch = (buffers[BUF_PART_O], buffers[BUF_PART_ML])
     params = p.to_bytes()
     buffers[BUF_PARAMS] = params
     constants = function_constants(paged, pb.leftpad is not None, pb.batch_idx is not None and not paged,
@@ -376,7 +378,7 @@ def _plan_rows(pb: DecodeProblem, tile: DecodeTile, cap: int, num_splits: int, g
             buffers={BUF_O: out, BUF_LSE: pb.lse, BUF_PARAMS: params, BUF_PART_O: buffers[BUF_PART_O],
                      BUF_PART_ML: buffers[BUF_PART_ML]},
             function_constants=constants))
-    return Plan(launches=tuple(launches))
+    return Plan(launches=tuple(launches), scratch=scratch)
 
 
 def function_constants(paged: bool, leftpad: bool, batch_idx: bool, alibi: bool, softcap: bool, band: bool,

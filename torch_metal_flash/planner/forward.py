@@ -7,8 +7,9 @@ query heads of a GQA group share a threadgroup when their rows are short),
 the function constants that switch features on, and the params struct with
 every stride.  Tensors are
 bound as they are (no copies of q/k/v/mask; a broadcast mask is read through
-its 0 strides).  Only the tiny per-head vectors (ALiBi slopes, sinks) are
-converted to float32 when they arrive in another dtype.
+its 0 strides).  The per-head vectors (ALiBi slopes, sinks) must arrive as
+float32 (the faces convert them); the planner derives no tensors (see
+:mod:`torch_metal_flash.plan`).
 """
 from __future__ import annotations
 
@@ -86,10 +87,17 @@ def check_problem(spec: AttentionSpec) -> Optional[str]:
             return f"mask dtype {m.dtype} not supported (bool, float32, float16, bfloat16)"
         if tuple(m.shape) != (B, Hq, Lq, Lk):
             return f"mask must be a (B, Hq, Lq, Lk) broadcast view, got {tuple(m.shape)}"
-    if spec.alibi_slopes is not None and tuple(spec.alibi_slopes.shape) != (B, Hq):
-        return f"alibi_slopes must be a (B, Hq) view, got {tuple(spec.alibi_slopes.shape)}"
-    if spec.sinks is not None and tuple(spec.sinks.shape) != (Hq,):
-        return f"sinks must be (Hq,), got {tuple(spec.sinks.shape)}"
+    if spec.alibi_slopes is not None:
+        if tuple(spec.alibi_slopes.shape) != (B, Hq):
+            return f"alibi_slopes must be a (B, Hq) view, got {tuple(spec.alibi_slopes.shape)}"
+        if spec.alibi_slopes.dtype != torch.float32:
+            return f"alibi_slopes must be float32 for the kernels, got {spec.alibi_slopes.dtype}"
+    if spec.sinks is not None:
+        s = spec.sinks
+        if tuple(s.shape) != (Hq,):
+            return f"sinks must be (Hq,), got {tuple(s.shape)}"
+        if s.dtype != torch.float32 or not s.is_contiguous():
+            return f"sinks must be a contiguous float32 vector for the kernels, got {s.dtype}, strides {s.stride()}"
     if not (math.isfinite(spec.scale) and math.isfinite(spec.softcap)) or spec.softcap < 0:
         return "scale and softcap must be finite (softcap >= 0)"
     return None
@@ -213,13 +221,10 @@ def _plan_tile(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor, tile: 
         p.m_stride_b, p.m_stride_h, p.m_stride_q, p.m_stride_k = m.stride()
         buffers[BUF_MASK] = m
     if spec.alibi_slopes is not None:
-        a = spec.alibi_slopes
-        if a.dtype != torch.float32:
-            a = a.to(torch.float32)  # (B, Hq) at most: negligible
-        p.a_stride_b, p.a_stride_h = a.stride()
-        buffers[BUF_ALIBI] = a
+        p.a_stride_b, p.a_stride_h = spec.alibi_slopes.stride()
+        buffers[BUF_ALIBI] = spec.alibi_slopes
     if spec.sinks is not None:
-        buffers[BUF_SINKS] = spec.sinks.to(torch.float32).contiguous()
+        buffers[BUF_SINKS] = spec.sinks
     buffers[BUF_PARAMS] = p.to_bytes()
 
     dims_aligned = D == tile.bd and Dv == tile.bd

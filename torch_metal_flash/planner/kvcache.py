@@ -229,4 +229,5 @@ def plan_kvcache(pb: KvCacheProblem, out: torch.Tensor, lse: torch.Tensor, famil
         function_constants=function_constants(paged, pb.cache_seqlens is not None,
                                               pb.cache_batch_idx is not None and not paged, rotary,
                                               rotary and bool(pb.rotary_interleaved), kvformat.kv_format(kc)))
-    return first_fitting([Plan(launches=(append,) + attend.launches)], pipeline_info)
+    scratch = attend.scratch + ((q_rot,) if rotary else ())
+    return first_fitting([Plan(launches=(append,) + attend.launches, scratch=scratch)], pipeline_info)
