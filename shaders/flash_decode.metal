@@ -178,7 +178,7 @@ template <typename TQ, typename TK, int BD, int BK>
   const int g = gr / Lq;
   const int i = gr - g * Lq;   // query row
   const int h = kvh * P.gqa + g;  // query head
-  bool sg_active = int(sg) * 8 < rows_here;
+  const bool sg_active = int(sg) * 8 < rows_here;
 
   // Geometry of this batch row.
   const int end = row_meta[0];
@@ -281,10 +281,18 @@ template <typename TQ, typename TK, int BD, int BK>
       const kvq::Format fmt = kvq::Format::make(kv_symmetric, P.kv_bits, P.kv_group_size, D);
       const device uint* kw = reinterpret_cast<const device uint*>(kc);
       const device uint* vw = reinterpret_cast<const device uint*>(vc);
-      kvq::load_quantized_rows(k_tile, LD, k_row, BK, fmt, kw, k_scales, k_biases, k_scales_sym, nthreads, sg,
-                               lane);
-      kvq::load_quantized_rows(v_tile, LD, v_row, BK, fmt, vw, v_scales, v_biases, v_scales_sym, nthreads, sg,
-                               lane);
+      // Each format's scale buffers are referenced only under its own constant.
+      if (kv_symmetric) {
+        kvq::load_quantized_rows<TK>(k_tile, LD, k_row, BK, fmt, kw, nullptr, nullptr, k_scales_sym, nthreads, sg,
+                                     lane);
+        kvq::load_quantized_rows<TK>(v_tile, LD, v_row, BK, fmt, vw, nullptr, nullptr, v_scales_sym, nthreads, sg,
+                                     lane);
+      } else {
+        kvq::load_quantized_rows<TK>(k_tile, LD, k_row, BK, fmt, kw, k_scales, k_biases, nullptr, nthreads, sg,
+                                     lane);
+        kvq::load_quantized_rows<TK>(v_tile, LD, v_row, BK, fmt, vw, v_scales, v_biases, nullptr, nthreads, sg,
+                                     lane);
+      }
     } else {
       for (int idx = int(tid); idx < BK * BD; idx += nthreads) {
         const int r = idx / BD;

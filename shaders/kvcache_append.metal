@@ -185,10 +185,18 @@ template <typename T, typename R, typename TQ>
   threadgroup_barrier(mem_flags::mem_threadgroup);
   const kvq::Format f = kvq::Format::make(kv_symmetric, P.kv_bits, P.kv_group_size, D);
   const int nsg = (int(nthreads) + 31) / 32;
-  kvq::quantize_row<T>(c < D ? k_stage[c] : 0.0f, c, f, dst, reinterpret_cast<device uint*>(kc), k_scales,
-                       k_biases, k_scales_sym, red_k, sg, lane, nsg);
-  kvq::quantize_row<T>(c < D ? float(v[meta[2] + c]) : 0.0f, c, f, meta[3], reinterpret_cast<device uint*>(vc),
-                       v_scales, v_biases, v_scales_sym, red_v, sg, lane, nsg);
+  const float kx = c < D ? k_stage[c] : 0.0f;
+  const float vx = c < D ? float(v[meta[2] + c]) : 0.0f;
+  device uint* kw = reinterpret_cast<device uint*>(kc);
+  device uint* vw = reinterpret_cast<device uint*>(vc);
+  // Each format's scale buffers are referenced only under its own constant.
+  if (kv_symmetric) {
+    kvq::quantize_row<T>(kx, c, f, dst, kw, nullptr, nullptr, k_scales_sym, red_k, sg, lane, nsg);
+    kvq::quantize_row<T>(vx, c, f, meta[3], vw, nullptr, nullptr, v_scales_sym, red_v, sg, lane, nsg);
+  } else {
+    kvq::quantize_row<T>(kx, c, f, dst, kw, k_scales, k_biases, nullptr, red_k, sg, lane, nsg);
+    kvq::quantize_row<T>(vx, c, f, meta[3], vw, v_scales, v_biases, nullptr, red_v, sg, lane, nsg);
+  }
 }
 
 // Echoes every AppendParams field (the host/kernel layout test).

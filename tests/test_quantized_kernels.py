@@ -390,3 +390,39 @@ def test_planned_launches_are_listed_for_the_doctor():
             assert tuple(sorted(launch.function_constants.items())) in constants[launch.source]
             seen.add(launch.kernel)
     assert {"kvcache_append_bf16_rf32_qf32", "flash_decode_f32_kvf16_d96_k32"} <= seen
+
+
+# ---------------------------------------------------------------------------
+# macOS: the same kernels on a real Apple GPU (skipped elsewhere).
+# ---------------------------------------------------------------------------
+needs_mps = pytest.mark.skipif(not torch.backends.mps.is_available(),
+                               reason="needs macOS with an MPS GPU; the emulator tests above cover the kernels")
+
+
+def _to(x, device):
+    if isinstance(x, (torch.Tensor, QuantizedTensor)):
+        return x.to(device)
+    return x
+
+
+@needs_mps
+@pytest.mark.parametrize("i,case", list(enumerate(KV_CASES)))
+def test_mps_kvcache_face(i, case):
+    """Strict metal backend on mps tensors; the oracle and the reference path's stored rows on the CPU."""
+    spec, fmt, qdt, splits = case
+    kw = make_case(seed=1400 + i, **spec)
+    k_cache, v_cache = _caches(kw, fmt)
+    call = {name: _to(x, "mps") for name, x in dict(kw, k_cache=k_cache, v_cache=v_cache).items()}
+    if qdt is not None:
+        call["q"] = call["q"].to(DT[qdt])
+    with backends.backend("metal", strict=True):
+        out, lse = flash_attn_with_kvcache(**call, return_softmax_lse=True, num_splits=splits)
+    stored = {name: _to(x, "cpu") for name, x in call.items()}
+    stored.update(k_cache=_plain(stored["k_cache"]), v_cache=_plain(stored["v_cache"]))
+    dtype = stored["q"].dtype
+    ref = kvcache_oracle.kvcache_attention(**stored, dtype=torch.float64, append=False)
+    low = kvcache_oracle.kvcache_attention(**stored, dtype=dtype, append=False)
+    testing.assert_matches_oracle("out", out.cpu(), ref[0], low[0], dtype=dtype)
+    testing.assert_matches_oracle("lse", lse.cpu(), ref[1], low[1], dtype=dtype)
+    _, _, _, rv, _ = _run_kvcache(kw, fmt, qdt, splits, "reference")
+    assert torch.equal(_plain(call["v_cache"]).cpu(), _plain(rv)), "the append kernel stored other v rows"

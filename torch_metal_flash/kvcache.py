@@ -16,6 +16,8 @@ or ignore out-of-range values (``shaders/kvcache_index.h``).  With
 ``TORCH_METAL_FLASH_DEBUG=1`` the op validates the values on the host first,
 with clear errors; the reference path (other backends, or what the kernels do
 not cover) validates them always (:mod:`torch_metal_flash.kvcache_reference`).
+Quantized caches (:mod:`torch_metal_flash.quant`) go to the op
+``metal_flash::fwd_kvcache_quantized`` (:meth:`KvCacheProblem.op_call`).
 """
 from __future__ import annotations
 
@@ -189,8 +191,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         k_cache, v_cache: (batch_cache, seqlen_cache, nheads_k, headdim) without
             ``block_table``; (num_blocks, page_block_size, nheads_k, headdim) with
             it (paged cache; any page size).  nheads a multiple of nheads_k (MQA/GQA).
-            Same dtype as q (float16, bfloat16, float32; float64 on the reference path).
-        k, v: optional (batch, seqlen_new, nheads_k, headdim) new keys/values to append.
+            Same dtype as q (float16, bfloat16, float32; float64 on the reference path),
+            float16 / bfloat16 under a float32 q, or quantized (:class:`~torch_metal_flash.quant.QuantizedTensor`,
+            e.g. from :func:`~torch_metal_flash.quant.quantized_zeros`: the new rows are
+            quantized by the append kernel, and this call attends to them as stored).
+        k, v: optional (batch, seqlen_new, nheads_k, headdim) new keys/values to append,
+            in the caches' dtype or q's.
         rotary_cos, rotary_sin: optional (seqlen_ro, rotary_dim / 2); rotate the first
             rotary_dim features of k at positions cache_seqlens + t, and of q at
             cache_seqlens + i when causal or local (window), else all q rows at
