@@ -426,3 +426,22 @@ def test_mps_kvcache_face(i, case):
     testing.assert_matches_oracle("lse", lse.cpu(), ref[1], low[1], dtype=dtype)
     _, _, _, rv, _ = _run_kvcache(kw, fmt, qdt, splits, "reference")
     assert torch.equal(_plain(call["v_cache"]).cpu(), _plain(rv)), "the append kernel stored other v rows"
+
+
+def test_ops_opcheck():
+    """Schemas (the quantized cache op declares its mutations), fake kernels and AOT dispatch."""
+    kw = make_case(seed=1905, dtype="f16", B=2, Lq=2, Hq=4, Hkv=2, D=32, cap=12, lnew=2, paged=4, leftpad=True,
+                   rotary=(8, False), causal=True)
+    k_cache, v_cache = _caches(kw, A4G32)
+    problem = tmf.kvcache._op_args(kw["q"], k_cache, v_cache, kw["k"], kw["v"], kw["rotary_cos"], kw["rotary_sin"],
+                                   kw["cache_seqlens"], None, kw["cache_leftpad"], kw["block_table"], None, True,
+                                   (-1, -1), 0.0, False, None, 0)
+    op, args = problem.op_call()
+    g = torch.Generator().manual_seed(1906)
+    q = _rand(g, 1, 4, 3, 32, dtype=torch.float32)
+    k, v = _kv(g, 1, 2, 20, 32, torch.float16, S8)
+    fwd_args = (q, k.data, v.data, None, None, torch.randn(4, generator=g), 0.2, 17, 5, 0, 0.0, k.scales, None,
+                v.scales, None, *tmf.quant.flat_format(k))
+    with backends.backend("emulator", strict=True):
+        torch.library.opcheck(op.default, args)
+        torch.library.opcheck(torch.ops.metal_flash.fwd_quantized.default, fwd_args)

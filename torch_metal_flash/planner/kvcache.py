@@ -24,7 +24,7 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 from ..plan import Launch, Plan, Unsupported
-from ..quant import QuantizedTensor
+from ..quant import QuantizedTensor, flat_format
 from . import kvformat
 from .decode import DTYPE_NAMES, MAX_HEAD_DIM, DecodeProblem, plan_decode
 from .limits import PipelineInfo, first_fitting
@@ -111,7 +111,6 @@ class KvCacheProblem(NamedTuple):
         with the caches' packed data in their place and their scales, biases and format after."""
         if not isinstance(self.k_cache, QuantizedTensor):
             return torch.ops.metal_flash.fwd_kvcache, tuple(self)
-        from ..quant import flat_format
         kc, vc = self.k_cache, self.v_cache
         args = self._replace(k_cache=kc.data, v_cache=vc.data)
         return torch.ops.metal_flash.fwd_kvcache_quantized, (*args, kc.scales, kc.biases, vc.scales, vc.biases,
