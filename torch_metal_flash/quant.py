@@ -345,10 +345,6 @@ class QuantizedTensor:
         return self
 
 
-def is_quantized(t) -> bool:
-    return isinstance(t, QuantizedTensor)
-
-
 # The ops take a quantized tensor flat (the schemas know no dtype type): its data, scales and
 # biases (None: symmetric mode), then (bits, group_size, dtype code).
 DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
@@ -436,12 +432,14 @@ def quantize(x: torch.Tensor, bits: Optional[int] = None, group_size: Optional[i
         shifts = torch.arange(per_word, device=x.device, dtype=torch.int64) * bits
         words = (q.unflatten(-1, (-1, per_word)) << shifts).sum(-1)
         data = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
-        return QuantizedTensor(data, scale, bias, bits=bits, group_size=group_size, mode=mode)
+        return QuantizedTensor(data.contiguous(), scale.contiguous(), bias.contiguous(), bits=bits,
+                               group_size=group_size, mode=mode)
     amax = _group_reduce(xf.abs(), group_size, "max", 0.0)
     scale = round_up(amax / _SYM_MAX, torch.float16).clamp(max=torch.finfo(torch.float16).max)
     s = _per_element(scale.float(), group_size, D)
     q = torch.where(s > 0, torch.round(xf / torch.where(s > 0, s, 1.0)), 0.0).clamp(-_SYM_MAX, _SYM_MAX)
-    return QuantizedTensor(q.to(torch.int8), scale, None, bits=bits, group_size=group_size, mode=mode, dtype=x.dtype)
+    return QuantizedTensor(q.to(torch.int8).contiguous(), scale.contiguous(), None, bits=bits, group_size=group_size,
+                           mode=mode, dtype=x.dtype)
 
 
 def quantized_zeros(shape: Sequence[int], bits: Optional[int] = None, group_size: Optional[int] = None,
