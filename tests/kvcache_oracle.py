@@ -39,8 +39,10 @@ def rotate(x, cos, sin, pos, interleaved):
 def kvcache_attention(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
                       cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
                       window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None,
-                      dtype=torch.float64):
-    """Returns (out (B, Lq, Hq, D), lse (B, Hq, Lq), new k_cache, new v_cache), all in ``dtype``."""
+                      dtype=torch.float64, append=True):
+    """Returns (out (B, Lq, Hq, D), lse (B, Hq, Lq), new k_cache, new v_cache), all in ``dtype``.
+    ``append=False``: the caches already hold the new rows (as a quantized cache stores
+    them); ``k``/``v`` only give their count (and rotary of q its positions)."""
     cast = (lambda t: None if t is None else t.detach().cpu().to(dtype))
     q, kc, vc, k, v = cast(q), cast(k_cache), cast(v_cache), cast(k), cast(v)
     cos, sin = cast(rotary_cos), cast(rotary_sin)
@@ -86,7 +88,7 @@ def kvcache_attention(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rota
                 kb = rotate(kb, cos, sin, [s0 + t for t in range(lnew)], rotary_interleaved)
                 qpos = [s0 + i for i in range(Lq)] if local else [s0] * Lq
                 qb = rotate(qb, cos, sin, qpos, rotary_interleaved)
-            for t in range(end - s0):
+            for t in range(end - s0 if append else 0):
                 sl = slot(b, s0 + t)
                 if sl is not None:
                     kc[sl] = kb[t]

@@ -28,10 +28,12 @@ def plan_forward(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor, fami
                  pipeline_info: Optional[PipelineInfo] = None) -> Union[Plan, Unsupported]:
     """Decode-shaped problems (few query rows per KV head, long keys) take the
     split-K decode kernels, which read each K/V row once per GQA group; all
-    others, and whatever those decline, the prefill kernels.  ``pipeline_info``:
-    the backend's pipeline limits (:mod:`.limits`)."""
-    if decode.route_reason(spec) is None:
+    others, and whatever those decline, the prefill kernels -- but for K/V only
+    the decode kernels read (quantized, or float16/bfloat16 under a float32 q),
+    whatever the shape.  ``pipeline_info``: the backend's pipeline limits (:mod:`.limits`)."""
+    only_decode = decode.only_decode_kernels(spec)
+    if only_decode or decode.route_reason(spec) is None:
         plan = decode.plan_decode_spec(spec, out, lse, pipeline_info=pipeline_info)
-        if not isinstance(plan, Unsupported):
+        if only_decode or not isinstance(plan, Unsupported):
             return plan
     return plan_prefill(spec, out, lse, family, pipeline_info)
