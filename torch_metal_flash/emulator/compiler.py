@@ -184,7 +184,7 @@ CHECKED_FLAGS = ["-fsanitize-coverage=inline-8bit-counters,trace-loads,trace-sto
                  "-fno-builtin-memcpy", "-fno-builtin-memmove", "-fno-vectorize", "-fno-slp-vectorize",
                  "-fsanitize=alignment", "-fno-sanitize-recover=alignment"]
 # What Apple's compiler predefines for MSL 3.1 on macOS.
-PREPROCESS_DEFINES = ["-D__MTL_PREPASS__", "-D__METAL_VERSION__=310", "-D__METAL_MACOS__", "-D__HAVE_BFLOAT__=1",
+PREPROCESS_DEFINES = ["-D__MTL_PREPASS__", "-D__METAL__=1", "-D__METAL_VERSION__=310", "-D__METAL_MACOS__", "-D__HAVE_BFLOAT__=1",
                       "-D__METAL_EMULATOR__=1"]
 
 
@@ -243,6 +243,12 @@ def runtime_sources_hash() -> str:
     return _hash(*[f.name.encode() + f.read_bytes() for f in files])
 
 
+@functools.lru_cache(maxsize=None)
+def _source_of(module) -> bytes:
+    """A module whose code decides a cached verdict is part of its cache key."""
+    return Path(module.__file__).read_bytes()
+
+
 _build_locks: dict = {}
 _build_locks_guard = threading.Lock()
 
@@ -291,7 +297,7 @@ def check_rules(comp: Compiler, text: str, name: str, constants: set) -> dict:
     """The rules passes over the pre-pass output (no glue).  Raises a
     CompileError naming the broken MSL rule; returns {"constant_in_global":
     bool, "warnings": str} (cached on disk)."""
-    key = _hash("rules", PREPASS_VERSION, runtime_sources_hash(), comp.ident, text)
+    key = _hash("rules", PREPASS_VERSION, runtime_sources_hash(), _source_of(rules), comp.ident, text)
     target = cache_dir() / f"rules-{key}.json"
 
     def run(tmp):
@@ -315,7 +321,8 @@ def analyze(comp: Compiler, text: str, name: str, constant_in_global: bool) -> d
     CompileError on recursion; returns {host entry index: {"static_threadgroup_memory_length",
     "max_total_threads_per_threadgroup"}} (cached on disk)."""
     flags = BUILD_FLAGS + ["-O0", "-S", "-emit-llvm"] + _build_defines(constant_in_global)
-    key = _hash("analysis", PREPASS_VERSION, runtime_sources_hash(), comp.ident, " ".join(flags), text)
+    key = _hash("analysis", PREPASS_VERSION, runtime_sources_hash(), _source_of(analysis), comp.ident,
+                " ".join(flags), text)
     target = cache_dir() / f"analysis-{key}.json"
 
     def run(tmp):

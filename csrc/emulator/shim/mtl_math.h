@@ -369,29 +369,29 @@ MTL_INLINE O select(T a, U b, C c) {
 
 // ---------------------------------------------------------------- geometric
 template <typename T, int N>
-MTL_INLINE T dot(vec<T, N> a, vec<T, N> b) {
+MTL_INLINE T dot(__mtl::ev<T, N> a, __mtl::ev<T, N> b) {
   float s = 0.0f;
   for (int i = 0; i < N; i++) s += float(a[i]) * float(b[i]);
   return T(s);
 }
 template <typename T, int N>
-MTL_INLINE T length_squared(vec<T, N> a) { return dot(a, a); }
+MTL_INLINE T length_squared(__mtl::ev<T, N> a) { return dot(a, a); }
 template <typename T, int N>
-MTL_INLINE T length(vec<T, N> a) { return sqrt(dot(a, a)); }
+MTL_INLINE T length(__mtl::ev<T, N> a) { return sqrt(dot(a, a)); }
 template <typename T, int N>
-MTL_INLINE T distance(vec<T, N> a, vec<T, N> b) { return length(a - b); }
+MTL_INLINE T distance(__mtl::ev<T, N> a, __mtl::ev<T, N> b) { return length(a - b); }
 template <typename T, int N>
-MTL_INLINE T distance_squared(vec<T, N> a, vec<T, N> b) {
+MTL_INLINE T distance_squared(__mtl::ev<T, N> a, __mtl::ev<T, N> b) {
   return length_squared(a - b);
 }
 template <typename T, int N>
-MTL_INLINE vec<T, N> normalize(vec<T, N> a) {
+MTL_INLINE __mtl::ev<T, N> normalize(__mtl::ev<T, N> a) {
   return a * rsqrt(dot(a, a));
 }
 template <typename T>
-MTL_INLINE vec<T, 3> cross(vec<T, 3> a,
-                                                       vec<T, 3> b) {
-  return vec<T, 3>{a.y * b.z - a.z * b.y, a.z * b.x - a.x * b.z, a.x * b.y - a.y * b.x};
+MTL_INLINE __mtl::ev<T, 3> cross(__mtl::ev<T, 3> a,
+                                                       __mtl::ev<T, 3> b) {
+  return __mtl::ev<T, 3>{a.y * b.z - a.z * b.y, a.z * b.x - a.x * b.z, a.x * b.y - a.y * b.x};
 }
 
 // fast:: and precise:: variants compute like the default ones here (see

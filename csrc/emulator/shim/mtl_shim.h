@@ -6,11 +6,13 @@
 // constant / thread map one-to-one onto clang's __global / __local /
 // __constant / __private address spaces (IR address space 0 on the CPU), in
 // two passes:
-//   rules  (__MTL_RULES__, syntax only) without a generic address space,
-//          program-scope globals, double or function pointers: Metal's model,
-//          so the compiler itself enforces its address-space rules and
-//          restrictions.  Bodies that call into the runtime exist only in
-//          the build (MTL_IMPL).
+//   rules  (__MTL_RULES__, syntax only) without program-scope globals,
+//          double or function pointers, so the compiler itself enforces
+//          Metal's address-space rules and restrictions; then once more
+//          without a generic address space (__MTL_RULES_THIS__), where
+//          `this` and `thread` are __private as in Metal (rules.py takes only
+//          those conversions from that pass).  Bodies that call into the
+//          runtime exist only in the build (MTL_IMPL).
 //   build  the code that runs: a generic address space (objects in any space
 //          can be copied and passed on, as Metal allows), function pointers
 //          for the runtime glue.  __MTL_CONSTANT_IN_GLOBAL__ compiles
@@ -25,7 +27,15 @@
 #pragma OPENCL EXTENSION cl_khr_fp16 : enable
 #define device __global
 #define threadgroup __local
+// `thread` is the generic address space where there is one: a member
+// function's `this`, and the references and pointers it returns, stay
+// generic; the rules pass without a generic address space makes it __private
+// to check conversions of device / threadgroup / constant data to it.
+#ifdef __MTL_RULES_THIS__
 #define thread __private
+#else
+#define thread
+#endif
 #ifdef __MTL_CONSTANT_IN_GLOBAL__
 #define constant __global const
 #else

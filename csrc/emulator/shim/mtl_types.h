@@ -132,6 +132,9 @@ using ::ulong2;
 using ::ulong3;
 using ::ulong4;
 
+// vec<T, N> deduces T and N like Apple's. boolN are one-byte-per-lane
+// vectors, but C++ for OpenCL has no bool element type, so vec<bool, N>
+// itself is an emulator limitation (see docs/emulator.md).
 template <typename T, int N>
 using vec = T __attribute__((ext_vector_type(N)));
 template <typename T, int N>
