@@ -167,8 +167,7 @@ MATH_FLAGS = {"fast": ["-ffast-math"], "relaxed": ["-ffast-math", "-fno-finite-m
 
 OPENCL = ["-x", "clcpp", "-cl-std=clc++2021", "-cl-no-stdinc", "-nostdinc"]
 # Warnings that flag code whose behaviour on the GPU is undefined are errors.
-ERROR_WARNINGS = ["return-type", "uninitialized", "array-bounds", "division-by-zero", "shift-count-overflow",
-                  "shift-count-negative", "return-stack-address"]
+ERROR_WARNINGS = ["return-type", "uninitialized", "array-bounds", "division-by-zero", "return-stack-address"]
 _NO_GLOBALS = "-__opencl_c_program_scope_global_variables,-__opencl_c_device_enqueue,-cl_khr_fp64,-__opencl_c_fp64"
 RULES_FLAGS = OPENCL + ["-fsyntax-only", "-D__MTL_RULES__", "-ferror-limit=0", "-Xclang", "-cl-ext=" + _NO_GLOBALS] + \
     [f"-Werror={w}" for w in ERROR_WARNINGS]
@@ -218,7 +217,8 @@ def preprocess(comp: Compiler, source: str, name: str, path: Optional[Path], inc
     argv.append(str(path) if path is not None else "-")
     proc = _run(argv, None if path is not None else source)
     if proc.returncode != 0:
-        raise rules.compile_error(proc.stderr, name)
+        raise rules.compile_error(proc.stderr if path is not None else proc.stderr.replace("<stdin>:", name + ":"),
+                                  name)
     out = proc.stdout
     if path is None:
         out = out.replace('"<stdin>"', '"' + name.replace("\\", "\\\\").replace('"', '\\"') + '"')
@@ -329,8 +329,8 @@ def analyze(comp: Compiler, text: str, name: str, constant_in_global: bool) -> d
         ll = tmp + ".ll"
         try:
             proc = _compile(comp, flags, text, tmp, "-o", ll)
-            if proc.returncode != 0:
-                raise _fail(f"compiling {name}", proc.stderr)
+            if proc.returncode != 0:  # the glue's checks of the kernels' signatures
+                raise rules.compile_error(proc.stderr, name)
             result = analysis.analyze_ir(Path(ll).read_text())
         finally:
             if os.path.exists(ll):
@@ -340,7 +340,7 @@ def analyze(comp: Compiler, text: str, name: str, constant_in_global: bool) -> d
     result = json.loads(_atomic_write(target, run).read_text())
     if result.get("recursion"):
         r = result["recursion"]
-        raise CompileError(f"{r['file']}:{r['line']}: {rules.RECURSION}: {r['cycle']}", file=r["file"],
+        raise CompileError(f"{r['file']}:{r['line']}: {rules.RECURSION}\n{r['cycle']}", file=r["file"],
                            line=r["line"], rule="recursion")
     return result
 

@@ -69,14 +69,23 @@ RULES = [
                                                        "the GPU; an error here)"),
     ("array-bounds", r"\[-Werror,-Warray-bounds\]", "a constant array index is out of bounds (an error here)"),
     ("division-by-zero", r"\[-Werror,-Wdivision-by-zero\]", "division by zero (an error here)"),
-    ("shift-count", r"\[-Werror,-Wshift-count", "a shift count is negative or too large (an error here)"),
     ("return-stack-address", r"\[-Werror,-Wreturn-stack-address\]",
      "a function returns the address of one of its local variables (an error here)"),
+    ("read-only", r"read-only variable is not assignable|cannot assign to variable .* with const-qualified type",
+     "MSL: constant memory is read-only (and so is data reached through const pointers and references)"),
     ("bool-vector", r"invalid vector element type 'bool'",
      "emulator limitation: vec<bool, N> is not available (C++ for OpenCL has no bool vectors); the bool2, bool3 "
      "and bool4 types work (one byte per lane)"),
     ("address-space", r"address space|__global|__local|__constant|__private|__generic", ADDRESS_SPACES),
 ]
+
+
+def explanations(rule: str) -> set:
+    """The texts a CompileError of a rule starts with (after file:line)."""
+    special = {"recursion": RECURSION, "function-constant": FUNCTION_CONSTANTS}
+    return {text for r, _, text in RULES if r == rule} | ({special[rule]} if rule in special else set())
+
+
 _CONSTANT_EXPRESSION = re.compile(r"constant expression|explicitly-specified argument|initializer of '\w+' is unknown")
 _HEADER = re.compile(r"^(.*?):(\d+):(\d+): (fatal error|error|warning|note): (.*)$")
 _SHIM = re.compile(r"[/\\]csrc[/\\]emulator[/\\]shim[/\\]")
@@ -130,6 +139,8 @@ def rule_of(d: Diagnostic, constants: set = frozenset()) -> tuple:
         names = set(re.findall(r"[A-Za-z_]\w*", d.text))
         if names & constants:
             return "function-constant", FUNCTION_CONSTANTS
+    if d.message.startswith("no matching") and re.search(r"address space '__\w+'", d.text):
+        return "address-space", ADDRESS_SPACES  # every candidate needs another address space
     for rule, pattern, text in RULES:
         if re.search(pattern, d.message):
             return rule, text

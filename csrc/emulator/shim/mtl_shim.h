@@ -458,3 +458,8 @@ template <class T> constexpr int type_code() {
 #define LONG_MAX 0x7fffffffffffffffL
 #define LONG_MIN (-0x7fffffffffffffffL - 1)
 #define ULONG_MAX 0xfffffffffffffffful
+
+#ifdef __MTL_RULES__
+// MSL has no goto; clang would accept it.
+#define goto _Pragma("GCC error \"MSL restriction: goto is not supported\"") goto
+#endif
