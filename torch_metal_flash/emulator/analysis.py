@@ -2,6 +2,9 @@
 unit at -O0, before inlining hides anything):
 
 - recursion: a cycle in the call graph (MSL does not allow recursive calls);
+- vector casts the pre-pass could not rewrite: a bitcast between vectors of
+  different element types in the kernel's code (clang's C-style cast of a
+  vector reinterprets its bits, MSL converts each component);
 - per kernel entry point: the static threadgroup memory (its threadgroup
   variables, as the runtime allocates them: 16-byte aligned and rounded) and
   its [[max_total_threads_per_threadgroup]] (1024 without the attribute).
@@ -17,6 +20,8 @@ _META = re.compile(r"^(!\d+) = (?:distinct )?!(\w+)\((.*)\)\s*$")
 _TG_KEY = re.compile(r"^@(_ZZ[\w.$]+?E\d+__mtl_tgk_\d+) = .*\[2 x i64\] \[i64 (\d+), i64 (\d+)\]", re.M)
 _MAX_THREADS = re.compile(r"^@__mtl_max_threads_(\d+) = .*constant i32 (-?\d+)", re.M)
 _ENTRY_ARG = re.compile(r"ptr (?:noundef )?@(_Z[\w.$]+)")
+_VEC_BITCAST = re.compile(r"= bitcast <(\d+) x (\w+)> .* to <(\d+) x (\w+)>")
+_SHIM = re.compile(r"[/\\]csrc[/\\]emulator[/\\]shim[/\\]")
 
 
 def _metadata(ir: str) -> dict:
@@ -70,7 +75,8 @@ def analyze_ir(ir: str) -> dict:
             d = _DBG.search(line)
             if d:
                 first_call.setdefault((cur, callee), d.group(1))
-    result = {"recursion": _find_cycle(calls, names, first_call, meta), "kernels": {}}
+    result = {"recursion": _find_cycle(calls, names, first_call, meta), "vector_cast": _vector_cast(ir, meta),
+              "kernels": {}}
     # Kernel entry points: __mtl_kernel_<i> passes the kernel function to __mtl::invoke.
     tg = {}
     for m in _TG_KEY.finditer(ir):
@@ -91,6 +97,18 @@ def analyze_ir(ir: str) -> dict:
         result["kernels"][str(i)] = {"static_threadgroup_memory_length": total,
                                      "max_total_threads_per_threadgroup": limits.get(i, 1024)}
     return result
+
+
+def _vector_cast(ir: str, meta: dict):
+    """The first bitcast between vectors of as many different elements outside the shim."""
+    for line in ir.splitlines():
+        m = _VEC_BITCAST.search(line)
+        d = _DBG.search(line)
+        if m and d and m.group(1) == m.group(3) and m.group(2) != m.group(4):
+            file, ln = _location(meta, d.group(1))
+            if not _SHIM.search(file):
+                return {"file": file, "line": ln}
+    return None
 
 
 def _find_cycle(calls: dict, names: dict, first_call: dict, meta: dict):

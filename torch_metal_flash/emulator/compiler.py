@@ -169,7 +169,8 @@ OPENCL = ["-x", "clcpp", "-cl-std=clc++2021", "-cl-no-stdinc", "-nostdinc"]
 # Warnings that flag code whose behaviour on the GPU is undefined are errors.
 ERROR_WARNINGS = ["return-type", "uninitialized", "array-bounds", "division-by-zero", "return-stack-address"]
 _NO_GLOBALS = "-__opencl_c_program_scope_global_variables,-__opencl_c_device_enqueue,-cl_khr_fp64,-__opencl_c_fp64"
-RULES_FLAGS = OPENCL + ["-fsyntax-only", "-D__MTL_RULES__", "-ferror-limit=0", "-Xclang", "-cl-ext=" + _NO_GLOBALS] + \
+RULES_FLAGS = OPENCL + ["-fsyntax-only", "-D__MTL_RULES__", "-ferror-limit=0", "-fdiagnostics-print-source-range-info",
+                        "-Xclang", "-cl-ext=" + _NO_GLOBALS] + \
     [f"-Werror={w}" for w in ERROR_WARNINGS]
 THIS_FLAGS = OPENCL + ["-fsyntax-only", "-D__MTL_RULES__", "-D__MTL_RULES_THIS__", "-ferror-limit=0", "-w", "-Xclang",
                        "-cl-ext=-__opencl_c_generic_address_space,-__opencl_c_pipes," + _NO_GLOBALS]
@@ -295,15 +296,25 @@ def _compile(comp: Compiler, flags: list, text: str, tmp: str, *extra) -> subpro
 
 def check_rules(comp: Compiler, text: str, name: str, constants: set) -> dict:
     """The rules passes over the pre-pass output (no glue).  Raises a
-    CompileError naming the broken MSL rule; returns {"constant_in_global":
-    bool, "warnings": str} (cached on disk)."""
+    CompileError naming the broken MSL rule; returns {"copies": rounds of
+    rules.wrap_copies for the build, "warnings": str} (cached on disk)."""
     key = _hash("rules", PREPASS_VERSION, runtime_sources_hash(), _source_of(rules), comp.ident, text)
     target = cache_dir() / f"rules-{key}.json"
 
     def run(tmp):
-        generic = _compile(comp, RULES_FLAGS, text, tmp)
-        this = _compile(comp, THIS_FLAGS, text, tmp + "-this")
-        result = rules.judge(generic.stderr, this.stderr, name, constants)
+        rounds, src = [], text
+        for _ in range(4):  # copies out of constant memory nested in copies: one more round each
+            result = rules.judge_generic(_compile(comp, RULES_FLAGS, src, tmp).stderr, name, constants)
+            if "error" in result or not result["copies"]:
+                break
+            rounds.append(result["copies"])
+            src = rules.wrap_copies(src, result["copies"])
+        else:
+            result = {"error": f"{name}: emulator limitation: cannot copy objects out of constant memory here "
+                               f"(line {result['copies'][0][0]} of the pre-pass output)", "rule": "c++"}
+        if "error" not in result:
+            result = rules.judge_this(_compile(comp, THIS_FLAGS, src, tmp + "-this").stderr, name) or \
+                {"copies": rounds, "warnings": result["warnings"]}
         Path(tmp).write_text(json.dumps(result))
 
     result = json.loads(_atomic_write(target, run).read_text())
@@ -312,15 +323,11 @@ def check_rules(comp: Compiler, text: str, name: str, constants: set) -> dict:
     return result
 
 
-def _build_defines(constant_in_global: bool) -> list:
-    return ["-D__MTL_CONSTANT_IN_GLOBAL__"] if constant_in_global else []
-
-
-def analyze(comp: Compiler, text: str, name: str, constant_in_global: bool) -> dict:
+def analyze(comp: Compiler, text: str, name: str) -> dict:
     """The build translation unit (source + glue) at -O0 as LLVM IR: raises a
     CompileError on recursion; returns {host entry index: {"static_threadgroup_memory_length",
     "max_total_threads_per_threadgroup"}} (cached on disk)."""
-    flags = BUILD_FLAGS + ["-O0", "-S", "-emit-llvm"] + _build_defines(constant_in_global)
+    flags = BUILD_FLAGS + ["-O0", "-S", "-emit-llvm"]
     key = _hash("analysis", PREPASS_VERSION, runtime_sources_hash(), _source_of(analysis), comp.ident,
                 " ".join(flags), text)
     target = cache_dir() / f"analysis-{key}.json"
@@ -342,6 +349,10 @@ def analyze(comp: Compiler, text: str, name: str, constant_in_global: bool) -> d
         r = result["recursion"]
         raise CompileError(f"{r['file']}:{r['line']}: {rules.RECURSION}\n{r['cycle']}", file=r["file"],
                            line=r["line"], rule="recursion")
+    if result.get("vector_cast"):
+        r = result["vector_cast"]
+        raise CompileError(f"{r['file']}:{r['line']}: {rules.VECTOR_CAST}", file=r["file"], line=r["line"],
+                           rule="vector-cast")
     return result
 
 
@@ -362,10 +373,8 @@ def build_runtime(comp: Compiler) -> Path:
     return _atomic_write(target, build)
 
 
-def build_kernel_library(comp: Compiler, text: str, name: str, checked: bool, math_mode: str,
-                         constant_in_global: bool) -> Path:
-    flags = BUILD_FLAGS + ["-O2"] + MATH_FLAGS[math_mode] + (CHECKED_FLAGS if checked else []) + \
-        _build_defines(constant_in_global)
+def build_kernel_library(comp: Compiler, text: str, name: str, checked: bool, math_mode: str) -> Path:
+    flags = BUILD_FLAGS + ["-O2"] + MATH_FLAGS[math_mode] + (CHECKED_FLAGS if checked else [])
     key = _hash("kernel", PREPASS_VERSION, runtime_sources_hash(), comp.ident, " ".join(flags), text)
     stem = re.sub(r"[^\w.-]", "_", Path(name).stem)[:40]
     target = cache_dir() / f"{stem}-{'checked' if checked else 'fast'}-{math_mode}-{key}.so"

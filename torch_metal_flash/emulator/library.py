@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Optional, Union
 
-from . import config, prepass
+from . import config, prepass, rules
 from .binding import bind_arguments
 from . import compiler
 from .compiler import find_compiler, preprocess
@@ -122,9 +122,9 @@ class _Checked:
         comp = find_compiler()
         names = {fc.name for fc in pre.constants}
         verdict = compiler.check_rules(comp, pre.text, name, names)
-        self.constant_in_global = verdict["constant_in_global"]
+        self.copies = verdict["copies"]  # copies out of constant memory, for rules.apply_copies
         self.warnings = verdict["warnings"]
-        facts = compiler.analyze(comp, pre.text + pre.glue, name, self.constant_in_global)
+        facts = compiler.analyze(comp, rules.apply_copies(pre.text, self.copies) + pre.glue, name)
         self.kernels = {k.host_name: facts["kernels"][str(i)] for i, k in enumerate(pre.kernels)}
 
 
@@ -187,8 +187,8 @@ class Library:
         def build_chunk(names):
             pre = self._pre if len(chunks) == 1 else prepass.run(self._pre_text, default_file=self._name,
                                                                  only=set(names))
-            path = compiler.build_kernel_library(comp, pre.text + pre.glue, self._name, checked, self.math_mode,
-                                                 self._checked.constant_in_global)
+            text = rules.apply_copies(pre.text, self._checked.copies) + pre.glue
+            path = compiler.build_kernel_library(comp, text, self._name, checked, self.math_mode)
             return _Build(path, pre)
 
         if len(chunks) == 1:

@@ -262,6 +262,143 @@ def _error(lines: _Lines, offset: int, msg: str) -> CompileError:
 # ---------------------------------------------------------------- token-level rewrites
 
 
+_VEC_TYPE_NAME = r"(?:metal\s*::\s*)?(?:packed_)?(?:" + "|".join(VEC_TYPES) + r")[234]"
+_C_CAST_VEC = re.compile(r"\(\s*(" + _VEC_TYPE_NAME + r")\s*\)")
+_TEMPLATE = re.compile(r"\btemplate\s*<")
+
+
+def _operand_end(s: str, i: int) -> int:
+    """End of the cast-expression starting at s[i] (the operand of a C-style
+    cast: unary operators, then a postfix expression); -1 if unsure."""
+    n = len(s)
+
+    def ws(j):
+        while j < n and s[j] in " \t\n":
+            j += 1
+        return j
+
+    i = ws(i)
+    while i < n and (s.startswith(("++", "--"), i) or s[i] in "-+!~*&"):
+        i = ws(i + (2 if s.startswith(("++", "--"), i) else 1))
+    if i >= n:
+        return -1
+    if s[i] == "(":
+        close = _match_close(s, i, "(", ")")
+        if close < 0:
+            return -1
+        j = ws(close + 1)
+        if re.fullmatch(r"\s*[\w:]+\s*", s[i + 1:close]) and j < n and (s[j].isalnum() or s[j] in "_("):
+            return _operand_end(s, j)  # (half4)v: another cast
+        i = close + 1
+    else:
+        m = re.compile(r"(?:::)?[A-Za-z_]\w*(?:\s*::\s*[A-Za-z_]\w*)*|(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?\w*").match(s, i)
+        if not m:
+            return -1
+        i = m.end()
+        j = ws(i)
+        if j < n and s[j] == "<":  # as_type<float4>(x), f<T>(x)
+            close = _match_angle(s, j)
+            if close > 0 and s[ws(close + 1):ws(close + 1) + 1] == "(":
+                i = close + 1
+    while True:  # postfix: .x ->y [i] (args) ++ --
+        j = ws(i)
+        if s.startswith(("++", "--"), j):
+            i = j + 2
+        elif s.startswith("->", j) or (j < n and s[j] == "." and not s[j + 1:j + 2].isdigit()):
+            m = re.compile(r"\s*[A-Za-z_]\w*").match(s, j + (2 if s[j] == "-" else 1))
+            if not m:
+                return -1
+            i = m.end()
+        elif j < n and s[j] in "[(":
+            close = _match_close(s, j, s[j], "]" if s[j] == "[" else ")")
+            if close < 0:
+                return -1
+            i = close + 1
+        else:
+            return i
+
+
+def _template_type_params(masked: str) -> list:
+    """(start, end, names): the extent of each template declaration and its type parameters."""
+    out = []
+    for m in _TEMPLATE.finditer(masked):
+        close = _match_angle(masked, m.end() - 1)
+        if close < 0:
+            continue
+        names = set()
+        for a, b in _split_top(masked[m.end():close]):
+            pm = re.match(r"\s*(?:typename|class)\s*(?:\.\.\.)?\s*([A-Za-z_]\w*)", masked[m.end() + a:m.end() + b])
+            if pm:
+                names.add(pm.group(1))
+        if not names:
+            continue
+        body = re.compile(r"[{;]").search(masked, close)
+        end = _match_close(masked, body.start(), "{", "}") if body and body.group() == "{" else (body.end() if body else -1)
+        if end > 0:
+            out.append((close + 1, end, names))
+    return out
+
+
+_NOT_A_CAST = re.compile(r"(?:\b(?!return\b)\w+|[\])>.]|::)\s*$")  # f(T), sizeof(T), x.T(, void(T) ...
+_CAST_BEFORE = re.compile(r"\(\s*(?:" + _VEC_TYPE_NAME + r"|[A-Za-z_]\w*)\s*\)\s*$")  # (float4)(half4)x
+
+
+def _may_be_cast(masked: str, start: int) -> bool:
+    before = masked[max(0, start - 40):start]
+    return not _NOT_A_CAST.search(before) or bool(_CAST_BEFORE.search(before))
+
+
+def _rewrite_casts(text: str, masked: str) -> tuple:
+    """MSL converts vectors in C-style and functional casts; clang reinterprets
+    their bits.  (float4)x -> float4(x) (a vector constructor, below);
+    (T)x and T(x) with T a template type parameter -> __mtl::cast<T>(x)."""
+    edits = []  # (start, operand start, operand end, end, prefix, suffix)
+    for m in _C_CAST_VEC.finditer(masked):
+        end = _operand_end(masked, m.end())
+        if end > 0 and _may_be_cast(masked, m.start()):
+            edits.append((m.start(), m.end(), end, end, m.group(1) + "(", ")"))
+    for start, stop, names in _template_type_params(masked):
+        alt = "|".join(sorted(names))
+        for m in re.compile(rf"\(\s*({alt})\s*\)|\b({alt})\s*\(|\bstatic_cast\s*<\s*({alt})\s*>\s*\(").finditer(
+                masked, start, stop):
+            if m.group(3):  # static_cast<T>(x)
+                close = _match_close(masked, m.end() - 1, "(", ")")
+                if close > 0:
+                    edits.append((m.start(), m.end(), close, close + 1, f"__mtl::cast<{m.group(3)}>(", ")"))
+                continue
+            if not _may_be_cast(masked, m.start()):
+                continue
+            if m.group(1):  # (T)x
+                end = _operand_end(masked, m.end())
+                if end > 0:
+                    edits.append((m.start(), m.end(), end, end, f"__mtl::cast<{m.group(1)}>(", ")"))
+                continue
+            # T(x): one argument; not a declarator such as `T(x);` or `(T (&x)[N])`
+            close = _match_close(masked, m.end() - 1, "(", ")")
+            if close < 0 or not masked[m.end():close].strip() or len(_split_top(masked[m.end():close])) != 1 or \
+                    re.search(r"[;{}]\s*$", masked[max(0, m.start() - 4):m.start()]) or \
+                    re.match(r"\s*[\[(]", masked[close + 1:close + 4]):
+                continue
+            edits.append((m.start(), m.end(), close, close + 1, f"__mtl::cast<{m.group(2)}>(", ")"))
+    edits.sort(key=lambda e: (e[0], -e[3]))
+
+    def apply(src: str, lo: int, hi: int, k: int) -> tuple:
+        """src[lo:hi] with the edits from k on that lie inside it (nested ones too)."""
+        out, pos = [], lo
+        while k < len(edits) and edits[k][0] < hi:
+            start, a, b, end, prefix, suffix = edits[k]
+            if start < pos or end > hi:  # overlaps a rewrite without nesting in it: left as it is
+                k += 1
+                continue
+            inner, k = apply(src, a, b, k + 1)
+            out += [src[pos:start], prefix, inner, suffix]
+            pos = end
+        out.append(src[pos:hi])
+        return "".join(out), k
+
+    return apply(text, 0, len(text), 0)[0], apply(masked, 0, len(masked), 0)[0]
+
+
 def _rewrite_tokens(text: str, masked: str) -> tuple:
     """Vector constructors and half literals (no new lines, positions shift)."""
     out, mout, pos = [], [], 0
@@ -287,7 +424,8 @@ def _rewrite_tokens(text: str, masked: str) -> tuple:
         paren = close + 1 + (len(after) - len(stripped))
         matches.append((m.start(), paren + 1, f"__mtl::make_vec<{t}, {nn}>("))
     for m in _HALF_LIT.finditer(masked):
-        matches.append((m.start(), m.end(), f"((half){m.group(1)})"))
+        lit = m.group(1) + ("f" if re.search(r"[.eE]", m.group(1)) else "")  # a float literal, not a double one
+        matches.append((m.start(), m.end(), f"((half){lit})"))
     matches.sort()
     for start, end, new in matches:
         if start < pos:
@@ -386,6 +524,7 @@ def run(text: str, *, default_file: str, only: Optional[set] = None) -> Result:
     parallel pieces); the result still lists every kernel, with glue for the
     selected ones only."""
     masked = _mask(text)
+    text, masked = _rewrite_casts(text, masked)
     text, masked = _rewrite_tokens(text, masked)
     lines = _Lines(text, default_file)
     edits = _Edits(text)
@@ -424,15 +563,15 @@ def run(text: str, *, default_file: str, only: Optional[set] = None) -> Result:
             close = _match_close(body, dm.end() - 1, "(", ")")
             expr = body[dm.end():close].strip()
         else:
-            vm = re.match(r"(?:void\s+)([\w:]+\s*<)", body)
+            vm = re.match(r"(?:[\w:]+\s+)([\w:]+\s*<)", body)  # void f<T>(...) or kernel_t f<T>
             if vm:
                 lt = vm.end(1) - 1
                 gt = _match_angle(body, lt)
                 expr = body[vm.start(1):gt + 1].strip()
         if not expr:
             raise _error(lines, m.start(), "cannot understand this kernel instantiation; use "
-                         "`template [[host_name(\"name\")]] [[kernel]] decltype(f<T>) f<T>;` or "
-                         "`... void f<T>(params);` with explicit template arguments")
+                         "`template [[host_name(\"name\")]] [[kernel]] decltype(f<T>) f<T>;`, "
+                         "`... void f<T>(params);` or `... f_type f<T>;` with explicit template arguments")
         expr = " ".join(expr.split())
         tname = re.match(r"[\w:]+", expr).group(0)
         instantiations.append((host or tname, expr, tname, m.start()))

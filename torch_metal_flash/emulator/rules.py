@@ -6,8 +6,8 @@ OpenCL 2021, whose address spaces are Metal's, twice:
 - with a generic address space: everything but one rule.  Copies of objects
   out of ``constant`` memory fail there (C++ for OpenCL's implicit copy
   members take ``__generic`` references, which exclude ``__constant``) while
-  Metal allows them: those errors are dropped, and the build compiles
-  ``constant`` as ``__global const`` instead.
+  Metal allows them: the source of each such copy (clang's diagnostic gives
+  its range) is wrapped in ``__mtl::copy(...)`` and the pass runs again.
 - without one, where ``this`` of an unqualified member function and
   ``thread`` are ``__private`` as in Metal (with a generic address space
   ``thread`` is compiled as generic, so that member functions can return
@@ -28,6 +28,9 @@ from .errors import CompileError
 ADDRESS_SPACES = ("MSL address spaces: a pointer or reference keeps its address space (device, threadgroup, "
                   "constant, thread); converting it to another one is an error")
 RECURSION = "MSL restriction: recursive function calls are not supported"
+VECTOR_CAST = ("emulator limitation: this cast between vector types would reinterpret the bits here, where MSL "
+               "converts each component; spell the vector type (float4(x), (float4)x) or cast to a template "
+               "parameter (T(x), (T)x, static_cast<T>(x))")
 FUNCTION_CONSTANTS = ("MSL function constants are specialised when the pipeline is created, after compilation: "
                       "they are not constant expressions (if constexpr, template arguments, array sizes, "
                       "static_assert, case labels)")
@@ -82,12 +85,13 @@ RULES = [
 
 def explanations(rule: str) -> set:
     """The texts a CompileError of a rule starts with (after file:line)."""
-    special = {"recursion": RECURSION, "function-constant": FUNCTION_CONSTANTS}
+    special = {"recursion": RECURSION, "function-constant": FUNCTION_CONSTANTS, "vector-cast": VECTOR_CAST}
     return {text for r, _, text in RULES if r == rule} | ({special[rule]} if rule in special else set())
 
 
 _CONSTANT_EXPRESSION = re.compile(r"constant expression|explicitly-specified argument|initializer of '\w+' is unknown")
-_HEADER = re.compile(r"^(.*?):(\d+):(\d+): (fatal error|error|warning|note): (.*)$")
+_HEADER = re.compile(r"^(.*?):(\d+):(\d+):((?:\{\d+:\d+-\d+:\d+\})*):? ?(fatal error|error|warning|note): (.*)$")
+_RANGE = re.compile(r"\{(\d+):(\d+)-(\d+):(\d+)\}")
 _SHIM = re.compile(r"[/\\]csrc[/\\]emulator[/\\]shim[/\\]")
 
 
@@ -99,6 +103,7 @@ class Diagnostic:
     severity: str
     message: str
     text: str  # the whole diagnostic: header, source excerpt and notes
+    ranges: list = dataclasses.field(default_factory=list)  # (line, col, end line, end col): its source ranges
 
 
 def parse(stderr: str) -> list:
@@ -106,8 +111,9 @@ def parse(stderr: str) -> list:
     diags, cur = [], None
     for line in stderr.splitlines():
         m = _HEADER.match(line)
-        if m and m.group(4) != "note":
-            cur = Diagnostic(m.group(1), int(m.group(2)), int(m.group(3)), m.group(4), m.group(5), line)
+        if m and m.group(5) != "note":
+            ranges = [tuple(map(int, r)) for r in _RANGE.findall(m.group(4))]
+            cur = Diagnostic(m.group(1), int(m.group(2)), int(m.group(3)), m.group(5), m.group(6), line, ranges)
             diags.append(cur)
         elif cur is not None and not line.startswith("In file included from") and \
                 not re.match(r"\d+ (errors?|warnings?)( and \d+ (errors?|warnings?))? generated", line):
@@ -164,26 +170,52 @@ def _error_dict(d: Diagnostic, rule: str, text: str, name: str) -> dict:
     return {"error": f"{head}\n{d.text}".strip(), "file": file, "line": line, "rule": rule or "c++"}
 
 
-def judge(generic_stderr: str, this_stderr: str, name: str, constants: set) -> dict:
-    """The verdict of the rules passes: {"error": ...} for the first broken
-    rule, else {"constant_in_global": bool, "warnings": str}."""
-    constant_copies = False
-    warnings = []
-    for d in parse(generic_stderr):
+def judge_generic(stderr: str, name: str, constants: set) -> dict:
+    """The pass with a generic address space: {"error": ...} for the first
+    broken rule, else {"copies": [(line, col, end line, end col)] of sources
+    copied out of constant memory, "warnings": str}."""
+    copies, warnings = [], []
+    for d in parse(stderr):
         if d.severity == "warning":
             if not _SHIM.search(d.file):
                 warnings.append(d.text)
             continue
-        if _copies_from_constant(d):
-            constant_copies = True
+        if _copies_from_constant(d) and d.ranges and not _SHIM.search(d.file):
+            copies.append(d.ranges[-1])  # the last range is the source (`a = b`: b)
             continue
-        rule, text = rule_of(d, constants)
-        return _error_dict(d, rule, text, name)
-    for d in parse(this_stderr):
+        return _error_dict(d, *rule_of(d, constants), name)
+    return {"copies": sorted(set(copies)), "warnings": "\n".join(warnings)}
+
+
+def judge_this(stderr: str, name: str) -> Optional[dict]:
+    """The pass without a generic address space: the first error Metal makes too."""
+    for d in parse(stderr):
         if d.severity != "warning" and not _SHIM.search(d.file) and _breaks_thread_rules(d):
-            rule, text = rule_of(d)
-            return _error_dict(d, rule, text, name)
-    return {"constant_in_global": constant_copies, "warnings": "\n".join(warnings)}
+            return _error_dict(d, *rule_of(d), name)
+    return None
+
+
+def apply_copies(text: str, rounds: list) -> str:
+    """The text the rules pass accepted: check_rules' rounds of wrap_copies."""
+    for copies in rounds:
+        text = wrap_copies(text, [tuple(c) for c in copies])
+    return text
+
+
+def wrap_copies(text: str, copies: list) -> str:
+    """`text` with the source of each copy out of constant memory wrapped in
+    __mtl::copy(...), or inside the braces of an initializer list.  The
+    ranges are clang's: lines of the compiled text, columns, exclusive ends."""
+    lines = text.split("\n")
+    inserts = set()  # (line index, column, text)
+    for l1, c1, l2, c2 in copies:
+        a, b, c1, c2 = l1 - 1, l2 - 1, c1 - 1, c2 - 1
+        if lines[a][c1:c1 + 1] == "{" and lines[b][c2 - 1:c2] == "}":
+            c1, c2 = c1 + 1, c2 - 1
+        inserts |= {(a, c1, "__mtl::copy("), (b, c2, ")")}
+    for i, col, s in sorted(inserts, key=lambda x: (x[0], -x[1], x[2] == ")")):
+        lines[i] = lines[i][:col] + s + lines[i][col:]
+    return "\n".join(lines)
 
 
 def compile_error(stderr: str, name: str, constants: set = frozenset()) -> CompileError:

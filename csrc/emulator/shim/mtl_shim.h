@@ -15,9 +15,10 @@
 //          runtime exist only in the build (MTL_IMPL).
 //   build  the code that runs: a generic address space (objects in any space
 //          can be copied and passed on, as Metal allows), function pointers
-//          for the runtime glue.  __MTL_CONSTANT_IN_GLOBAL__ compiles
-//          `constant` as `__global const` for sources that copy objects out
-//          of constant memory (C++ for OpenCL cannot copy from __constant).
+//          for the runtime glue.  C++ for OpenCL cannot copy a class object
+//          out of __constant memory (its implicit copy members take generic
+//          references); the rules pass finds each such copy and wraps its
+//          source in __mtl::copy (rules.wrap_copies).
 #pragma once
 #pragma clang system_header
 
@@ -36,11 +37,7 @@
 #else
 #define thread
 #endif
-#ifdef __MTL_CONSTANT_IN_GLOBAL__
-#define constant __global const
-#else
 #define constant __constant
-#endif
 // Member functions of shim types exist for `this` in every address space:
 // unqualified (generic; __private without a generic address space) and
 // qualified for the spaces a generic `this` does not cover.
@@ -49,11 +46,7 @@
 #else
 #define MTL_EACH_WRITABLE_ADDRESS_SPACE(M) M()
 #endif
-#ifdef __MTL_CONSTANT_IN_GLOBAL__
-#define MTL_EACH_ADDRESS_SPACE(M) MTL_EACH_WRITABLE_ADDRESS_SPACE(M)
-#else
 #define MTL_EACH_ADDRESS_SPACE(M) MTL_EACH_WRITABLE_ADDRESS_SPACE(M) M(__constant)
-#endif
 #define threadgroup_imageblock __local
 #define ray_data __private
 #define object_data __global
@@ -166,6 +159,32 @@ MTL_INLINE vec_of<T, N> make_vec(A... a) {
     (put<T>(r, i, a), ...);
     return r;
   }
+}
+
+// A copy of a class object out of constant memory, which Metal allows and
+// C++ for OpenCL cannot express (rules.wrap_copies puts the source of each
+// such copy in here); anything else passes through.
+template <class T> inline constexpr constant bool in_constant_ = false;
+template <class T> inline constexpr constant bool in_constant_<__constant T> = true;
+template <class T>
+MTL_INLINE decltype(auto) copy(T&& x) {
+  typedef metal::remove_reference_t<T> U;
+  if constexpr (in_constant_<U>) return __builtin_bit_cast(plain_t<U>, x);
+  else return static_cast<T&&>(x);
+}
+
+// C-style and functional casts to a template type parameter, (T)x and T(x)
+// (the pre-pass rewrites them to this): MSL converts a vector per component,
+// where clang would reinterpret its bits.
+template <class E> inline constexpr constant bool is_class_arg = __is_class(plain_t<metal::remove_reference_t<E>>);
+template <class T, class E, enable_if_t<!is_class_arg<E>, int> = 0>
+MTL_INLINE T cast(E e) {  // by value: binds vector elements (v.x) too
+  if constexpr (vn<T> > 1 && vn<E> > 1 && !__is_same(elem_t<T>, elem_t<E>)) return make_vec<elem_t<T>, vn<T>>(e);
+  else return (T)e;
+}
+template <class T, class E, enable_if_t<is_class_arg<E>, int> = 0>
+MTL_INLINE T cast(E&& e) {
+  return (T)static_cast<E&&>(e);
 }
 
 // threadgroup variables declared in a function body: one object per
