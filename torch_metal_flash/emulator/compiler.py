@@ -5,11 +5,14 @@ A kernel source goes through clang four times (docs/emulator.md):
    ``<metal_*>`` headers and the caller's include directories are reachable.
 2. ``check_rules``: syntax-only C++ for OpenCL 2021, where Metal's address
    spaces are clang's OpenCL address spaces: once with a generic address
-   space (every rule but one) and once without (the `this` of member
-   functions).  Errors are mapped to the MSL rule they break (rules.py).
+   space (every rule but one; copies out of constant memory are wrapped and
+   the pass repeated) and once without (the `this` of member functions).
+   Errors are mapped to the MSL rule they break (rules.py).
 3. ``analyze``: the build translation unit at -O0 as LLVM IR: recursion,
-   threadgroup memory per kernel, thread limits (analysis.py).
-4. ``build_kernel_library``: -O2 shared library, per checked/fast and math mode.
+   vector casts the pre-pass missed, threadgroup memory per kernel, thread
+   limits (analysis.py).
+4. ``build_kernel_library``: -O2 shared library, per checked/unchecked build
+   and math mode.
 
 Compiler: ``TORCH_METAL_FLASH_CXX``, then ``clang++-19`` ... ``clang++-17`` /
 ``clang++`` (version >= 17) on PATH, then the ``ziglang`` package

@@ -7,7 +7,10 @@ source locations point at the original ``.metal`` lines.  It only rewrites
 what clang cannot parse as MSL means it; every language rule is left to the
 compiler (see compiler.py):
 - MSL vector constructors ``float4(x)``, ``half4(f4)``, ``float4(f2, z, w)`` ->
-  ``__mtl::make_vec<float, 4>(...)`` (splat / convert / concatenate);
+  ``__mtl::make_vec<float, 4>(...)`` (splat / convert / concatenate), and
+  casts that convert vectors in MSL but reinterpret them in clang:
+  ``(float4)x`` -> ``float4(x)``; ``T(x)``, ``(T)x``, ``static_cast<T>(x)``
+  with T a template type parameter -> ``__mtl::cast<T>(x)``;
 - half literals ``1.0h`` -> ``((half)1.0)``;
 - ``threadgroup`` objects declared in function bodies -> a reference into the
   per-threadgroup arena, keyed by a function-local static {sizeof, alignof}
