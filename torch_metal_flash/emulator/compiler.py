@@ -187,8 +187,8 @@ CHECKED_FLAGS = ["-fsanitize-coverage=inline-8bit-counters,trace-loads,trace-sto
                  "-fno-builtin-memcpy", "-fno-builtin-memmove", "-fno-vectorize", "-fno-slp-vectorize",
                  "-fsanitize=alignment", "-fno-sanitize-recover=alignment"]
 # What Apple's compiler predefines for MSL 3.1 on macOS.
-PREPROCESS_DEFINES = ["-D__MTL_PREPASS__", "-D__METAL__=1", "-D__METAL_VERSION__=310", "-D__METAL_MACOS__", "-D__HAVE_BFLOAT__=1",
-                      "-D__METAL_EMULATOR__=1"]
+PREPROCESS_DEFINES = ["-D__MTL_PREPASS__", "-D__METAL__=1", "-D__METAL_VERSION__=310", "-D__METAL_MACOS__",
+                      "-D__HAVE_BFLOAT__=1", "-D__METAL_EMULATOR__=1"]
 
 
 def _run(argv: list, input_text: Optional[str] = None) -> subprocess.CompletedProcess:

@@ -11,13 +11,12 @@ import time
 from pathlib import Path
 from typing import Optional, Union
 
-from . import config, prepass, rules
+from . import compiler, config, prepass, rules
 from .binding import bind_arguments
-from . import compiler
 from .compiler import find_compiler, preprocess
 from .errors import (CompileError, DataRaceError, DivergentBarrierError, EmulatorError, KernelCrashError,
-                     KernelTimeoutError, LaunchError, MisalignedAccessError, OutOfBoundsError, SimdgroupMatrixDivergenceError,
-                     ThreadgroupMemoryError)
+                     KernelTimeoutError, LaunchError, MisalignedAccessError, OutOfBoundsError,
+                     SimdgroupMatrixDivergenceError, ThreadgroupMemoryError)
 from . import runtime as rt
 
 

@@ -268,6 +268,7 @@ def _error(lines: _Lines, offset: int, msg: str) -> CompileError:
 _VEC_TYPE_NAME = r"(?:metal\s*::\s*)?(?:packed_)?(?:" + "|".join(VEC_TYPES) + r")[234]"
 _C_CAST_VEC = re.compile(r"\(\s*(" + _VEC_TYPE_NAME + r")\s*\)")
 _TEMPLATE = re.compile(r"\btemplate\s*<")
+_PRIMARY = re.compile(r"(?:::)?[A-Za-z_]\w*(?:\s*::\s*[A-Za-z_]\w*)*|(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?\w*")
 
 
 def _operand_end(s: str, i: int) -> int:
@@ -294,7 +295,7 @@ def _operand_end(s: str, i: int) -> int:
             return _operand_end(s, j)  # (half4)v: another cast
         i = close + 1
     else:
-        m = re.compile(r"(?:::)?[A-Za-z_]\w*(?:\s*::\s*[A-Za-z_]\w*)*|(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?\w*").match(s, i)
+        m = _PRIMARY.match(s, i)
         if not m:
             return -1
         i = m.end()
@@ -336,7 +337,9 @@ def _template_type_params(masked: str) -> list:
         if not names:
             continue
         body = re.compile(r"[{;]").search(masked, close)
-        end = _match_close(masked, body.start(), "{", "}") if body and body.group() == "{" else (body.end() if body else -1)
+        if not body:
+            continue
+        end = _match_close(masked, body.start(), "{", "}") if body.group() == "{" else body.end()
         if end > 0:
             out.append((close + 1, end, names))
     return out
