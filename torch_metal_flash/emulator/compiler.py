@@ -26,6 +26,7 @@ processes are safe.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import hashlib
 import json
@@ -305,19 +306,22 @@ def check_rules(comp: Compiler, text: str, name: str, constants: set) -> dict:
     target = cache_dir() / f"rules-{key}.json"
 
     def run(tmp):
-        rounds, src = [], text
-        for _ in range(4):  # copies out of constant memory nested in copies: one more round each
-            result = rules.judge_generic(_compile(comp, RULES_FLAGS, src, tmp).stderr, name, constants)
-            if "error" in result or not result["copies"]:
-                break
-            rounds.append(result["copies"])
-            src = rules.wrap_copies(src, result["copies"])
-        else:
-            result = {"error": f"{name}: emulator limitation: cannot copy objects out of constant memory here "
-                               f"(line {result['copies'][0][0]} of the pre-pass output)", "rule": "c++"}
-        if "error" not in result:
-            result = rules.judge_this(_compile(comp, THIS_FLAGS, src, tmp + "-this").stderr, name) or \
-                {"copies": rounds, "warnings": result["warnings"]}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            # the pass without a generic address space runs alongside the first round
+            this = pool.submit(_compile, comp, THIS_FLAGS, text, tmp + "-this.tmp")
+            rounds, src = [], text
+            for _ in range(4):  # copies out of constant memory nested in copies: one more round each
+                result = rules.judge_generic(_compile(comp, RULES_FLAGS, src, tmp).stderr, name, constants)
+                if "error" in result or not result["copies"]:
+                    break
+                rounds.append(result["copies"])
+                src = rules.wrap_copies(src, result["copies"])
+            else:
+                result = {"error": f"{name}: emulator limitation: cannot copy objects out of constant memory "
+                                   f"here (line {result['copies'][0][0]} of the pre-pass output)", "rule": "c++"}
+            if "error" not in result:
+                this_pass = this.result() if not rounds else _compile(comp, THIS_FLAGS, src, tmp + "-this.tmp")
+                result = rules.judge_this(this_pass.stderr, name) or {"copies": rounds, "warnings": result["warnings"]}
         Path(tmp).write_text(json.dumps(result))
 
     result = json.loads(_atomic_write(target, run).read_text())

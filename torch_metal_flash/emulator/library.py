@@ -120,10 +120,14 @@ class _Checked:
     def __init__(self, name: str, pre_text: str, pre: prepass.Result):
         comp = find_compiler()
         names = {fc.name for fc in pre.constants}
-        verdict = compiler.check_rules(comp, pre.text, name, names)
-        self.copies = verdict["copies"]  # copies out of constant memory, for rules.apply_copies
-        self.warnings = verdict["warnings"]
-        facts = compiler.analyze(comp, rules.apply_copies(pre.text, self.copies) + pre.glue, name)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            # the analysis of the source as it is runs alongside the rules passes (used when nothing is wrapped)
+            analysis = pool.submit(compiler.analyze, comp, pre.text + pre.glue, name)
+            verdict = compiler.check_rules(comp, pre.text, name, names)
+            self.copies = verdict["copies"]  # copies out of constant memory, for rules.apply_copies
+            self.warnings = verdict["warnings"]
+            facts = compiler.analyze(comp, rules.apply_copies(pre.text, self.copies) + pre.glue, name) \
+                if self.copies else analysis.result()
         self.kernels = {k.host_name: facts["kernels"][str(i)] for i, k in enumerate(pre.kernels)}
 
 
