@@ -196,9 +196,9 @@ template <typename T, int BD, int BQ, int BK, bool KVS>
                 if (mask_kind == flash::kMaskBool) {
                   vis = mask[off] != 0;
                 } else {
-                  const float mv = flash::read_float_mask(mask, off, int(mask_kind));
-                  vis = !flash::is_neg_inf(mv);  // tested on the bits: -inf never enters the arithmetic
-                  s += vis ? mv : 0.0f;
+                  bool neg_inf;
+                  s += flash::read_float_mask(mask, off, int(mask_kind), neg_inf);
+                  vis = !neg_inf;
                 }
               }
             }
