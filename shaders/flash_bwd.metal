@@ -86,7 +86,11 @@ inline Score transform(float x, int i, int j, float slope2, long mask_off,
     if (mask_kind == flash::kMaskBool) {
       vis = mask[mask_off] != 0;
     } else {
-      s += flash::read_float_mask(mask, mask_off, mask_kind) * flash::kLog2e;
+      // -inf hides the score; below -1e37 every score gives p = 0 (or its
+      // row is saturated), and the clamp keeps s * log2e finite (fast math)
+      bool neg_inf;
+      s += max(flash::read_float_mask(mask, mask_off, mask_kind, neg_inf), -1.0e37f) * flash::kLog2e;
+      vis = !neg_inf;
     }
   }
   r.s = s;

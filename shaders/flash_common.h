@@ -256,10 +256,18 @@ enum MaskKind : int {
 };
 
 // Read the additive float mask element at `off` (elements) of kind `kind`.
-inline float read_float_mask(const device uchar* base, long off, int kind) {
-  if (kind == kMaskF32) return ((const device float*)base)[off];
-  if (kind == kMaskF16) return float(((const device half*)base)[off]);
-  return float(((const device bfloat*)base)[off]);
+// A -inf entry sets `neg_inf` and reads as 0: it is tested on the bits of the
+// stored type, so no infinity enters the arithmetic (fast math assumes none).
+inline float read_float_mask(const device uchar* base, long off, int kind, thread bool& neg_inf) {
+  if (kind == kMaskF32) {
+    const float x = ((const device float*)base)[off];
+    neg_inf = as_type<uint>(x) == 0xff800000u;
+    return neg_inf ? 0.0f : x;
+  }
+  const ushort bits = ((const device ushort*)base)[off];
+  neg_inf = bits == (kind == kMaskF16 ? 0xfc00u : 0xff80u);
+  if (neg_inf) return 0.0f;
+  return kind == kMaskF16 ? float(as_type<half>(bits)) : float(as_type<bfloat>(bits));
 }
 
 }  // namespace flash

@@ -11,8 +11,10 @@
 // row max, and with it lse, is as exact as the scores, and any finite score,
 // even -FLT_MAX from a float mask, takes part), the exponentials are
 // exp2((s - max) * log2e); O is rescaled per row through the fragment lane
-// layout.  Masked scores are -inf; the only test on an infinity is a bit
-// comparison, so fast math cannot fold it away.
+// layout.  No infinity enters the arithmetic (fast math, Metal's default,
+// assumes there is none): invisible scores are -FLT_MAX for the row max and
+// a bit in `hidden` that zeroes their probability, so a visible -FLT_MAX
+// still takes part, and exponent arguments are clamped before they scale.
 //
 // Template parameters (compile time, chosen by the planner's tile table):
 //   T   element type of q/k/v/o: float, half or bfloat (computed as float)
@@ -63,6 +65,7 @@ template <typename T, int BD, int BQ, int BK, bool KVS>
   constexpr int NF = BD / 8;             // fragments along the head dim
   constexpr int NK = BK / 8;             // fragments along the keys
   static_assert(BQ % 8 == 0 && BK % 8 == 0 && BD % 8 == 0, "tile sizes");
+  static_assert(NK <= 16, "one bit per score element of a lane in `hidden`");
 
   threadgroup T smem[TG_ELEMS];
   threadgroup T* Ks = smem;
@@ -88,7 +91,7 @@ template <typename T, int BD, int BQ, int BK, bool KVS>
   flash::packed_row_span(q0, min(q0 + BQ, rows) - 1, Lq, i_first, i_last);
 
   // Masked scores and the running max of a row that has seen nothing.
-  const float kNegInf = as_type<float>(0xff800000u);
+  const float kNeg = -FLT_MAX;
 
   const device T* qrow = q + long(b) * p.q_stride_b + long(h) * p.q_stride_h +
                          long(i) * p.q_stride_l;
@@ -106,10 +109,10 @@ template <typename T, int BD, int BQ, int BK, bool KVS>
     Of[dd] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
   }
 
-  // Running max m_i of this lane's row (natural units; -inf while the row
-  // is empty) and the running sum l_i of exp(s - m_i).  A sink is one extra
+  // Running max m_i of this lane's row (natural units; -FLT_MAX while the
+  // row is empty) and the running sum l_i of exp(s - m_i).  A sink is one extra
   // logit with no value: it starts the row at max = sink, sum = 1.
-  float m_i = kNegInf;
+  float m_i = kNeg;
   float l_i = 0.0f;
   if (has_sinks) {
     m_i = sinks[h];
@@ -164,6 +167,7 @@ template <typename T, int BD, int BQ, int BK, bool KVS>
     }
     // S = Q K^T for 8 rows x BK keys, then P = exp(S - max) in place.
     simdgroup_float8x8 S[NK];
+    uint hidden = 0;  // bit 2 * kk + e: element e of S[kk] is invisible
     if (sg_active) {
       for (int kk = 0; kk < NK; ++kk) {
         S[kk] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
@@ -192,30 +196,34 @@ template <typename T, int BD, int BQ, int BK, bool KVS>
                 if (mask_kind == flash::kMaskBool) {
                   vis = mask[off] != 0;
                 } else {
-                  s += flash::read_float_mask(mask, off, int(mask_kind));
+                  bool neg_inf;
+                  s += flash::read_float_mask(mask, off, int(mask_kind), neg_inf);
+                  vis = !neg_inf;
                 }
               }
             }
-            S[kk].thread_elements()[e] = vis ? s : kNegInf;
+            S[kk].thread_elements()[e] = vis ? s : kNeg;
+            hidden |= vis ? 0u : 1u << (2 * kk + e);
           }
         }
       }
 
       // Online softmax (rows are shared by the 4 lanes xor 1 and xor 8).
-      float mx = kNegInf;
+      float mx = kNeg;
       for (int kk = 0; kk < NK; ++kk) {
         mx = max(mx, max(S[kk].thread_elements()[0], S[kk].thread_elements()[1]));
       }
       mx = flash::row_max(mx);
       const float m_new = max(m_i, mx);
-      // Still nothing visible (max = -inf): subtract 0 instead, so that the
-      // masked scores give exp2(-inf) = 0 and never -inf - -inf.
-      const float m_use = flash::is_neg_inf(m_new) ? 0.0f : m_new;
-      const float factor = exp2((m_i - m_use) * flash::kLog2e);
+      // exp(d) for d = s - m_new <= 0; below -1000 it is 0 in float, and the
+      // clamp keeps d * log2e finite for d near -FLT_MAX.
+      const float factor = exp2(max(m_i - m_new, -1000.0f) * flash::kLog2e);
       float rs = 0.0f;
       for (int kk = 0; kk < NK; ++kk) {
-        const float p0 = exp2((S[kk].thread_elements()[0] - m_use) * flash::kLog2e);
-        const float p1 = exp2((S[kk].thread_elements()[1] - m_use) * flash::kLog2e);
+        const float d0 = max(S[kk].thread_elements()[0] - m_new, -1000.0f);
+        const float d1 = max(S[kk].thread_elements()[1] - m_new, -1000.0f);
+        const float p0 = (hidden >> (2 * kk)) & 1u ? 0.0f : exp2(d0 * flash::kLog2e);
+        const float p1 = (hidden >> (2 * kk + 1)) & 1u ? 0.0f : exp2(d1 * flash::kLog2e);
         S[kk].thread_elements()[0] = p0;
         S[kk].thread_elements()[1] = p1;
         rs += p0 + p1;

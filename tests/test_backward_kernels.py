@@ -127,11 +127,13 @@ _LIBS: dict = {}
 
 def _library(source: str, constants: dict):
     from torch_metal_flash import emulator
-    key = (source, tuple(sorted(constants.items())))
+    from torch_metal_flash.emulator import config
+    math_mode = config.backend_math_mode()  # the Metal launcher's, as the emulator backend compiles
+    key = (source, tuple(sorted(constants.items())), math_mode)
     lib = _LIBS.get(key)
     if lib is None:
         lib = emulator.compile_shader(shaders_dir() / source, include_dirs=(str(shaders_dir()),),
-                                      function_constants=dict(constants))
+                                      function_constants=dict(constants), math_mode=math_mode)
         _LIBS[key] = lib
     return lib
 

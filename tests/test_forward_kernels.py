@@ -193,6 +193,19 @@ def test_emulator_threadgroup_memory_matches_table():
         assert stats["threadgroup_memory"] == tile.threadgroup_memory, (stats, tile)
 
 
+def test_pipeline_info_of_every_variant():
+    """The emulator backend's pipeline limits (the Metal launcher's keys): the
+    threadgroup memory is the table's figure, the thread limit the default."""
+    from torch_metal_flash.backends.emulator import EmulatorBackend
+
+    backend = EmulatorBackend()
+    for t in forward_variants():
+        info = backend.pipeline_info("flash_fwd.metal", t.kernel, {})
+        assert info == {"max_total_threads_per_threadgroup": 1024, "thread_execution_width": 32,
+                        "static_threadgroup_memory_length": t.threadgroup_memory,
+                        "max_threadgroup_memory_length": 32768}, t.kernel
+
+
 def _spec(dtype=torch.float16, D=64, Dv=None, Hq=4, Hkv=2, **kw):
     q = torch.randn(1, Hq, 5, D, dtype=dtype)
     k = torch.randn(1, Hkv, 7, D, dtype=dtype)

@@ -2,9 +2,15 @@
 // (compiled into the kernel translation unit) and the Python driver (ctypes).
 // Keep in sync with torch_metal_flash/emulator/runtime.py.
 #pragma once
+#ifdef __MTL_SHIM__  // the kernel translation unit sees no host headers
+typedef int int32_t;  // as in Metal (and mtl_types.h); same layout as <stdint.h>'s
+typedef unsigned int uint32_t;
+typedef unsigned long uint64_t;
+#else
 #include <stdint.h>
+#endif
 
-#define MTL_ABI_VERSION 3
+#define MTL_ABI_VERSION 4
 #define MTL_MAX_BUFFERS 64
 #define MTL_MAX_TG_PARAMS 32
 #define MTL_MSG 2048
@@ -58,7 +64,11 @@ typedef struct MtlThreadInfo {
 
 // One lane's part in a simd collective.  The shim fills it on the lane's stack.
 typedef struct MtlCollRec MtlCollRec;
+#ifdef __MTL_RULES__  // the rules pass has no function pointers (and never runs)
+typedef void* MtlCollFn;
+#else
 typedef void (*MtlCollFn)(MtlCollRec* const* lanes /*[32], NULL = inactive*/, uint32_t active_mask);
+#endif
 struct MtlCollRec {
   MtlCollFn fn;        // completes the collective for the active lanes (NULL = plain sync)
   const void* in;      // lane's input
@@ -73,6 +83,7 @@ struct MtlCollRec {
 };
 enum MtlCollKind { MTL_C_SIMD = 0, MTL_C_SIMD_BARRIER = 1, MTL_C_MMA = 2, MTL_C_TG_BARRIER = 3 };
 
+#ifndef __MTL_SHIM__  // host side only
 typedef struct MtlBinding {
   void* host;          // bound memory (tensor data at its storage offset)
   uint64_t nbytes;     // extent in bytes (first to last element of the view)
@@ -98,14 +109,14 @@ typedef struct MtlStats {
 enum MtlErrorCode {
   MTL_OK = 0, MTL_E_GENERIC = 1, MTL_E_DIVERGENT_BARRIER = 2, MTL_E_MMA_DIVERGENCE = 3,
   MTL_E_OUT_OF_BOUNDS = 4, MTL_E_TG_MEMORY = 5, MTL_E_RACE = 6, MTL_E_TIMEOUT = 7,
-  MTL_E_CRASH = 8, MTL_E_BAD_LAUNCH = 9, MTL_E_FPE = 10, MTL_E_COLLECTIVE = 11
+  MTL_E_CRASH = 8, MTL_E_BAD_LAUNCH = 9, MTL_E_FPE = 10, MTL_E_COLLECTIVE = 11, MTL_E_MISALIGNED = 12
 };
 
 typedef struct MtlError {
   int32_t code;
   char msg[MTL_MSG];
   uint32_t tg[3];          // threadgroup position
-  uint32_t thread[3];      // thread position in threadgroup
+  uint32_t thread_pos[3];  // thread position in threadgroup
   int32_t has_thread;
   uint64_t pc_offset;      // pc relative to the kernel library (0 = unknown)
   uint64_t pc2_offset;     // the other access of a race (0 = unknown)
@@ -129,6 +140,8 @@ typedef struct MtlLaunch {
   MtlStats* stats;
   MtlError* err;
 } MtlLaunch;
+
+#endif
 
 #ifdef __cplusplus
 }

@@ -201,7 +201,7 @@ void set_error(Worker* w, int code, int thread, const char* file, int line, cons
   va_end(ap);
   memcpy(e->tg, w->tg_pos, sizeof e->tg);
   e->has_thread = thread >= 0;
-  if (thread >= 0) thread_pos(w, (uint32_t)thread, e->thread);
+  if (thread >= 0) thread_pos(w, (uint32_t)thread, e->thread_pos);
   if (file) snprintf(e->file, sizeof e->file, "%s", file);
   e->line = line;
   L->failed.store(1);
@@ -647,8 +647,24 @@ timeout:
 
 void describe_fault(Worker* w);
 
+// Apple GPUs flush float denormals to zero (in every math mode); so do the
+// worker threads while they run kernels.  Fibers inherit the mode from the
+// thread that creates them.
+struct FlushDenormals {
+#if defined(__x86_64__)
+  uint32_t saved;
+  FlushDenormals() { __asm__ volatile("stmxcsr %0" : "=m"(saved)); uint32_t v = saved | 0x8040; __asm__ volatile("ldmxcsr %0" : : "m"(v)); }
+  ~FlushDenormals() { __asm__ volatile("ldmxcsr %0" : : "m"(saved)); }
+#elif defined(__aarch64__)
+  uint64_t saved;
+  FlushDenormals() { __asm__ volatile("mrs %0, fpcr" : "=r"(saved)); uint64_t v = saved | (1ull << 24); __asm__ volatile("msr fpcr, %0" : : "r"(v)); }
+  ~FlushDenormals() { __asm__ volatile("msr fpcr, %0" : : "r"(saved)); }
+#endif
+};
+
 void run_worker(Worker* w) {
   Launch* L = w->L;
+  FlushDenormals ftz;
   tls_w = w;
   w->thread = pthread_self();
   // An alternate signal stack, so faults on a fiber's guard page can be handled.
@@ -1169,6 +1185,48 @@ RT_EXPORT int __mtl_rt_atomic(void* addr, int op, int type, const void* val, voi
     case AT_I64: return atomic_op<int64_t>((int64_t*)addr, op, val, cmp, out);
     default: return atomic_op<uint64_t>((uint64_t*)addr, op, val, cmp, out);
   }
+}
+
+// ---------------------------------------------------------------- alignment checks (checked builds)
+// -fsanitize=alignment checks every typed access against its type's
+// alignment (vector types: their size, up to 16 bytes).  Apple GPUs need
+// aligned accesses; x86 would tolerate these silently.
+namespace {
+struct UbsanLocation { const char* file; uint32_t line, column; };
+struct UbsanType { uint16_t kind, info; char name[1]; };
+struct UbsanTypeMismatch { UbsanLocation loc; const UbsanType* type; unsigned char log_align, check_kind; };
+
+[[noreturn]] void misaligned(UbsanTypeMismatch* d, uintptr_t a) {
+  Worker* w = tls_w;
+  static const char* kinds[] = {"load", "store", "reference binding", "member access", "member call",
+                                "constructor call"};
+  const char* what = d->check_kind < 6 ? kinds[d->check_kind] : "access";
+  char where[160];
+  int region;
+  if (w && w->L && a - (uintptr_t)w->arena < kArenaBytes)
+    snprintf(where, sizeof where, "threadgroup memory (arena offset %llu)", (unsigned long long)(a - (uintptr_t)w->arena));
+  else if (w && w->L && find_bind(w->L, a, 1, &region) >= 0) {
+    Bind& B = w->L->binds[find_bind(w->L, a, 1, &region)];
+    snprintf(where, sizeof where, "device buffer %d (byte offset %llu)", B.index, (unsigned long long)(a - (uintptr_t)B.dev));
+    w->L->d->err->buffer = B.index;
+  } else
+    snprintf(where, sizeof where, "thread memory");
+  if (w && w->L && w->cur) {
+    set_error(w, MTL_E_MISALIGNED, (int)w->cur->index, d->loc.file, (int)d->loc.line,
+              "misaligned %s of type %s in %s: the address is not a multiple of its %u-byte alignment "
+              "(Apple GPUs need aligned accesses; use a packed type or aligned offsets)",
+              what, d->type->name, where, 1u << d->log_align);
+    abort_fiber(w);
+  }
+  __builtin_trap();
+}
+}  // namespace
+
+RT_EXPORT void __ubsan_handle_type_mismatch_v1_abort(UbsanTypeMismatch* d, uintptr_t ptr) {
+  if (ptr && (ptr & ((uintptr_t(1) << d->log_align) - 1))) misaligned(d, ptr);
+}
+RT_EXPORT void __ubsan_handle_type_mismatch_v1(UbsanTypeMismatch* d, uintptr_t ptr) {
+  __ubsan_handle_type_mismatch_v1_abort(d, ptr);
 }
 
 // ---------------------------------------------------------------- SanitizerCoverage callbacks

@@ -191,3 +191,19 @@ def test_missing_compiler_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_zig)
     with pytest.raises(emulator.CompilerNotFoundError, match=re.escape("no clang >= 17 found; install clang-19")):
         compiler.find_compiler()
+
+
+def test_misaligned_vector_accesses_in_checked_mode():
+    x, y = torch.arange(64.0), torch.zeros(8)
+    lib(CHECKS).misaligned_device(x, y, 4, grid=8, threadgroup=8)  # 16-byte aligned: fine
+    assert y.tolist() == [4.0 * (i + 1) for i in range(8)]
+    with pytest.raises(emulator.MisalignedAccessError, match="float4.*device buffer 0.*16-byte alignment") as ei:
+        lib(CHECKS).misaligned_device(x, y, 1, grid=8, threadgroup=8)
+    _assert_located(ei.value, "misaligned_device", "misaligned device load")
+    assert ei.value.buffer == 0
+    lib(CHECKS).misaligned_threadgroup(y, 2, grid=8, threadgroup=8)
+    with pytest.raises(emulator.MisalignedAccessError, match="float2.*threadgroup memory.*8-byte alignment") as ei:
+        lib(CHECKS).misaligned_threadgroup(y, 1, grid=8, threadgroup=8)
+    _assert_located(ei.value, "misaligned_threadgroup", "misaligned threadgroup load")
+    lib(CHECKS).packed_device(x, y, 1, grid=8, threadgroup=8)  # packed vectors need only float alignment
+    assert y.tolist() == [1.0 + 4 * i for i in range(8)]

@@ -36,35 +36,37 @@ def test_launch_time_constants_behave_like_compile_time_ones(checked):
         emulator.compile_shader(KERNELS / "constants.metal", function_constants={"nope": 1})
 
 
-def test_constants_needed_at_compile_time_get_their_own_build():
-    x = torch.arange(16, dtype=torch.float32)
-    for tile, fast in ((4, False), (8, True)):
-        lib = emulator.compile_shader(KERNELS / "constants_static.metal", function_constants={0: tile, 1: fast})
-        y = torch.zeros(32)
-        lib.fc_static(x, y, grid=32, threadgroup=32)
-        assert torch.all(y == x[:tile].sum() + (0.5 if fast else 0))
-
-
-@pytest.mark.parametrize("use,dynamic", [
-    ("return pick(x, flag, 2.0f);", True),          # a plain call argument: a launch-time value is fine
-    ("return pick<flag>(x);", False),               # a template argument needs a compile-time constant
-    ("return pick2<float, flag>(x);", False),
-])
-def test_launch_time_constants_only_where_cpp_allows(use, dynamic):
-    from torch_metal_flash.emulator import prepass
+def test_constants_are_launch_time_values_as_call_arguments():
     src = """
     #include <metal_stdlib>
     using namespace metal;
     constant bool flag [[function_constant(0)]];
     float pick(float x, bool f, float s) { return f ? x * s : x; }
-    template <bool F> float pick(float x) { return F ? 2.0f * x : x; }
-    template <typename T, bool F> T pick2(T x) { return F ? 2.0f * x : x; }
-    float apply(float x) { USE }
-    kernel void k(device float* y [[buffer(0)]], uint i [[thread_position_in_grid]]) { y[i] = apply(y[i]); }
-    """.replace("USE", use)
-    assert prepass._dynamic_possible(prepass._mask(src), {"flag"}) is dynamic
+    kernel void k(device float* y [[buffer(0)]], uint i [[thread_position_in_grid]]) { y[i] = pick(y[i], flag, 2.0f); }
+    """
+    builds_before = len(library._build_cache)
     for value in (False, True):
         lib = emulator.compile_shader(src, function_constants={"flag": value})
         y = torch.ones(32)
         lib.k(y, grid=32, threadgroup=32)
         assert torch.all(y == (2.0 if value else 1.0))
+    assert len(library._build_cache) - builds_before == 1
+
+
+@pytest.mark.parametrize("use", ["return pick<flag>(x);", "return pick2<float, flag>(x);",
+                                 "if constexpr (flag) return 2.0f * x; else return x;"])
+def test_constants_in_constant_expressions_are_rejected(use):
+    # Metal specialises function constants when the pipeline is created: C++
+    # constant expressions cannot see them (the emulator used to rebuild per value).
+    src = """
+    #include <metal_stdlib>
+    using namespace metal;
+    constant bool flag [[function_constant(0)]];
+    template <bool F> float pick(float x) { return F ? 2.0f * x : x; }
+    template <typename T, bool F> T pick2(T x) { return F ? 2.0f * x : x; }
+    float apply(float x) { USE }
+    kernel void k(device float* y [[buffer(0)]], uint i [[thread_position_in_grid]]) { y[i] = apply(y[i]); }
+    """.replace("USE", use)
+    with pytest.raises(emulator.CompileError, match="function constants .* not constant expressions") as ei:
+        emulator.compile_shader(src, name="fc.metal", function_constants={"flag": True})
+    assert ei.value.rule == "function-constant" and ei.value.file == "fc.metal" and ei.value.line == 7

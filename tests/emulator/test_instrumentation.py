@@ -16,12 +16,12 @@ def test_every_load_and_store_has_a_callback(tmp_path):
     for name in ("language.metal", "matrix.metal"):
         lib = emulator.compile_shader(KERNELS / name)
         cpp = tmp_path / (name + ".cpp")
-        cpp.write_text(lib._pre.text)
+        cpp.write_text(lib._pre.text + lib._pre.glue)
         ll = tmp_path / (name + ".ll")
-        flags = [f for f in compiler.COMMON_FLAGS + compiler.CHECKED_FLAGS if not f.startswith("-g")]
-        subprocess.run(comp.argv + flags + ["-I", str(compiler.csrc_emulator_dir() / "include"), "-include",
-                                            "mtl_shim.h", "-x", "c++", str(cpp), "-S", "-emit-llvm", "-o", str(ll)],
-                       check=True, capture_output=True)
+        flags = [f for f in compiler.BUILD_FLAGS + ["-O2"] + compiler.MATH_FLAGS["fast"] + compiler.CHECKED_FLAGS
+                 if not f.startswith("-g")]
+        subprocess.run(comp.argv + flags + ["-include", str(compiler.shim_header()), str(cpp), "-S", "-emit-llvm",
+                                            "-o", str(ll)], check=True, capture_output=True)
         text = ll.read_text()
         # collective completions run in the scheduler on lane-private data, uninstrumented on purpose
         exempt = set(re.findall(r"^attributes (#\d+) = \{[^}]*nosanitize_coverage", text, re.M))

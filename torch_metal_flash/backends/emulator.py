@@ -1,10 +1,11 @@
 """The emulator backend: executes a plan by running the shaders/ kernels on the CPU.
 
 Each launch compiles ``shaders_dir() / launch.source`` (include dir: the
-shaders folder; cached per source and function-constant values, and one build
-serves all constant values whenever the emulator can make them launch-time
-values) and runs ``launch.kernel`` over ``launch.grid_threads``, binding the
-launch's buffers by index.  Schedule order, checked mode and seed come from
+shaders folder; one build serves every function-constant value) in the math
+mode the Metal launcher uses (``TORCH_METAL_FLASH_MATH_MODE``, default
+relaxed; ``emulator.settings(math_mode=...)`` overrides it) and runs
+``launch.kernel`` over ``launch.grid_threads``, binding the launch's buffers
+by index.  Schedule order, checked mode and seed come from
 :func:`torch_metal_flash.emulator.settings`, then the environment
 (``TORCH_METAL_FLASH_EMULATOR_ORDER`` / ``..._CHECKED`` / ``..._SEED``).
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 import threading
 
 from .. import emulator
+from ..emulator import config
 from .._paths import shaders_dir
 from ..plan import Plan
 
@@ -40,26 +42,30 @@ class EmulatorBackend:
         self.last_stats: list = []
 
     def library(self, source: str, function_constants: dict) -> "emulator.Library":
-        key = (source, tuple(sorted(function_constants.items())))
+        math_mode = config.backend_math_mode()
+        key = (source, tuple(sorted(function_constants.items())), math_mode)
         with self._lock:
             lib = self._libs.get(key)
         if lib is None:
-            lib = emulator.compile_shader(shaders_dir() / source, function_constants=dict(function_constants))
+            lib = emulator.compile_shader(shaders_dir() / source, function_constants=dict(function_constants),
+                                          math_mode=math_mode)
             with self._lock:
                 self._libs[key] = lib
         return lib
 
     def prepare(self, source: str, kernel: str, function_constants: dict, threadgroups, threadgroup,
                 threadgroup_memory: dict):
-        """Everything a launch needs but its buffers."""
+        """Everything a launch needs but its buffers.  The library is looked up at encode
+        time: a cached template must follow the current math mode (``emulator.settings``)."""
         grid = tuple(g * t for g, t in zip(threadgroups, threadgroup))
-        return self.library(source, function_constants)[kernel], grid, tuple(threadgroup), dict(threadgroup_memory)
+        return source, kernel, dict(function_constants), grid, tuple(threadgroup), dict(threadgroup_memory)
 
     def encode(self, launches) -> None:
         """Run ``[(prepared, {index: buffer})]`` in order."""
-        self.last_stats = [kernel(buffers=buffers, grid=grid, threadgroup=threadgroup,
-                                  threadgroup_memory=tg_memory or None)
-                           for (kernel, grid, threadgroup, tg_memory), buffers in launches]
+        self.last_stats = [self.library(source, constants)[kernel](
+                               buffers=buffers, grid=grid, threadgroup=threadgroup,
+                               threadgroup_memory=tg_memory or None)
+                           for (source, kernel, constants, grid, threadgroup, tg_memory), buffers in launches]
 
     def pipeline_info(self, source: str, kernel: str, function_constants: dict) -> dict:
         """The kernel's limits (keys as ``_C.pipeline_info``), cached; builds its library
@@ -67,13 +73,7 @@ class EmulatorBackend:
         key = (source, kernel, tuple(sorted(function_constants.items())))
         info = self._pipeline_info.get(key)
         if info is None:
-            lib = self.library(source, function_constants).build()
-            if hasattr(lib, "pipeline_info"):
-                info = dict(lib.pipeline_info(kernel))
-            else:  # until emulator.Library.pipeline_info (issue 11) lands: the emulator's fixed limits
-                lib[kernel]  # raises KeyError for a kernel the library does not have
-                info = {"max_total_threads_per_threadgroup": 1024, "thread_execution_width": 32,
-                        "static_threadgroup_memory_length": 0, "max_threadgroup_memory_length": 32768}
+            info = dict(self.library(source, function_constants).pipeline_info(kernel))
             self._pipeline_info[key] = info
         return info
 

@@ -12,15 +12,16 @@ docs/emulator.md.  Importing this module has no side effects; the compiler is
 looked for on first use.
 """
 from .compiler import compile_seconds, find_compiler
-from .config import default_checked, set_default_checked, settings
+from .config import MATH_MODES, default_checked, set_default_checked, settings
 from .errors import (CompileError, CompilerNotFoundError, DataRaceError, DivergentBarrierError, EmulatorError,
-                     KernelCrashError, KernelTimeoutError, LaunchError, OutOfBoundsError,
+                     KernelCrashError, KernelTimeoutError, LaunchError, MisalignedAccessError, OutOfBoundsError,
                      SimdgroupMatrixDivergenceError, ThreadgroupMemoryError)
 from .library import KernelFunction, LaunchStats, Library, compile_shader
 
 __all__ = [
-    "CompileError", "CompilerNotFoundError", "DataRaceError", "DivergentBarrierError", "EmulatorError",
+    "MATH_MODES", "CompileError", "CompilerNotFoundError", "DataRaceError", "DivergentBarrierError", "EmulatorError",
     "KernelCrashError", "KernelFunction", "KernelTimeoutError", "LaunchError", "LaunchStats", "Library",
+    "MisalignedAccessError",
     "OutOfBoundsError", "SimdgroupMatrixDivergenceError", "ThreadgroupMemoryError", "compile_seconds",
     "compile_shader", "default_checked", "find_compiler", "set_default_checked", "settings",
 ]

@@ -1,19 +1,35 @@
-"""Finding clang, building the runtime and kernel libraries, the disk cache.
+"""Finding clang, the compiler passes over a kernel source, the disk cache.
+
+A kernel source goes through clang four times (docs/emulator.md):
+1. ``preprocess``: ``clang -E`` as C++17 with ``-nostdinc``: only the shim's
+   ``<metal_*>`` headers and the caller's include directories are reachable.
+2. ``check_rules``: syntax-only C++ for OpenCL 2021, where Metal's address
+   spaces are clang's OpenCL address spaces: once with a generic address
+   space (every rule but one; copies out of constant memory are wrapped and
+   the pass repeated) and once without (the `this` of member functions).
+   Errors are mapped to the MSL rule they break (rules.py).
+3. ``analyze``: the build translation unit at -O0 as LLVM IR: recursion,
+   vector casts the pre-pass missed, threadgroup memory per kernel, thread
+   limits (analysis.py).
+4. ``build_kernel_library``: -O2 shared library, per checked/unchecked build
+   and math mode.
 
 Compiler: ``TORCH_METAL_FLASH_CXX``, then ``clang++-19`` ... ``clang++-17`` /
 ``clang++`` (version >= 17) on PATH, then the ``ziglang`` package
 (``python -m ziglang c++``).
 
 Cache: ``TORCH_METAL_FLASH_CACHE_DIR`` or ``~/.cache/torch_metal_flash/emulator``;
-each library is keyed by a hash of everything that affects the build (the
-pre-processed source, flags, compiler identity, runtime sources).  Writes go
-to a temporary name and are renamed into place, so concurrent processes are
-safe.
+each result is keyed by a hash of everything that affects it (the
+pre-processed source, flags, compiler identity, shim and runtime sources).
+Writes go to a temporary name and are renamed into place, so concurrent
+processes are safe.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import hashlib
+import json
 import os
 import platform
 import re
@@ -26,9 +42,10 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from . import analysis, rules
 from .errors import CompileError, CompilerNotFoundError
 
-PREPASS_VERSION = "7"  # bump when the pre-pass or glue changes
+PREPASS_VERSION = "8"  # bump when the pre-pass, glue or pass flags change
 
 _compile_seconds = 0.0
 _compile_lock = threading.Lock()
@@ -146,53 +163,74 @@ def find_compiler() -> Compiler:
 
 # ---------------------------------------------------------------- flags
 
-COMMON_FLAGS = ["-std=c++20", "-O2", "-fPIC", "-fno-strict-aliasing", "-fexcess-precision=16", "-fno-math-errno",
-                "-fno-exceptions", "-fno-rtti", "-fvisibility=hidden", "-gline-tables-only", "-w"]
+# Metal's MTLMathMode: fast (newLibraryWithSource's default) may assume no
+# infinities / NaNs, reassociate and contract; relaxed does the same but
+# honours Inf / NaN; safe is IEEE.  Float denormals are flushed to zero in
+# every mode (the runtime sets FTZ/DAZ in its worker threads).
+MATH_FLAGS = {"fast": ["-ffast-math"], "relaxed": ["-ffast-math", "-fno-finite-math-only"], "safe": ["-fno-fast-math"]}
+
+OPENCL = ["-x", "clcpp", "-cl-std=clc++2021", "-cl-no-stdinc", "-nostdinc"]
+# Warnings that flag code whose behaviour on the GPU is undefined are errors.
+ERROR_WARNINGS = ["return-type", "uninitialized", "array-bounds", "division-by-zero", "return-stack-address"]
+_NO_GLOBALS = "-__opencl_c_program_scope_global_variables,-__opencl_c_device_enqueue,-cl_khr_fp64,-__opencl_c_fp64"
+RULES_FLAGS = OPENCL + ["-fsyntax-only", "-D__MTL_RULES__", "-ferror-limit=0", "-fdiagnostics-print-source-range-info",
+                        "-Xclang", "-cl-ext=" + _NO_GLOBALS] + \
+    [f"-Werror={w}" for w in ERROR_WARNINGS]
+THIS_FLAGS = OPENCL + ["-fsyntax-only", "-D__MTL_RULES__", "-D__MTL_RULES_THIS__", "-ferror-limit=0", "-w", "-Xclang",
+                       "-cl-ext=-__opencl_c_generic_address_space,-__opencl_c_pipes," + _NO_GLOBALS]
+BUILD_FLAGS = OPENCL + ["-Xclang", "-cl-ext=+__cl_clang_function_pointers", "-fno-convergent-functions", "-fPIC",
+                        "-fno-strict-aliasing", "-fvisibility=hidden", "-gline-tables-only", "-w"]
 if platform.machine().lower() in ("x86_64", "amd64"):
-    COMMON_FLAGS.append("-fstack-clash-protection")  # large frames probe the guard page below each fiber stack
+    BUILD_FLAGS.append("-fstack-clash-protection")  # large frames probe the guard page below each fiber stack
+# Checked builds: a callback for every load and store (nothing hidden in
+# memcpy / wide vector operations), and alignment checks of typed accesses.
 CHECKED_FLAGS = ["-fsanitize-coverage=inline-8bit-counters,trace-loads,trace-stores", "-fno-builtin-memset",
-                 "-fno-builtin-memcpy", "-fno-builtin-memmove", "-fno-vectorize", "-fno-slp-vectorize"]
-PREPROCESS_DEFINES = ["-D__MTL_PREPASS__", "-D__METAL_VERSION__=310", "-D__METAL_MACOS__", "-D__HAVE_BFLOAT__=1",
-                      "-D__METAL_EMULATOR__=1", "-DMETAL_3_1"]
+                 "-fno-builtin-memcpy", "-fno-builtin-memmove", "-fno-vectorize", "-fno-slp-vectorize",
+                 "-fsanitize=alignment", "-fno-sanitize-recover=alignment"]
+# What Apple's compiler predefines for MSL 3.1 on macOS.
+PREPROCESS_DEFINES = ["-D__MTL_PREPASS__", "-D__METAL__=1", "-D__METAL_VERSION__=310", "-D__METAL_MACOS__",
+                      "-D__HAVE_BFLOAT__=1", "-D__METAL_EMULATOR__=1"]
 
 
-def _run(argv: list, what: str, input_text: Optional[str] = None, cwd: Optional[str] = None) -> str:
+def _run(argv: list, input_text: Optional[str] = None) -> subprocess.CompletedProcess:
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(argv, input=input_text, capture_output=True, text=True, cwd=cwd)
+        return subprocess.run(argv, input=input_text, capture_output=True, text=True)
     finally:
         _add_time(time.perf_counter() - t0)
-    if proc.returncode != 0:
-        diag = _clean_diagnostics(proc.stderr)
-        m = re.search(r"^(.+?):(\d+):(?:\d+:)? (?:fatal )?error:", diag, re.M)
-        raise CompileError(f"{what} failed:\n{diag}", file=m.group(1) if m else None,
-                           line=int(m.group(2)) if m else None)
-    return proc.stdout
 
 
-def _clean_diagnostics(stderr: str) -> str:
-    lines = [ln for ln in stderr.splitlines() if "warning: " not in ln or "error" in ln]
-    text = "\n".join(lines)
-    return text[:20000]
+def _fail(what: str, stderr: str) -> CompileError:
+    """An emulator-side failure (the source passed the rules)."""
+    diag = stderr[:20000]
+    m = re.search(r"^(.+?):(\d+):(?:\d+:)? (?:fatal )?error:", diag, re.M)
+    return CompileError(f"{what} failed:\n{diag}", file=m.group(1) if m else None, line=int(m.group(2)) if m else None)
+
+
+def shim_header() -> Path:
+    return csrc_emulator_dir() / "shim" / "mtl_shim.h"
 
 
 def preprocess(comp: Compiler, source: str, name: str, path: Optional[Path], include_dirs, defines) -> str:
-    """clang -E with the stub metal headers: macros expanded, line markers kept."""
-    argv = list(comp.argv) + ["-E", "-x", "c++", "-std=c++20"] + PREPROCESS_DEFINES
+    """clang -E: macros expanded, line markers kept; no host headers."""
+    argv = list(comp.argv) + ["-E", "-x", "c++", "-std=c++17", "-nostdinc"] + PREPROCESS_DEFINES
     argv += ["-I", str(csrc_emulator_dir() / "include")]
     for d in include_dirs:
         argv += ["-I", str(d)]
     for k, v in (defines or {}).items():
         argv.append(f"-D{k}" if v is None else f"-D{k}={v}")
-    if path is not None:
-        argv.append(str(path))
-        return _run(argv, f"preprocessing {name}")
-    argv.append("-")
-    out = _run(argv, f"preprocessing {name}", input_text=source)
-    return out.replace('"<stdin>"', '"' + name.replace("\\", "\\\\").replace('"', '\\"') + '"')
+    argv.append(str(path) if path is not None else "-")
+    proc = _run(argv, None if path is not None else source)
+    if proc.returncode != 0:
+        raise rules.compile_error(proc.stderr if path is not None else proc.stderr.replace("<stdin>:", name + ":"),
+                                  name)
+    out = proc.stdout
+    if path is None:
+        out = out.replace('"<stdin>"', '"' + name.replace("\\", "\\\\").replace('"', '\\"') + '"')
+    return out
 
 
-# ---------------------------------------------------------------- building
+# ---------------------------------------------------------------- the cache
 
 
 def _hash(*parts) -> str:
@@ -205,8 +243,15 @@ def _hash(*parts) -> str:
 
 def runtime_sources_hash() -> str:
     d = csrc_emulator_dir()
-    files = sorted(list(d.glob("*.cpp")) + list(d.glob("*.h")) + list((d / "include").glob("*")))
+    files = sorted(list(d.glob("*.cpp")) + list(d.glob("*.h")) + list((d / "include").glob("*")) +
+                   list((d / "shim").glob("*")))
     return _hash(*[f.name.encode() + f.read_bytes() for f in files])
+
+
+@functools.lru_cache(maxsize=None)
+def _source_of(module) -> bytes:
+    """A module whose code decides a cached verdict is part of its cache key."""
+    return Path(module.__file__).read_bytes()
 
 
 _build_locks: dict = {}
@@ -218,8 +263,8 @@ def _lock_for(key: str) -> threading.Lock:
         return _build_locks.setdefault(key, threading.Lock())
 
 
-def _atomic_build(target: Path, build) -> Path:
-    """Build into a temporary file next to target, then rename (safe across processes)."""
+def _atomic_write(target: Path, build) -> Path:
+    """Produce target through a temporary file next to it, then rename (safe across processes)."""
     if target.exists():
         return target
     with _lock_for(str(target)):
@@ -240,6 +285,84 @@ def _shared_flags() -> list:
     return ["-shared", "-undefined", "dynamic_lookup"] if sys.platform == "darwin" else ["-shared"]
 
 
+def _compile(comp: Compiler, flags: list, text: str, tmp: str, *extra) -> subprocess.CompletedProcess:
+    """Compiles `text` (the pre-pass output) with the shim included first."""
+    src = Path(tmp).with_suffix(".cl.cpp")
+    src.write_text(text)
+    try:
+        return _run(list(comp.argv) + flags + ["-include", str(shim_header()), str(src)] + list(extra))
+    finally:
+        src.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------- the passes
+
+
+def check_rules(comp: Compiler, text: str, name: str, constants: set) -> dict:
+    """The rules passes over the pre-pass output (no glue).  Raises a
+    CompileError naming the broken MSL rule; returns {"copies": rounds of
+    rules.wrap_copies for the build, "warnings": str} (cached on disk)."""
+    key = _hash("rules", PREPASS_VERSION, runtime_sources_hash(), _source_of(rules), comp.ident, text)
+    target = cache_dir() / f"rules-{key}.json"
+
+    def run(tmp):
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            # the pass without a generic address space runs alongside the first round
+            this = pool.submit(_compile, comp, THIS_FLAGS, text, tmp + "-this.tmp")
+            rounds, src = [], text
+            for _ in range(4):  # copies out of constant memory nested in copies: one more round each
+                result = rules.judge_generic(_compile(comp, RULES_FLAGS, src, tmp).stderr, name, constants)
+                if "error" in result or not result["copies"]:
+                    break
+                rounds.append(result["copies"])
+                src = rules.wrap_copies(src, result["copies"])
+            else:
+                result = {"error": f"{name}: emulator limitation: cannot copy objects out of constant memory "
+                                   f"here (line {result['copies'][0][0]} of the pre-pass output)", "rule": "c++"}
+            if "error" not in result:
+                this_pass = this.result() if not rounds else _compile(comp, THIS_FLAGS, src, tmp + "-this.tmp")
+                result = rules.judge_this(this_pass.stderr, name) or {"copies": rounds, "warnings": result["warnings"]}
+        Path(tmp).write_text(json.dumps(result))
+
+    result = json.loads(_atomic_write(target, run).read_text())
+    if result.get("error"):
+        raise CompileError(result["error"], file=result.get("file"), line=result.get("line"), rule=result.get("rule"))
+    return result
+
+
+def analyze(comp: Compiler, text: str, name: str) -> dict:
+    """The build translation unit (source + glue) at -O0 as LLVM IR: raises a
+    CompileError on recursion; returns {host entry index: {"static_threadgroup_memory_length",
+    "max_total_threads_per_threadgroup"}} (cached on disk)."""
+    flags = BUILD_FLAGS + ["-O0", "-S", "-emit-llvm"]
+    key = _hash("analysis", PREPASS_VERSION, runtime_sources_hash(), _source_of(analysis), comp.ident,
+                " ".join(flags), text)
+    target = cache_dir() / f"analysis-{key}.json"
+
+    def run(tmp):
+        ll = tmp + ".ll"
+        try:
+            proc = _compile(comp, flags, text, tmp, "-o", ll)
+            if proc.returncode != 0:  # the glue's checks of the kernels' signatures
+                raise rules.compile_error(proc.stderr, name)
+            result = analysis.analyze_ir(Path(ll).read_text())
+        finally:
+            if os.path.exists(ll):
+                os.unlink(ll)
+        Path(tmp).write_text(json.dumps(result))
+
+    result = json.loads(_atomic_write(target, run).read_text())
+    if result.get("recursion"):
+        r = result["recursion"]
+        raise CompileError(f"{r['file']}:{r['line']}: {rules.RECURSION}\n{r['cycle']}", file=r["file"],
+                           line=r["line"], rule="recursion")
+    if result.get("vector_cast"):
+        r = result["vector_cast"]
+        raise CompileError(f"{r['file']}:{r['line']}: {rules.VECTOR_CAST}", file=r["file"], line=r["line"],
+                           rule="vector-cast")
+    return result
+
+
 def build_runtime(comp: Compiler) -> Path:
     src = csrc_emulator_dir() / "runtime.cpp"
     key = _hash("runtime", runtime_sources_hash(), comp.ident, sys.platform, os.uname().machine)
@@ -250,30 +373,25 @@ def build_runtime(comp: Compiler) -> Path:
                                   "-D_FORTIFY_SOURCE=0", "-w", "-g1", str(src), "-o", tmp] + _shared_flags()
         if sys.platform != "darwin":
             argv += ["-lpthread", "-ldl"]
-        _run(argv, "building the emulator runtime")
+        proc = _run(argv)
+        if proc.returncode != 0:
+            raise _fail("building the emulator runtime", proc.stderr)
 
-    return _atomic_build(target, build)
+    return _atomic_write(target, build)
 
 
-def build_kernel_library(comp: Compiler, text: str, name: str, checked: bool) -> Path:
-    flags = COMMON_FLAGS + (CHECKED_FLAGS if checked else [])
+def build_kernel_library(comp: Compiler, text: str, name: str, checked: bool, math_mode: str) -> Path:
+    flags = BUILD_FLAGS + ["-O2"] + MATH_FLAGS[math_mode] + (CHECKED_FLAGS if checked else [])
     key = _hash("kernel", PREPASS_VERSION, runtime_sources_hash(), comp.ident, " ".join(flags), text)
     stem = re.sub(r"[^\w.-]", "_", Path(name).stem)[:40]
-    target = cache_dir() / f"{stem}-{'checked' if checked else 'fast'}-{key}.so"
+    target = cache_dir() / f"{stem}-{'checked' if checked else 'fast'}-{math_mode}-{key}.so"
 
     def build(tmp):
-        cpp = Path(tmp).with_suffix(".cpp")
-        cpp.write_text(text)
-        try:
-            argv = list(comp.argv) + flags + ["-I", str(csrc_emulator_dir() / "include"), "-include", "mtl_shim.h",
-                                              "-x", "c++", str(cpp), "-x", "none", "-o", tmp] + _shared_flags()
-            if comp.builtins_lib:
-                argv.append(comp.builtins_lib)
-            _run(argv, f"compiling {name}")
-        finally:
-            keep = os.environ.get("TORCH_METAL_FLASH_EMULATOR_KEEP_CPP")
-            if keep:
-                shutil.copy(cpp, target.with_suffix(".cpp"))
-            cpp.unlink(missing_ok=True)
+        extra = ["-x", "none", "-o", tmp] + _shared_flags() + ([comp.builtins_lib] if comp.builtins_lib else [])
+        proc = _compile(comp, flags, text, tmp, *extra)
+        if os.environ.get("TORCH_METAL_FLASH_EMULATOR_KEEP_CPP"):
+            target.with_suffix(".cpp").write_text(text)
+        if proc.returncode != 0:
+            raise _fail(f"compiling {name}", proc.stderr)
 
-    return _atomic_build(target, build)
+    return _atomic_write(target, build)

@@ -1,9 +1,15 @@
-"""Launch defaults: checked mode, schedule order, seed.
+"""Launch defaults: checked mode, schedule order, seed; the math mode of the backend.
 
 Precedence: explicit launch argument > innermost :func:`settings` context >
 :func:`set_default_checked` > environment (``TORCH_METAL_FLASH_EMULATOR_CHECKED``,
 ``TORCH_METAL_FLASH_EMULATOR_ORDER``, ``TORCH_METAL_FLASH_EMULATOR_SEED``) >
 built-in defaults (checked, forward, 0).
+
+The emulator backend compiles the package's shaders in the math mode the
+Metal launcher uses: ``settings(math_mode=...)``, else
+``TORCH_METAL_FLASH_MATH_MODE`` (the launcher's variable), else "relaxed".
+``compile_shader`` itself takes ``math_mode=`` per compile ("fast" by default,
+like Metal's ``newLibraryWithSource``).
 """
 from __future__ import annotations
 
@@ -13,6 +19,7 @@ import os
 from typing import Iterator, Optional
 
 ORDERS = ("forward", "reverse", "random")
+MATH_MODES = ("fast", "relaxed", "safe")
 
 _ctx: contextvars.ContextVar[dict] = contextvars.ContextVar("tmf_emulator_settings", default={})
 _default_checked: Optional[bool] = None
@@ -61,6 +68,21 @@ def default_seed() -> int:
     return int(os.environ.get("TORCH_METAL_FLASH_EMULATOR_SEED", "0") or 0)
 
 
+def check_math_mode(mode: str) -> str:
+    mode = str(mode).strip().lower()
+    if mode not in MATH_MODES:
+        raise ValueError(f"emulator: unknown math mode {mode!r}; expected one of {', '.join(MATH_MODES)}")
+    return mode
+
+
+def backend_math_mode() -> str:
+    """The math mode the emulator backend compiles the package's shaders in."""
+    s = _ctx.get()
+    if s.get("math_mode") is not None:
+        return s["math_mode"]
+    return check_math_mode(os.environ.get("TORCH_METAL_FLASH_MATH_MODE", "relaxed") or "relaxed")
+
+
 def default_timeout() -> float:
     return float(os.environ.get("TORCH_METAL_FLASH_EMULATOR_TIMEOUT", "600") or 600)
 
@@ -73,10 +95,12 @@ def default_workers() -> int:
 
 
 @contextlib.contextmanager
-def settings(*, order: Optional[str] = None, checked: Optional[bool] = None, seed: Optional[int] = None) -> Iterator[None]:
-    """Defaults for launches in this context (also those the emulator backend makes)::
+def settings(*, order: Optional[str] = None, checked: Optional[bool] = None, seed: Optional[int] = None,
+             math_mode: Optional[str] = None) -> Iterator[None]:
+    """Defaults for launches in this context (also those the emulator backend
+    makes; ``math_mode`` applies to the backend's shader libraries)::
 
-        with emulator.settings(order="reverse", checked=True):
+        with emulator.settings(order="reverse", checked=True, math_mode="fast"):
             out = op(...)
     """
     new = dict(_ctx.get())
@@ -86,6 +110,8 @@ def settings(*, order: Optional[str] = None, checked: Optional[bool] = None, see
         new["checked"] = bool(checked)
     if seed is not None:
         new["seed"] = int(seed)
+    if math_mode is not None:
+        new["math_mode"] = check_math_mode(math_mode)
     token = _ctx.set(new)
     try:
         yield

@@ -26,7 +26,14 @@ class CompilerNotFoundError(EmulatorError):
 
 
 class CompileError(EmulatorError):
-    """The kernel source does not compile (message carries clang's diagnostics)."""
+    """The kernel source does not compile, as Metal's compiler would refuse it:
+    the message names the original file:line and the MSL rule (`rule`, a short
+    id such as "address-space", "recursion", "host-header"; "c++" for plain
+    C++ errors), then clang's diagnostics."""
+
+    def __init__(self, message: str, *, rule: Optional[str] = None, **kw):
+        super().__init__(message, **kw)
+        self.rule = rule
 
 
 class LaunchError(EmulatorError):
@@ -47,6 +54,11 @@ class OutOfBoundsError(EmulatorError):
 
 class ThreadgroupMemoryError(EmulatorError):
     """More than 32 KiB of threadgroup memory in one threadgroup."""
+
+
+class MisalignedAccessError(EmulatorError):
+    """An access of a (vector) type at an address that is not a multiple of its
+    alignment: x86 tolerates it, Apple GPUs do not (checked mode)."""
 
 
 class DataRaceError(EmulatorError):

@@ -11,12 +11,12 @@ import time
 from pathlib import Path
 from typing import Optional, Union
 
-from . import config, prepass
+from . import compiler, config, prepass, rules
 from .binding import bind_arguments
-from .compiler import build_kernel_library, find_compiler, preprocess
+from .compiler import find_compiler, preprocess
 from .errors import (CompileError, DataRaceError, DivergentBarrierError, EmulatorError, KernelCrashError,
-                     KernelTimeoutError, LaunchError, OutOfBoundsError, SimdgroupMatrixDivergenceError,
-                     ThreadgroupMemoryError)
+                     KernelTimeoutError, LaunchError, MisalignedAccessError, OutOfBoundsError,
+                     SimdgroupMatrixDivergenceError, ThreadgroupMemoryError)
 from . import runtime as rt
 
 
@@ -67,16 +67,16 @@ _ERRORS = {
     rt.E_CRASH: KernelCrashError,
     rt.E_FPE: KernelCrashError,
     rt.E_BAD_LAUNCH: LaunchError,
+    rt.E_MISALIGNED: MisalignedAccessError,
 }
 
 
 class _Build:
     """One compiled kernel library (shared object), loaded."""
 
-    def __init__(self, path: Path, pre: prepass.Result, dynamic: bool):
+    def __init__(self, path: Path, pre: prepass.Result):
         self.path = path
         self.pre = pre
-        self.dynamic = dynamic
         rt.runtime_library()
         self.dll = ctypes.CDLL(str(path))
         self.lock = threading.Lock()  # function-constant globals are per library
@@ -92,10 +92,10 @@ class _Build:
         self.set_fcs.restype = None
 
 
-# Process-wide caches: each pre-processed source is built once per mode.
+# Process-wide caches: each pre-processed source is checked once and built once per mode.
 _pre_cache: dict = {}
+_check_cache: dict = {}
 _build_cache: dict = {}
-_dynamic_failed: set = set()
 _cache_lock = threading.Lock()
 
 
@@ -114,20 +114,41 @@ def _chunks(names: list) -> list:
     return [names[i::n] for i in range(n)]
 
 
+class _Checked:
+    """What the rules and analysis passes found out about one pre-processed source."""
+
+    def __init__(self, name: str, pre_text: str, pre: prepass.Result):
+        comp = find_compiler()
+        names = {fc.name for fc in pre.constants}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            # the analysis of the source as it is runs alongside the rules passes (used when nothing is wrapped)
+            analysis = pool.submit(compiler.analyze, comp, pre.text + pre.glue, name)
+            verdict = compiler.check_rules(comp, pre.text, name, names)
+            self.copies = verdict["copies"]  # copies out of constant memory, for rules.apply_copies
+            self.warnings = verdict["warnings"]
+            facts = compiler.analyze(comp, rules.apply_copies(pre.text, self.copies) + pre.glue, name) \
+                if self.copies else analysis.result()
+        self.kernels = {k.host_name: facts["kernels"][str(i)] for i, k in enumerate(pre.kernels)}
+
+
 class Library:
     """A compiled .metal source.  Kernels are attributes: ``lib.my_kernel(...)``."""
 
-    def __init__(self, name: str, pre_text: str, pre: prepass.Result, function_constants: dict):
+    def __init__(self, name: str, pre_text: str, pre: prepass.Result, function_constants: dict, math_mode: str,
+                 checked: "_Checked"):
         self._name = name
         self._pre_text = pre_text
         self._pre = pre
         self._kernels = {k.host_name: k for k in pre.kernels}
         self._fc_values = function_constants  # {index: value}
+        self._checked = checked
+        self.math_mode = math_mode
         self.kernel_names = [k.host_name for k in pre.kernels]
         self.function_constants = {fc.name: fc.index for fc in pre.constants}
+        self.warnings = checked.warnings  # the compiler's warnings about the source
 
     def __repr__(self):
-        return f"<emulator.Library {self._name}: {', '.join(self.kernel_names)}>"
+        return f"<emulator.Library {self._name} ({self.math_mode} math): {', '.join(self.kernel_names)}>"
 
     def __dir__(self):
         return list(super().__dir__()) + self.kernel_names
@@ -150,38 +171,39 @@ class Library:
         self._build(config.default_checked() if checked is None else bool(checked))
         return self
 
+    def pipeline_info(self, kernel_name: str) -> dict:
+        """Limits of a kernel's pipeline, with the keys of Metal's
+        MTLComputePipelineState (and the Metal launcher's ``pipeline_info``)."""
+        if kernel_name not in self._kernels:
+            raise KeyError(f"{self._name} has no kernel named {kernel_name!r}; kernels: {', '.join(self.kernel_names)}")
+        facts = self._checked.kernels[kernel_name]
+        return {"max_total_threads_per_threadgroup": facts["max_total_threads_per_threadgroup"],
+                "thread_execution_width": 32,
+                "static_threadgroup_memory_length": facts["static_threadgroup_memory_length"],
+                "max_threadgroup_memory_length": 32 * 1024}
+
     def _build(self, checked: bool) -> dict:
-        """{host name: _Build} for this mode: launch-time function constants when possible."""
-        pre_hash = hashlib.sha256(self._pre_text.encode()).hexdigest()
-        consts = self._pre.constants
-        dynamic = not consts or (self._pre.dynamic_ok and pre_hash not in _dynamic_failed)
-        fc_key = None if dynamic else tuple(sorted(self._fc_values.items()))
-        key = (pre_hash, checked, fc_key)
+        """{host name: _Build} for this mode (function constants are set at launch)."""
+        key = (hashlib.sha256(self._pre_text.encode()).hexdigest(), checked, self.math_mode)
         with _cache_lock:
             builds = _build_cache.get(key)
         if builds is not None:
             return builds
         comp = find_compiler()
-        static = None if dynamic else {fc.index: self._fc_values.get(fc.index) for fc in consts}
         chunks = _chunks(self.kernel_names)
 
         def build_chunk(names):
-            only = None if len(chunks) == 1 else set(names)
-            pre = self._pre if (dynamic and only is None) else prepass.run(
-                self._pre_text, default_file=self._name, static_constants=static, only=only)
-            return _Build(build_kernel_library(comp, pre.text, self._name, checked), pre, dynamic)
+            pre = self._pre if len(chunks) == 1 else prepass.run(self._pre_text, default_file=self._name,
+                                                                 only=set(names))
+            text = rules.apply_copies(pre.text, self._checked.copies) + pre.glue
+            path = compiler.build_kernel_library(comp, text, self._name, checked, self.math_mode)
+            return _Build(path, pre)
 
-        try:
-            if len(chunks) == 1:
-                parts = [build_chunk(chunks[0])]
-            else:
-                with concurrent.futures.ThreadPoolExecutor(len(chunks)) as pool:
-                    parts = list(pool.map(build_chunk, chunks))
-        except CompileError:
-            if not dynamic or not consts:
-                raise
-            _dynamic_failed.add(pre_hash)  # constants are needed at compile time: one build per values
-            return self._build(checked)
+        if len(chunks) == 1:
+            parts = [build_chunk(chunks[0])]
+        else:
+            with concurrent.futures.ThreadPoolExecutor(len(chunks)) as pool:
+                parts = list(pool.map(build_chunk, chunks))
         builds = {name: b for b in parts for name in b.entries}
         with _cache_lock:
             _build_cache[key] = builds
@@ -225,8 +247,10 @@ def launch(fn: KernelFunction, args, *, grid, threadgroup, threadgroup_memory, o
     order = config.default_order() if order is None else config.check_order(order)
     seed = config.default_seed() if seed is None else int(seed)
     timeout = config.default_timeout() if timeout is None else float(timeout)
-    if tg[0] * tg[1] * tg[2] == 0 or tg[0] * tg[1] * tg[2] > 1024:
-        raise LaunchError(f"{kname}: threadgroup {tg} must have 1..1024 threads")
+    limit = lib.pipeline_info(kname)["max_total_threads_per_threadgroup"]
+    if tg[0] * tg[1] * tg[2] == 0 or tg[0] * tg[1] * tg[2] > limit:
+        raise LaunchError(f"{kname}: threadgroup {tg} must have 1..{limit} threads (the pipeline's "
+                          f"max_total_threads_per_threadgroup)")
     stats_kwargs = dict(kernel=kname, grid=grid, threadgroup=tg, checked=checked, order=order)
     if 0 in grid:
         return LaunchStats(threadgroups=0, threads=0, device_bytes_read=0 if checked else None,
@@ -282,7 +306,7 @@ def launch(fn: KernelFunction, args, *, grid, threadgroup, threadgroup_memory, o
     d.err = ctypes.pointer(err)
     t0 = time.perf_counter()
     with build.lock:
-        if build.dynamic and build.pre.constants:
+        if build.pre.constants:
             n = len(build.pre.constants)
             iv = (ctypes.c_long * n)()
             dv = (ctypes.c_double * n)()
@@ -333,7 +357,7 @@ def _make_error(build: _Build, kname: str, err: rt.Error, code: int) -> Emulator
         if k is not None:
             file, line = k.file, k.line
     tgp = tuple(err.tg)
-    thr = tuple(err.thread) if err.has_thread else None
+    thr = tuple(err.thread_pos) if err.has_thread else None
     where = f"{file}:{line}" if file else "unknown location"
     text = f"kernel '{kname}' at {where}, threadgroup {tgp}"
     if thr is not None:
@@ -347,13 +371,19 @@ def _make_error(build: _Build, kname: str, err: rt.Error, code: int) -> Emulator
 
 
 def compile_shader(source: Union[str, Path], *, include_dirs=(), defines=None, function_constants=None,
-                   name: Optional[str] = None) -> Library:
+                   name: Optional[str] = None, math_mode: str = "fast") -> Library:
     """Compile the text of a .metal file (or a pathlib.Path to one) for the emulator.
 
-    ``function_constants`` maps ``[[function_constant(i)]]`` names or indices to
-    values.  Compilation itself is lazy per mode (checked / fast) and cached in
-    memory and on disk.
+    The source must be valid Metal: it is preprocessed without host headers
+    and checked against Metal's rules (address spaces, language
+    restrictions ...) right away; a :class:`CompileError` names the file:line
+    and the rule.  ``function_constants`` maps ``[[function_constant(i)]]``
+    names or indices to values.  ``math_mode`` is Metal's ``MTLMathMode``:
+    "fast" (the default of ``newLibraryWithSource``), "relaxed" or "safe".
+    The kernels are built lazily per checked / fast mode, cached in memory
+    and on disk.
     """
+    math_mode = config.check_math_mode(math_mode)
     path = None
     if isinstance(source, Path):
         path = source.resolve()
@@ -375,6 +405,12 @@ def compile_shader(source: Union[str, Path], *, include_dirs=(), defines=None, f
         with _cache_lock:
             _pre_cache[key] = cached
     pre_text, pre = cached
+    with _cache_lock:
+        checked = _check_cache.get(pre_text)
+    if checked is None:
+        checked = _Checked(name, pre_text, pre)
+        with _cache_lock:
+            _check_cache[pre_text] = checked
     fcs = {}
     by_name = {fc.name: fc.index for fc in pre.constants}
     types = {fc.index: fc.type for fc in pre.constants}
@@ -387,9 +423,9 @@ def compile_shader(source: Union[str, Path], *, include_dirs=(), defines=None, f
         t = types.get(k, "")
         if isinstance(v, bool) or re.fullmatch(r"bool", t):
             v = bool(v)
-        elif t in ("float", "half", "bfloat", "double"):
+        elif t in ("float", "half", "bfloat"):
             v = float(v)
         elif not isinstance(v, float):
             v = int(v)
         fcs[k] = v
-    return Library(name, pre_text, pre, fcs)
+    return Library(name, pre_text, pre, fcs, math_mode, checked)

@@ -1,24 +1,28 @@
-"""The text pre-pass: preprocessed MSL -> C++20 the shim headers can compile.
+"""The text pre-pass: preprocessed MSL -> C++ for OpenCL the shim headers compile.
 
 It runs on the output of ``clang -E`` (macros expanded, comments gone, line
 markers kept), so instantiations produced by macros are visible.  Every
 rewrite keeps the number of lines, so compiler errors and the runtime's
-source locations point at the original ``.metal`` lines.
-
-Rewrites (DESIGN.md section 4):
+source locations point at the original ``.metal`` lines.  It only rewrites
+what clang cannot parse as MSL means it; every language rule is left to the
+compiler (see compiler.py):
 - MSL vector constructors ``float4(x)``, ``half4(f4)``, ``float4(f2, z, w)`` ->
-  ``__mtl::make_vec<float, 4>(...)`` (splat / convert / concatenate);
+  ``__mtl::make_vec<float, 4>(...)`` (splat / convert / concatenate), and
+  casts that convert vectors in MSL but reinterpret them in clang:
+  ``(float4)x`` -> ``float4(x)``; ``T(x)``, ``(T)x``, ``static_cast<T>(x)``
+  with T a template type parameter -> ``__mtl::cast<T>(x)``;
 - half literals ``1.0h`` -> ``((half)1.0)``;
 - ``threadgroup`` objects declared in function bodies -> a reference into the
-  per-threadgroup arena, keyed by a function-local static (one per template
-  instantiation);
+  per-threadgroup arena, keyed by a function-local static {sizeof, alignof}
+  (one per template instantiation);
 - ``[[...]]`` attributes: recorded (kernels, parameters, host names, function
-  constants), then blanked;
-- function constants: launch-time globals (dynamic mode) or ``constexpr``
-  values (static mode);
-- duplicate template specialisations that differ only in an address space
-  (``pointer_element<device T*>`` vs ``<threadgroup T*>``) are dropped.
-Then it appends the glue: one exported entry point per kernel host name.
+  constants, ``max_total_threads_per_threadgroup``), then blanked;
+- function constants -> ``MTL_FUNCTION_CONSTANT`` declarations: variables
+  whose value is set at launch, never constant expressions (Metal specialises
+  them when the pipeline is created, after compilation).
+``glue`` is the code the build appends: one exported entry point per kernel
+host name, its parameter description, its thread limit and static checks of
+its built-in parameter types.
 """
 from __future__ import annotations
 
@@ -62,6 +66,7 @@ _VEC_CAST = re.compile(r"\bstatic_cast\s*<\s*(?:metal\s*::\s*)?(?:packed_)?(" + 
 _VEC_TMPL_CTOR = re.compile(r"(?<![\w.>:])(?:metal\s*::\s*)?vec\s*<")
 _HALF_LIT = re.compile(r"(?<![\w.])((?:\d+\.\d*|\.\d+|\d+)(?:[eE][+-]?\d+)?)[hH](?![\w.])")
 _IDENT = re.compile(r"[A-Za-z_]\w*")
+_FC_DEFINED = re.compile(r"\bis_function_constant_defined\s*\(\s*(\w+)\s*\)")
 
 
 @dataclasses.dataclass
@@ -71,6 +76,9 @@ class Param:
     index: int
     gate: Optional[str] = None  # function constant name gating an optional buffer
     attr: str = ""
+    builtin: str = ""  # the built-in's attribute name
+    file: str = ""
+    line: int = 0
 
 
 @dataclasses.dataclass
@@ -80,6 +88,8 @@ class Kernel:
     params: list
     file: str
     line: int
+    # [[max_total_threads_per_threadgroup(n)]]: a C++ expression (None: 1024)
+    max_threads: Optional[str] = None
 
 
 @dataclasses.dataclass
@@ -93,10 +103,10 @@ class FunctionConstant:
 
 @dataclasses.dataclass
 class Result:
-    text: str
+    text: str  # the rewritten source
+    glue: str  # appended for the build: entry points of the kernels in `built`
     kernels: list
     constants: list  # FunctionConstant
-    dynamic_ok: bool  # function constants can be launch-time values
     built: list = dataclasses.field(default_factory=list)  # kernels with glue (entry i = built[i])
 
 
@@ -255,6 +265,146 @@ def _error(lines: _Lines, offset: int, msg: str) -> CompileError:
 # ---------------------------------------------------------------- token-level rewrites
 
 
+_VEC_TYPE_NAME = r"(?:metal\s*::\s*)?(?:packed_)?(?:" + "|".join(VEC_TYPES) + r")[234]"
+_C_CAST_VEC = re.compile(r"\(\s*(" + _VEC_TYPE_NAME + r")\s*\)")
+_TEMPLATE = re.compile(r"\btemplate\s*<")
+_PRIMARY = re.compile(r"(?:::)?[A-Za-z_]\w*(?:\s*::\s*[A-Za-z_]\w*)*|(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?\w*")
+
+
+def _operand_end(s: str, i: int) -> int:
+    """End of the cast-expression starting at s[i] (the operand of a C-style
+    cast: unary operators, then a postfix expression); -1 if unsure."""
+    n = len(s)
+
+    def ws(j):
+        while j < n and s[j] in " \t\n":
+            j += 1
+        return j
+
+    i = ws(i)
+    while i < n and (s.startswith(("++", "--"), i) or s[i] in "-+!~*&"):
+        i = ws(i + (2 if s.startswith(("++", "--"), i) else 1))
+    if i >= n:
+        return -1
+    if s[i] == "(":
+        close = _match_close(s, i, "(", ")")
+        if close < 0:
+            return -1
+        j = ws(close + 1)
+        if re.fullmatch(r"\s*[\w:]+\s*", s[i + 1:close]) and j < n and (s[j].isalnum() or s[j] in "_("):
+            return _operand_end(s, j)  # (half4)v: another cast
+        i = close + 1
+    else:
+        m = _PRIMARY.match(s, i)
+        if not m:
+            return -1
+        i = m.end()
+        j = ws(i)
+        if j < n and s[j] == "<":  # as_type<float4>(x), f<T>(x)
+            close = _match_angle(s, j)
+            if close > 0 and s[ws(close + 1):ws(close + 1) + 1] == "(":
+                i = close + 1
+    while True:  # postfix: .x ->y [i] (args) ++ --
+        j = ws(i)
+        if s.startswith(("++", "--"), j):
+            i = j + 2
+        elif s.startswith("->", j) or (j < n and s[j] == "." and not s[j + 1:j + 2].isdigit()):
+            m = re.compile(r"\s*[A-Za-z_]\w*").match(s, j + (2 if s[j] == "-" else 1))
+            if not m:
+                return -1
+            i = m.end()
+        elif j < n and s[j] in "[(":
+            close = _match_close(s, j, s[j], "]" if s[j] == "[" else ")")
+            if close < 0:
+                return -1
+            i = close + 1
+        else:
+            return i
+
+
+def _template_type_params(masked: str) -> list:
+    """(start, end, names): the extent of each template declaration and its type parameters."""
+    out = []
+    for m in _TEMPLATE.finditer(masked):
+        close = _match_angle(masked, m.end() - 1)
+        if close < 0:
+            continue
+        names = set()
+        for a, b in _split_top(masked[m.end():close]):
+            pm = re.match(r"\s*(?:typename|class)\s*(?:\.\.\.)?\s*([A-Za-z_]\w*)", masked[m.end() + a:m.end() + b])
+            if pm:
+                names.add(pm.group(1))
+        if not names:
+            continue
+        body = re.compile(r"[{;]").search(masked, close)
+        if not body:
+            continue
+        end = _match_close(masked, body.start(), "{", "}") if body.group() == "{" else body.end()
+        if end > 0:
+            out.append((close + 1, end, names))
+    return out
+
+
+_NOT_A_CAST = re.compile(r"(?:\b(?!return\b)\w+|[\])>.]|::)\s*$")  # f(T), sizeof(T), x.T(, void(T) ...
+_CAST_BEFORE = re.compile(r"\(\s*(?:" + _VEC_TYPE_NAME + r"|[A-Za-z_]\w*)\s*\)\s*$")  # (float4)(half4)x
+
+
+def _may_be_cast(masked: str, start: int) -> bool:
+    before = masked[max(0, start - 40):start]
+    return not _NOT_A_CAST.search(before) or bool(_CAST_BEFORE.search(before))
+
+
+def _rewrite_casts(text: str, masked: str) -> tuple:
+    """MSL converts vectors in C-style and functional casts; clang reinterprets
+    their bits.  (float4)x -> float4(x) (a vector constructor, below);
+    (T)x and T(x) with T a template type parameter -> __mtl::cast<T>(x)."""
+    edits = []  # (start, operand start, operand end, end, prefix, suffix)
+    for m in _C_CAST_VEC.finditer(masked):
+        end = _operand_end(masked, m.end())
+        if end > 0 and _may_be_cast(masked, m.start()):
+            edits.append((m.start(), m.end(), end, end, m.group(1) + "(", ")"))
+    for start, stop, names in _template_type_params(masked):
+        alt = "|".join(sorted(names))
+        for m in re.compile(rf"\(\s*({alt})\s*\)|\b({alt})\s*\(|\bstatic_cast\s*<\s*({alt})\s*>\s*\(").finditer(
+                masked, start, stop):
+            if m.group(3):  # static_cast<T>(x)
+                close = _match_close(masked, m.end() - 1, "(", ")")
+                if close > 0:
+                    edits.append((m.start(), m.end(), close, close + 1, f"__mtl::cast<{m.group(3)}>(", ")"))
+                continue
+            if not _may_be_cast(masked, m.start()):
+                continue
+            if m.group(1):  # (T)x
+                end = _operand_end(masked, m.end())
+                if end > 0:
+                    edits.append((m.start(), m.end(), end, end, f"__mtl::cast<{m.group(1)}>(", ")"))
+                continue
+            # T(x): one argument; not a declarator such as `T(x);` or `(T (&x)[N])`
+            close = _match_close(masked, m.end() - 1, "(", ")")
+            if close < 0 or not masked[m.end():close].strip() or len(_split_top(masked[m.end():close])) != 1 or \
+                    re.search(r"[;{}]\s*$", masked[max(0, m.start() - 4):m.start()]) or \
+                    re.match(r"\s*[\[(]", masked[close + 1:close + 4]):
+                continue
+            edits.append((m.start(), m.end(), close, close + 1, f"__mtl::cast<{m.group(2)}>(", ")"))
+    edits.sort(key=lambda e: (e[0], -e[3]))
+
+    def apply(src: str, lo: int, hi: int, k: int) -> tuple:
+        """src[lo:hi] with the edits from k on that lie inside it (nested ones too)."""
+        out, pos = [], lo
+        while k < len(edits) and edits[k][0] < hi:
+            start, a, b, end, prefix, suffix = edits[k]
+            if start < pos or end > hi:  # overlaps a rewrite without nesting in it: left as it is
+                k += 1
+                continue
+            inner, k = apply(src, a, b, k + 1)
+            out += [src[pos:start], prefix, inner, suffix]
+            pos = end
+        out.append(src[pos:hi])
+        return "".join(out), k
+
+    return apply(text, 0, len(text), 0)[0], apply(masked, 0, len(masked), 0)[0]
+
+
 def _rewrite_tokens(text: str, masked: str) -> tuple:
     """Vector constructors and half literals (no new lines, positions shift)."""
     out, mout, pos = [], [], 0
@@ -280,7 +430,8 @@ def _rewrite_tokens(text: str, masked: str) -> tuple:
         paren = close + 1 + (len(after) - len(stripped))
         matches.append((m.start(), paren + 1, f"__mtl::make_vec<{t}, {nn}>("))
     for m in _HALF_LIT.finditer(masked):
-        matches.append((m.start(), m.end(), f"((half){m.group(1)})"))
+        lit = m.group(1) + ("f" if re.search(r"[.eE]", m.group(1)) else "")  # a float literal, not a double one
+        matches.append((m.start(), m.end(), f"((half){lit})"))
     matches.sort()
     for start, end, new in matches:
         if start < pos:
@@ -368,15 +519,18 @@ def _string_value(text: str) -> str:
 
 # ---------------------------------------------------------------- the pass
 
+POSITION_BUILTINS = {"thread_position_in_grid", "thread_position_in_threadgroup", "threadgroup_position_in_grid",
+                     "threads_per_threadgroup", "threadgroups_per_grid", "threads_per_grid", "grid_size",
+                     "dispatch_threads_per_threadgroup", "grid_origin"}
 
-def run(text: str, *, default_file: str, static_constants: Optional[dict] = None,
-        only: Optional[set] = None) -> Result:
-    """Rewrite preprocessed MSL.  `static_constants` = {index: value or None}
-    makes function constants compile-time values (None = not defined).
-    `only`: host names to build (the other template instantiations are dropped,
-    so a big file can be compiled in parallel pieces); the result still lists
-    every kernel, with glue for the selected ones only."""
+
+def run(text: str, *, default_file: str, only: Optional[set] = None) -> Result:
+    """Rewrite preprocessed MSL.  `only`: host names to build (the other
+    template instantiations are dropped, so a big file can be compiled in
+    parallel pieces); the result still lists every kernel, with glue for the
+    selected ones only."""
     masked = _mask(text)
+    text, masked = _rewrite_casts(text, masked)
     text, masked = _rewrite_tokens(text, masked)
     lines = _Lines(text, default_file)
     edits = _Edits(text)
@@ -415,15 +569,15 @@ def run(text: str, *, default_file: str, static_constants: Optional[dict] = None
             close = _match_close(body, dm.end() - 1, "(", ")")
             expr = body[dm.end():close].strip()
         else:
-            vm = re.match(r"(?:void\s+)([\w:]+\s*<)", body)
+            vm = re.match(r"(?:[\w:]+\s+)([\w:]+\s*<)", body)  # void f<T>(...) or kernel_t f<T>
             if vm:
                 lt = vm.end(1) - 1
                 gt = _match_angle(body, lt)
                 expr = body[vm.start(1):gt + 1].strip()
         if not expr:
             raise _error(lines, m.start(), "cannot understand this kernel instantiation; use "
-                         "`template [[host_name(\"name\")]] [[kernel]] decltype(f<T>) f<T>;` or "
-                         "`... void f<T>(params);` with explicit template arguments")
+                         "`template [[host_name(\"name\")]] [[kernel]] decltype(f<T>) f<T>;`, "
+                         "`... void f<T>(params);` or `... f_type f<T>;` with explicit template arguments")
         expr = " ".join(expr.split())
         tname = re.match(r"[\w:]+", expr).group(0)
         instantiations.append((host or tname, expr, tname, m.start()))
@@ -431,7 +585,7 @@ def run(text: str, *, default_file: str, static_constants: Optional[dict] = None
             edits.blank(m.start(), end + 1)
 
     # --- kernel definitions
-    templates = {}  # name -> params
+    templates = {}  # name -> Kernel (the template's parameters and thread limit)
     kernels = []
     for a in attrs:
         if a[0] in handled_attrs:
@@ -439,22 +593,24 @@ def run(text: str, *, default_file: str, static_constants: Optional[dict] = None
         items = _attr_items(a[2])
         if not any(n == "kernel" for n, _ in items):
             continue
-        _define_kernel(text, masked, lines, edits, attrs, a[0], a[1], templates, kernels, scope_at, handled_attrs)
+        _define_kernel(text, masked, lines, edits, attrs, a[0], a[1], templates, kernels, scope_at)
     for m in re.finditer(r"\bkernel\b(?=\s*(?:\[\[[^\]]*\]\]\s*)*void\b)", masked):
         if any(inst[3] <= m.start() < _stmt_end(masked, inst[3]) for inst in instantiations):
             continue
         edits.blank(m.start(), m.end())
-        _define_kernel(text, masked, lines, edits, attrs, m.start(), m.end(), templates, kernels, scope_at,
-                       handled_attrs)
+        _define_kernel(text, masked, lines, edits, attrs, m.start(), m.end(), templates, kernels, scope_at)
     for host, expr, tname, off in instantiations:
         short = tname.split("::")[-1]
         if short not in templates:
             raise _error(lines, off, f"kernel instantiation '{host}': no [[kernel]] template named '{tname}'")
-        params, file, line = templates[short]
+        tmpl = templates[short]
+        max_threads = tmpl.max_threads
+        if max_threads is not None and not max_threads.isdigit():  # depends on the template arguments
+            max_threads = tmpl.max_threads.replace("@ARGS@", expr[len(tname):])
         f2, l2 = lines.at(off)
-        kernels.append(Kernel(host, expr, params, f2, l2))
+        kernels.append(Kernel(host, expr, tmpl.params, f2, l2, max_threads))
 
-    # --- function constants
+    # --- function constants: values set at launch, never constant expressions
     constants, fc_names = [], {}
     fc_re = re.compile(r"\bconstant\s+([\w:<>\s,]+?)\s+(\w+)\s*\[\[\s*function_constant\s*\(\s*([^)]*?)\s*\)\s*\]\]\s*;")
     for m in fc_re.finditer(masked):
@@ -467,7 +623,8 @@ def run(text: str, *, default_file: str, static_constants: Optional[dict] = None
         fc = FunctionConstant(m.group(2), int(idx_txt), " ".join(m.group(1).split()), file, line)
         constants.append(fc)
         fc_names[fc.name] = fc
-    dynamic = static_constants is None
+        edits.replace(m.start(), m.end(), f"MTL_FUNCTION_CONSTANT({fc.type}, {fc.name});")
+    # program-scope constants computed from function constants are set at launch too
     derived = []  # (name, type, expr) in source order
     if constants:
         der_re = re.compile(r"\bconstant\s+([\w:<>\s,]+?)\s+(\w+)\s*=\s*([^;]*);")
@@ -476,27 +633,15 @@ def run(text: str, *, default_file: str, static_constants: Optional[dict] = None
             nonns, _ = scope_at(m.start())
             if nonns:
                 continue
-            expr = text[m.start(3):m.end(3)]
+            expr = _FC_DEFINED.sub(r"__mtl_fcdef_\1", text[m.start(3):m.end(3)])
             toks = set(_IDENT.findall(masked[m.start(3):m.end(3)]))
             if not (toks & names) and "is_function_constant_defined" not in toks:
                 continue
             names.add(m.group(2))
-            derived.append((m.group(2), " ".join(m.group(1).split()), expr, m))
-    dynamic_ok = dynamic and _dynamic_possible(masked, {fc.name for fc in constants} | {d[0] for d in derived})
-    for m in fc_re.finditer(masked):
-        fc = fc_names[m.group(2)]
-        if dynamic:
-            new = f"static {fc.type} {fc.name} = {fc.type}(); static bool __mtl_fcdef_{fc.name} = false;"
-        else:
-            val = static_constants.get(fc.index)
-            lit = _literal(fc.type, val)
-            new = (f"static constexpr {fc.type} {fc.name} = {lit}; "
-                   f"static constexpr bool __mtl_fcdef_{fc.name} = {'true' if val is not None else 'false'};")
-        edits.replace(m.start(), m.end(), new)
-    if dynamic:
-        for name, typ, expr, m in derived:
-            edits.replace(m.start(), m.end(), f"static {typ} {name} = {typ}();")
-    for m in re.finditer(r"\bis_function_constant_defined\s*\(\s*(\w+)\s*\)", masked):
+            typ = " ".join(m.group(1).split())
+            derived.append((m.group(2), typ, expr))
+            edits.replace(m.start(), m.end(), f"MTL_DERIVED_CONSTANT({typ}, {m.group(2)}, {expr});")
+    for m in _FC_DEFINED.finditer(masked):
         edits.replace(m.start(), m.end(), f"__mtl_fcdef_{m.group(1)}")
 
     # --- threadgroup objects declared in function bodies
@@ -535,8 +680,8 @@ def run(text: str, *, default_file: str, static_constants: Optional[dict] = None
             if not base_type:
                 break
             counter += 1
-            key = f"__mtl_tgk_{counter}"
-            new_stmts.append(f"static char {key}; auto& {name} = __mtl::tg_var<{base_type} {' '.join(dims.split())}>(&{key});")
+            typ = f"{base_type} {' '.join(dims.split())}".strip()
+            new_stmts.append(f"MTL_THREADGROUP_VAR(__mtl_tgk_{counter}, {name}, {typ});")
         else:
             edits.replace(m.start(), end + 1, " ".join(new_stmts))
 
@@ -555,13 +700,9 @@ def run(text: str, *, default_file: str, static_constants: Optional[dict] = None
             continue
         edits.blank(start, end)
 
-    # --- address-space-only duplicate specialisations
-    _dedupe_specialisations(masked, edits)
-
     out = edits.apply()
     glued = kernels if only is None else [k for k in kernels if k.host_name in only]
-    out += _glue(glued, constants, derived, dynamic)
-    return Result(out, kernels, constants, dynamic_ok, glued)
+    return Result(out, _glue(glued, constants, derived), kernels, constants, glued)
 
 
 def _blank_attrs(s: str) -> str:
@@ -584,26 +725,29 @@ def _stmt_end(masked: str, i: int) -> int:
     return -1
 
 
-def _define_kernel(text, masked, lines, edits, attrs, start, end, templates, kernels, scope_at, handled):
+def _define_kernel(text, masked, lines, edits, attrs, start, end, templates, kernels, scope_at):
     """A kernel definition whose [[kernel]] attribute / `kernel` keyword spans [start, end)."""
-    # Host names and other attributes next to the kernel marker.
-    host = None
-    j = start
-    # attributes before (e.g. [[host_name("x")]] [[kernel]])
+    # Host name and thread limit from the attributes around the kernel marker.
+    found = {}
+
+    def note(a0, a1):
+        for n, arg in _attr_items(masked[a0 + 2:a1 - 2]):
+            if n == "host_name":
+                found[n] = _string_value(text[a0:a1])
+            elif n == "max_total_threads_per_threadgroup":
+                found[n] = " ".join(text[a0:a1][text[a0:a1].index("(") + 1:text[a0:a1].rindex(")")].split())
+
+    if masked.startswith("[[", start):
+        note(start, end)
     k = start
-    while True:
+    while True:  # attributes before (e.g. [[host_name("x")]] [[kernel]])
         before = masked[:k].rstrip()
-        if before.endswith("]]"):
-            a0 = before.rfind("[[")
-            content = before[a0 + 2:-2]
-            for n, arg in _attr_items(content):
-                if n == "host_name":
-                    host = _string_value(text[a0:len(before)])
-            k = a0
-            continue
-        break
+        if not before.endswith("]]"):
+            break
+        k = before.rfind("[[")
+        note(k, len(before))
     tmpl_region = masked[:k].rstrip()
-    is_template = False
+    template_head = None  # offset of `template` and the parameter list of a kernel template
     if tmpl_region.endswith(">"):
         depth = 0
         for q in range(len(tmpl_region) - 1, -1, -1):
@@ -613,19 +757,18 @@ def _define_kernel(text, masked, lines, edits, attrs, start, end, templates, ker
             elif c == "<":
                 depth -= 1
                 if depth == 0:
-                    is_template = tmpl_region[:q].rstrip().endswith("template")
+                    t = tmpl_region[:q].rstrip()
+                    if t.endswith("template"):
+                        template_head = (len(t) - len("template"), text[q:len(tmpl_region)])
                     break
-    # Skip attributes after, find `void name(`
     j = end
-    while True:
+    while True:  # attributes after, find `void name(`
         rest = masked[j:]
         s = rest.lstrip()
         if s.startswith("[["):
             a1 = j + (len(rest) - len(s))
             a2 = masked.find("]]", a1) + 2
-            for n, arg in _attr_items(masked[a1 + 2:a2 - 2]):
-                if n == "host_name":
-                    host = _string_value(text[a1:a2])
+            note(a1, a2)
             j = a2
             continue
         if s.startswith("kernel") and not re.match(r"kernel\w", s):
@@ -645,10 +788,22 @@ def _define_kernel(text, masked, lines, edits, attrs, start, end, templates, ker
     file, line = lines.at(j + m.start(1))
     _, path = scope_at(start)
     qual = "::" + "::".join(path + [name]) if path else name
-    if is_template:
-        templates[name] = (params, file, line)
+    max_threads = found.get("max_total_threads_per_threadgroup")
+    if max_threads is not None and not re.fullmatch(r"\d+", max_threads):
+        # An expression (it may use the template parameters): a constexpr
+        # function next to the kernel evaluates it for each instantiation.
+        helper = f"__mtl_max_threads_{name}_{len(kernels) + len(templates)}"
+        at = template_head[0] if template_head else k
+        tparams = " ".join(template_head[1].split()) if template_head else ""
+        edits.replace(at, at, f"{'template ' + tparams if tparams else ''} constexpr unsigned {helper}() "
+                              f"{{ return (unsigned)({max_threads}); }} ")
+        qhelper = "::" + "::".join(path + [helper]) if path else helper
+        max_threads = f"{qhelper}@ARGS@()" if template_head else f"{qhelper}()"
+    kernel = Kernel(found.get("host_name") or name, qual, params, file, line, max_threads)
+    if template_head:
+        templates[name] = kernel
     else:
-        kernels.append(Kernel(host or name, qual, params, file, line))
+        kernels.append(kernel)
 
 
 def _parse_params(text, masked, a, b, lines) -> list:
@@ -659,7 +814,7 @@ def _parse_params(text, masked, a, b, lines) -> list:
         seg = masked[a + s:a + e]
         if not seg.strip() or seg.strip() == "void":
             continue
-        kind, index, gate, attr_txt = 0, -1, None, ""
+        kind, index, gate, attr_txt, builtin = 0, -1, None, "", ""
         for am in re.finditer(r"\[\[(.*?)\]\]", seg, re.S):
             attr_txt += am.group(1)
             for n, arg in _attr_items(am.group(1)):
@@ -668,7 +823,7 @@ def _parse_params(text, masked, a, b, lines) -> list:
                 elif n == "threadgroup":
                     kind, index = P_THREADGROUP, _int(arg, lines, a + s)
                 elif n in BUILTINS:
-                    kind, index = P_BUILTIN, BUILTINS[n]
+                    kind, index, builtin = P_BUILTIN, BUILTINS[n], n
                 elif n == "function_constant":
                     gate = arg
                 elif n in ("texture", "sampler", "stage_in", "visible_function_table", "intersection_function_table",
@@ -682,7 +837,8 @@ def _parse_params(text, masked, a, b, lines) -> list:
             pending.append(len(params))  # no attribute: the next free buffer index
         if kind == P_BUFFER:
             used.add(index)
-        params.append(Param(pname, kind, index, gate, attr_txt.strip()))
+        file, line = lines.at(a + s + len(seg) - len(seg.lstrip()))
+        params.append(Param(pname, kind, index, gate, attr_txt.strip(), builtin, file, line))
     nxt = 0
     for k in pending:
         while nxt in used:
@@ -699,84 +855,36 @@ def _int(s, lines, off):
         raise _error(lines, off, f"the emulator needs a literal index here, got '{s}'") from None
 
 
-def _dynamic_possible(masked: str, names: set) -> bool:
-    """Whether function constants may be launch-time values: not if they appear
-    where C++ needs a constant expression (if constexpr, template arguments,
-    constexpr / static_assert, case labels, array bounds of declarations)."""
-    if not names:
-        return True
-    alt = "|".join(re.escape(n) for n in sorted(names))
-    word = rf"\b(?:{alt})\b"
-    pats = [
-        rf"if\s+constexpr\s*\([^;{{]*{word}",
-        rf"\bconstexpr\b[^;{{]*=[^;]*{word}",
-        rf"static_assert\s*\([^;]*{word}",
-        rf"\bcase\b[^:;]*{word}[^:;]*:",
-        # template arguments: an identifier, '<', then the constant before '>' with
-        # no call parentheses in between (a plain call argument `f(a, fc, b)` is fine)
-        rf"\w\s*<[^;(){{}}]*{word}[^;(){{}}]*>",
-        rf"\[[^\[\];]*{word}[^\[\];]*\]\s*[;,=]",
-        rf"\bthreadgroup\s+[\w:<>, ]+\s+\w+\s*\[[^\];]*{word}",
-    ]
-    return not any(re.search(p, masked) for p in pats)
+def _c_string(s: str) -> str:
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def _literal(typ: str, val) -> str:
-    if val is None:
-        return f"{typ}()"
-    if isinstance(val, bool):
-        return f"({typ})({'true' if val else 'false'})"
-    if isinstance(val, float):
-        return f"({typ})({float(val)!r})" if val == val and abs(val) != float("inf") else \
-            f"({typ})(__builtin_bit_cast(double, {int.from_bytes(__import__('struct').pack('<d', val), 'little')}ull))"
-    return f"({typ})({int(val)}ll)"
-
-
-def _dedupe_specialisations(masked: str, edits: _Edits):
-    seen = set()
-    for m in re.finditer(r"\btemplate\s*<", masked):
-        lt = m.end() - 1
-        gt = _match_angle(masked, lt)
-        if gt < 0:
-            continue
-        sm = re.match(r"\s*(?:struct|class)\s+(\w+)\s*<", masked[gt + 1:])
-        if not sm:
-            continue
-        alt = gt + 1 + sm.end() - 1
-        agt = _match_angle(masked, alt)
-        if agt < 0:
-            continue
-        args = masked[alt + 1:agt]
-        if not re.search(r"\b(?:device|threadgroup|thread)\b", args):
-            continue
-        norm = (sm.group(1), re.sub(r"\s+", "", re.sub(r"\b(?:device|threadgroup|thread)\b", "", args)))
-        brace = masked.find("{", agt)
-        if brace < 0 or masked[agt + 1:brace].strip() not in ("",) and not masked[agt + 1:brace].strip().startswith(":"):
-            continue
-        close = _match_close(masked, brace, "{", "}")
-        semi = masked.find(";", close)
-        if norm in seen:
-            edits.blank(m.start(), semi + 1)
-        else:
-            seen.add(norm)
-
-
-def _glue(kernels, constants, derived, dynamic: bool) -> str:
-    out = ["\n# 1 \"<emulator glue>\"\n"]
+def _glue(kernels, constants, derived) -> str:
+    out = ['\n# 1 "<emulator glue>"\n']
     for i, k in enumerate(kernels):
         specs = ", ".join(f"{{{p.kind if p.kind > 0 else 0}, {p.index}}}" for p in k.params) or "{0, 0}"
-        out.append(f"static const MtlParamSpec __mtl_spec_{i}[] = {{{specs}}};\n")
+        out.append(f"static MtlParamSpec __mtl_spec_{i}[] = {{{specs}}};\n")
         out.append(f"MTL_EXPORT void __mtl_kernel_{i}(MtlThreadInfo* ti) {{ __mtl::invoke(&{k.func}, ti, __mtl_spec_{i}); }}\n")
         out.append(f"MTL_EXPORT int __mtl_kinfo_{i}(MtlParamInfo* o) {{ return __mtl::describe(&{k.func}, o); }}\n")
-    # Launch-time function constants (dynamic mode): set the globals, then
-    # re-evaluate the program-scope constants derived from them, in order.
+        out.append(f"MTL_EXPORT const unsigned __mtl_max_threads_{i} = {k.max_threads or 1024};\n")
+        # Built-in parameters must have the types Metal allows (reported at the parameter).
+        for j, p in enumerate(k.params):
+            if p.kind != P_BUILTIN:
+                continue
+            position = p.builtin in POSITION_BUILTINS
+            allowed = "uint, uint2, uint3, ushort, ushort2 or ushort3" if position else "uint or ushort"
+            check = "builtin_position_ok" if position else "builtin_index_ok"
+            msg = f"MSL: built-in parameter '{p.name}' [[{p.builtin}]] must be declared {allowed}"
+            out.append(f"# {p.line} {_c_string(p.file)}\n"
+                       f"static_assert(__mtl::{check}<__mtl::param_t<{j}, decltype({k.func})>>, {_c_string(msg)});\n")
+        out.append('# 1 "<emulator glue>"\n')
+    # Launch-time function constants: set the globals, then re-evaluate the
+    # program-scope constants derived from them, in order.
     out.append("MTL_EXPORT void __mtl_set_fcs(const long* iv, const double* dv, const int* def) {\n")
     out.append("  (void)iv; (void)dv; (void)def;\n")
-    if dynamic:
-        for i, fc in enumerate(constants):
-            out.append(f"  {fc.name} = __mtl::fc_value<{fc.type}>(iv, dv, {i}); __mtl_fcdef_{fc.name} = def[{i}] != 0;\n")
-        for name, typ, expr, _ in derived:
-            expr = re.sub(r"\bis_function_constant_defined\s*\(\s*(\w+)\s*\)", r"__mtl_fcdef_\1", expr)
-            out.append(f"  {name} = ({typ})({' '.join(expr.split())});\n")
+    for i, fc in enumerate(constants):
+        out.append(f"  {fc.name} = __mtl::fc_value<{fc.type}>(iv, dv, {i}); __mtl_fcdef_{fc.name} = def[{i}] != 0;\n")
+    for name, typ, expr in derived:
+        out.append(f"  {name} = ({typ})({' '.join(expr.split())});\n")
     out.append("}\n")
     return "".join(out)

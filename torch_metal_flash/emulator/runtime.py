@@ -9,7 +9,7 @@ from typing import Optional
 
 MTL_MAX_BUFFERS = 64
 MTL_MAX_TG_PARAMS = 32
-MTL_ABI_VERSION = 3
+MTL_ABI_VERSION = 4
 B_COUNT = 16
 
 
@@ -35,7 +35,7 @@ class Stats(ctypes.Structure):
 
 class Error(ctypes.Structure):
     _fields_ = [("code", ctypes.c_int32), ("msg", ctypes.c_char * 2048), ("tg", ctypes.c_uint32 * 3),
-                ("thread", ctypes.c_uint32 * 3), ("has_thread", ctypes.c_int32), ("pc_offset", ctypes.c_uint64),
+                ("thread_pos", ctypes.c_uint32 * 3), ("has_thread", ctypes.c_int32), ("pc_offset", ctypes.c_uint64),
                 ("pc2_offset", ctypes.c_uint64), ("file", ctypes.c_char * 512), ("line", ctypes.c_int32),
                 ("buffer", ctypes.c_int32)]
 
@@ -49,7 +49,7 @@ class Launch(ctypes.Structure):
 
 
 E_OK, E_GENERIC, E_DIVERGENT_BARRIER, E_MMA_DIVERGENCE, E_OUT_OF_BOUNDS, E_TG_MEMORY, E_RACE, E_TIMEOUT, \
-    E_CRASH, E_BAD_LAUNCH, E_FPE, E_COLLECTIVE = range(12)
+    E_CRASH, E_BAD_LAUNCH, E_FPE, E_COLLECTIVE, E_MISALIGNED = range(13)
 
 _rt = None
 _rt_lock = threading.Lock()

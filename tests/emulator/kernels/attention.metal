@@ -38,7 +38,7 @@ METAL_FUNC short2 frag_coord(ushort lane) {
   return short2((qid & 2) * 2 + (lane % 2) * 2, (qid & 4) + (lane / 2) % 4);
 }
 
-template <typename Ptr, int ROWS, int D, int LD>
+template <int ROWS, int D, int LD, typename Ptr>
 METAL_FUNC void load_tile(threadgroup float* dst, Ptr src, int row0, int nrows, int stride, float scale, ushort tid,
                           ushort nthreads) {
   using T = pointer_element_t<Ptr>;
@@ -68,7 +68,7 @@ template <typename T, int BQ, int BK, int D>
   K += h * p.k_head_stride;
   V += h * p.v_head_stride;
   O += h * p.o_head_stride;
-  load_tile<decltype(Q), BQ, D, LDQ>(Qs, Q, q0, p.L, p.q_row_stride, p.scale_log2, tid, NT);
+  load_tile<BQ, D, LDQ>(Qs, Q, q0, p.L, p.q_row_stride, p.scale_log2, tid, NT);
 
   simdgroup_matrix<float, 8, 8> Oacc[D / 8];
   ATTN_UNROLL for (int d = 0; d < D / 8; d++) Oacc[d] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
@@ -79,8 +79,8 @@ template <typename T, int BQ, int BK, int D>
   for (int k0 = 0; k0 < p.S; k0 += BK) {
     if (is_causal && k0 > q0 + BQ - 1) break;  // block entirely above the diagonal
     threadgroup_barrier(mem_flags::mem_threadgroup);  // everyone is done with the previous tiles
-    load_tile<decltype(K), BK, D, LDQ>(Ks, K, k0, p.S, p.k_row_stride, 1.0f, tid, NT);
-    load_tile<decltype(V), BK, D, LDQ>(Vs, V, k0, p.S, p.v_row_stride, 1.0f, tid, NT);
+    load_tile<BK, D, LDQ>(Ks, K, k0, p.S, p.k_row_stride, 1.0f, tid, NT);
+    load_tile<BK, D, LDQ>(Vs, V, k0, p.S, p.v_row_stride, 1.0f, tid, NT);
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
     // S = Q K^T for this simdgroup's 8 rows

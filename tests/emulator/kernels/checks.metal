@@ -106,3 +106,27 @@ kernel void deep_recursion_stack(device float* y [[buffer(0)]], uint tid [[threa
   for (int i = 0; i < 200000; i += 1000) big[i] = y[0] + i;
   y[tid] = big[(tid * 1000) % 200000];
 }
+
+// Vector accesses at addresses that are not multiples of the vector's size:
+// the GPU needs them aligned (packed_float4 is the unaligned spelling).
+kernel void misaligned_device(device const float* x [[buffer(0)]], device float* y [[buffer(1)]],
+                              constant uint& offset [[buffer(2)]], uint i [[thread_position_in_grid]]) {
+  device const float4* v = (device const float4*)(x + offset);
+  const float4 t = v[i];  // misaligned device load
+  y[i] = t.x;
+}
+kernel void misaligned_threadgroup(device float* y [[buffer(0)]], constant uint& offset [[buffer(1)]],
+                                   uint i [[thread_position_in_threadgroup]]) {
+  threadgroup float tile[64];
+  tile[i] = float(i);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  threadgroup float2* v = (threadgroup float2*)(tile + offset);
+  const float2 t = v[i];  // misaligned threadgroup load
+  y[i] = t.y;
+}
+kernel void packed_device(device const float* x [[buffer(0)]], device float* y [[buffer(1)]],
+                          constant uint& offset [[buffer(2)]], uint i [[thread_position_in_grid]]) {
+  device const packed_float4* v = (device const packed_float4*)(x + offset);
+  const float4 t = v[i];
+  y[i] = t.x;
+}

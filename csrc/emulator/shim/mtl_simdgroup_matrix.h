@@ -4,14 +4,17 @@
 // lane owns (row, col) and (row, col + 1).  Loads and stores are per lane;
 // multiplies are a rendezvous of all 32 lanes of the simdgroup.
 #pragma once
+#pragma clang system_header
 
-namespace metal {
-
-MTL_INLINE void __sg_coord(uint lane, thread uint& row, thread uint& col) {
+namespace __mtl {
+MTL_INLINE void sg_coord(uint lane, thread uint& row, thread uint& col) {
   uint qid = lane / 4;
   row = (qid & 4) + (lane / 2) % 4;
   col = (qid & 2) * 2 + (lane % 2) * 2;
 }
+}  // namespace __mtl
+
+namespace metal {
 
 template <class T, int Cols, int Rows>
 struct simdgroup_matrix {
@@ -21,12 +24,12 @@ struct simdgroup_matrix {
   // Diagonal matrix with `d` on the diagonal.
   MTL_INLINE simdgroup_matrix(T d) {
     uint r, c;
-    __sg_coord(__mtl_rt_lane(), r, c);
+    __mtl::sg_coord(__mtl_rt_lane(), r, c);
     __e[0] = r == c ? d : T(0);
     __e[1] = r == c + 1 ? d : T(0);
   }
-  MTL_INLINE thread vec<T, 2>& thread_elements() { return __e; }
-  MTL_INLINE const thread vec<T, 2>& thread_elements() const { return __e; }
+  MTL_INLINE thread vec<T, 2>& thread_elements() thread { return __e; }
+  MTL_INLINE const thread vec<T, 2>& thread_elements() const thread { return __e; }
 };
 
 typedef simdgroup_matrix<half, 8, 8> simdgroup_half8x8;
@@ -46,7 +49,7 @@ template <class T, class U, int C, int R>
 MTL_INLINE void simdgroup_load(thread simdgroup_matrix<T, C, R>& d, const U* src, size_t elements_per_row = C,
                                ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false) {
   uint r, c;
-  __sg_coord(__mtl_rt_lane(), r, c);
+  __mtl::sg_coord(__mtl_rt_lane(), r, c);
   const U* base = src + matrix_origin.y * elements_per_row + matrix_origin.x;
   for (int j = 0; j < 2; j++) {
     size_t off = transpose_matrix ? (size_t)(c + j) * elements_per_row + r : (size_t)r * elements_per_row + (c + j);
@@ -58,11 +61,11 @@ template <class T, class U, int C, int R>
 MTL_INLINE void simdgroup_store(const thread simdgroup_matrix<T, C, R>& a, U* dst, size_t elements_per_row = C,
                                 ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false) {
   uint r, c;
-  __sg_coord(__mtl_rt_lane(), r, c);
+  __mtl::sg_coord(__mtl_rt_lane(), r, c);
   U* base = dst + matrix_origin.y * elements_per_row + matrix_origin.x;
   for (int j = 0; j < 2; j++) {
     size_t off = transpose_matrix ? (size_t)(c + j) * elements_per_row + r : (size_t)r * elements_per_row + (c + j);
-    base[off] = static_cast<U>(a.__e[j]);
+    base[off] = static_cast<__mtl::plain_t<U>>(a.__e[j]);
   }
 }
 
@@ -74,7 +77,7 @@ template <class T>
 MTL_INLINE void gather(MtlCollRec* const* L, const void* MtlCollRec::*field, float (&m)[8][8]) {
   for (uint l = 0; l < 32; l++) {
     uint r, c;
-    metal::__sg_coord(l, r, c);
+    sg_coord(l, r, c);
     const metal::vec<T, 2>& e = *(const metal::vec<T, 2>*)(L[l]->*field);
     m[r][c] = (float)e[0];
     m[r][c + 1] = (float)e[1];
@@ -90,7 +93,7 @@ MTL_RUNTIME_SIDE void op_mma(MtlCollRec* const* L, uint32_t) {
   if (Acc) gather<TC>(L, &MtlCollRec::in3, c);
   for (uint l = 0; l < 32; l++) {
     uint r, col;
-    metal::__sg_coord(l, r, col);
+    sg_coord(l, r, col);
     metal::vec<TD, 2>& e = *(metal::vec<TD, 2>*)L[l]->out;
     for (int j = 0; j < 2; j++) {
       float s = Acc ? c[r][col + j] : 0.0f;
@@ -101,7 +104,7 @@ MTL_RUNTIME_SIDE void op_mma(MtlCollRec* const* L, uint32_t) {
 }
 
 template <class TD, class TA, class TB, class TC, bool Acc>
-MTL_INLINE void mma(void* d, const void* a, const void* b, const void* c, const Site& s) {
+MTL_INLINE void mma(void* d, const void* a, const void* b, const void* c, const thread Site& s) MTL_IMPL({
   MtlCollRec r;
   r.fn = &op_mma<TD, TA, TB, TC, Acc>;
   r.in = a;
@@ -109,12 +112,12 @@ MTL_INLINE void mma(void* d, const void* a, const void* b, const void* c, const 
   r.in3 = c;
   r.out = d;
   r.arg = 0;
-  r.file = s.file;
+  r.file = (const char*)(uintptr_t)s.file;
   r.line = s.line;
   r.col = s.col;
   r.kind = MTL_C_MMA;
   __mtl_rt_collective(&r);
-}
+})
 
 }  // namespace __mtl
 

@@ -1,0 +1,10 @@
+// expect: exceptions
+#include <metal_stdlib>
+using namespace metal;
+
+kernel void k(device float* out [[buffer(0)]], uint i [[thread_position_in_grid]]) {
+  try {  // error
+    out[i] = 1.0f;
+  } catch (...) {
+  }
+}

@@ -1,0 +1,8 @@
+// expect: register
+#include <metal_stdlib>
+using namespace metal;
+
+kernel void k(device float* out [[buffer(0)]], uint i [[thread_position_in_grid]]) {
+  register float x = out[i];  // error
+  out[i] = x * x;
+}

@@ -1,0 +1,62 @@
+"""Every project kernel in every math mode the Metal launcher can select
+(MTLMathMode fast, relaxed, safe; docs/metal_launcher.md) against the float64
+oracle, on a reduced grid per mode: the cases that reach the kernels' masking,
+empty-row and saturation paths, where a kernel that computed with infinities
+would break under fast math.  The rest of the suite runs in the launcher's
+default (relaxed).  Builds are shared per mode (one per shader file)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import forward_cases as fc  # noqa: E402
+import test_backward_kernels as bwd  # noqa: E402
+import test_decode_kernels as dec  # noqa: E402
+import test_forward_kernels as fwd  # noqa: E402
+from torch_metal_flash import emulator  # noqa: E402
+from test_kvcache import make_case  # noqa: E402
+
+MODES = ("fast", "relaxed", "safe")
+FORWARD = [
+    dict(dtype="f16", d=64, lq=17, lk=65, masking="causal_br", hq=4, hkv=2, feature="all", layout="bhld"),
+    dict(dtype="bf16", d=80, lq=29, lk=65, masking="window", hq=2, hkv=2, feature="bias_full", layout="blhd"),
+    dict(dtype="f32", d=32, lq=3, lk=17, masking="diag_neg", hq=6, hkv=3, feature="sinks", layout="bhld"),
+    dict(dtype="f32", d=128, lq=9, lk=100, masking="none", hq=2, hkv=1, feature="bool_full", layout="bhld"),
+]
+BACKWARD = [
+    dict(dtype="f16", d=64, lq=17, lk=17, masking="causal_tl", hq=4, hkv=2, feature="all", layout="bhld",
+         dlse=True),
+    dict(dtype="f32", d=32, lq=23, lk=41, masking="window_sym", hq=2, hkv=1, feature="bias_full", layout="blhd",
+         dbias=True),
+]
+DECODE = [dec.CASES[0], dec.CASES[3], dec.CASES[6]]  # splits + GQA 4; softcap; ALiBi (b, h), window, leftpad
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_forward(mode):
+    with emulator.settings(math_mode=mode):
+        for c in FORWARD:
+            fc.run_and_check(c, orders=("forward",))
+        fwd.test_float_mask_min_and_inf_rows()  # finfo.min rows average, -inf rows see nothing
+        fwd.test_fully_masked_rows_zero_and_inf_lse("f16")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_backward(mode):
+    with emulator.settings(math_mode=mode):
+        for c in BACKWARD:
+            bwd.run_and_check(c, orders=("forward",))
+        bwd.test_fully_masked_rows_zero_grads("f32")
+        bwd.test_rows_of_finfo_min_scores_pass_no_gradient()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_decode(mode):
+    with emulator.settings(math_mode=mode):
+        for i, case in enumerate(DECODE):
+            dec.run_orders(make_case(seed=700 + i, **case["kw"]), ("forward",), num_splits=case.get("splits", 0))
+        dec.test_empty_and_full_rows()
