@@ -63,6 +63,14 @@ def _link_flags() -> list:
     return flags
 
 
+def _run(argv: list, what: str) -> str:
+    """stdout of ``argv``; a CompileError naming ``what`` and clang's message when it fails."""
+    proc = emc._run(argv)
+    if proc.returncode != 0:
+        raise emc._fail(what, proc.stderr)
+    return proc.stdout
+
+
 def _sources() -> list[Path]:
     return sorted((csrc_dir() / "core").glob("*.cpp"))
 
@@ -75,7 +83,7 @@ def build() -> Path:
     files = sorted(folder.glob("*.cpp")) + sorted(folder.glob("*.h"))
     ident = " ".join(argv)
     try:
-        ident = emc._run(argv + ["--version"], "querying the C++ compiler").splitlines()[0]
+        ident = _run(argv + ["--version"], "querying the C++ compiler").splitlines()[0]
     except Exception:  # noqa: BLE001 - the version only refines the cache key
         pass
     key = emc._hash("core", ident, " ".join(flags + link), torch.__version__, sys.version, sys.platform,
@@ -86,13 +94,13 @@ def build() -> Path:
         with tempfile.TemporaryDirectory(dir=str(target.parent)) as objdir:
             def compile_one(src: Path) -> str:
                 obj = os.path.join(objdir, src.stem + ".o")
-                emc._run(argv + flags + ["-c", str(src), "-o", obj], f"compiling the C++ op core ({src.name})")
+                _run(argv + flags + ["-c", str(src), "-o", obj], f"compiling the C++ op core ({src.name})")
                 return obj
             with concurrent.futures.ThreadPoolExecutor(max(1, min(len(_sources()), os.cpu_count() or 1))) as pool:
                 objects = list(pool.map(compile_one, _sources()))
-            emc._run(argv + objects + ["-o", tmp] + link, "linking the C++ op core")
+            _run(argv + objects + ["-o", tmp] + link, "linking the C++ op core")
 
-    return emc._atomic_build(target, compile_all)
+    return emc._atomic_write(target, compile_all)
 
 
 def load():
