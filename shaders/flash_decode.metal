@@ -10,10 +10,13 @@
 //   split s takes the s-th run of tiles) through threadgroup memory: each K/V
 //   row is read from device memory ONCE and applied to every query head of the
 //   group and every query row of the step (simdgroup-matrix 8x8 multiplies,
-//   online softmax in the log2 domain as in flash_fwd.metal).
+//   online softmax in natural units as in flash_fwd.metal: the scores, the
+//   running max and lse keep the rounding of the plain math, exp2 takes
+//   (s - m) * log2(e); log2-domain scores would add a rounding of every
+//   q element and of lse, which shows at large scores).
 //   num_splits == 1 (use_splits false): writes out / lse directly.
 //   Otherwise: writes a partial per (row, split): unnormalised O (float, only
-//   when the split saw something, l > 0) and (m, l) (log2 units).
+//   when the split saw something, l > 0) and (m, l).
 //
 // flash_decode_combine_<dtype>
 //   Grid: ceil(batch * heads * seqlen_q / 8) threadgroups of 8 simdgroups, one
@@ -47,9 +50,9 @@ struct DecodeParams {
   int seqlen_q, head_dim, page_size, num_splits;
   int diag_adjust, window_left, window_right, rows_per_tg;
   int row_blocks, num_threads;  // threads per threadgroup of flash_decode (>= 32 * ceil(rows_per_tg / 8))
-  // q is multiplied by qk_scale when loaded: scale * log2(e) without softcap,
-  // scale / softcap with softcap; softcap_log2 = softcap * log2(e).
-  float qk_scale, softcap_log2;
+  // q is multiplied by qk_scale when loaded: scale without softcap, scale /
+  // softcap with softcap (then the score is softcap * tanh(q.k)).
+  float qk_scale, softcap;
 };
 
 constant bool paged [[function_constant(0)]];
@@ -82,11 +85,6 @@ constant bool use_splits [[function_constant(6)]];
 constant constexpr int kParamWords = sizeof(DecodeParams) / 8;
 static_assert(sizeof(DecodeParams) % 8 == 0, "DecodeParams is a whole number of 8-byte words");
 
-// softcap * tanh(x) * log2(e) (cap_log2 = softcap * log2(e)), finite for any |x| under fast math.
-inline float decode_softcap_log2(float x, float cap_log2) {
-  const float t = exp2(-2.0f * flash::kLog2e * abs(x));
-  return copysign((1.0f - t) / (1.0f + t), x) * cap_log2;
-}
 
 inline void copy_params(threadgroup long* dst, constant DecodeParams& p, ushort tid) {
   const constant long* src = reinterpret_cast<const constant long*>(&p);
@@ -181,7 +179,7 @@ template <typename T, int BD, int BK>
   float m_i = kNeg;
   float l_i = 0.0f;
   float slope = 0.0f;
-  if (has_alibi && row_ok) slope = alibi[long(b) * P.a_stride_b + long(h) * P.a_stride_h] * flash::kLog2e;
+  if (has_alibi && row_ok) slope = alibi[long(b) * P.a_stride_b + long(h) * P.a_stride_h];
 
   for (int t = t_begin; t < t_end; ++t) {
     const int kb = t * BK;
@@ -238,7 +236,7 @@ template <typename T, int BD, int BK>
             float s = S[kk].thread_elements()[e];
             const int pos = kb + kk * 8 + fc.col + e;
             const int j = pos - start;
-            if (has_softcap) s = decode_softcap_log2(s, P.softcap_log2);
+            if (has_softcap) s = flash::softcap_tanh(s, P.softcap);
             if (has_alibi) s -= slope * float(abs(i + diag - j));
             bool vis = pos >= key_lo && pos < key_hi;
             if (has_band) vis = vis && band.visible(i, j);
@@ -254,11 +252,11 @@ template <typename T, int BD, int BK>
       mx = flash::row_max(mx);
       const float m_new = max(m_i, mx);
       const float m_use = (m_new <= kNeg) ? 0.0f : m_new;
-      const float factor = exp2(m_i - m_use);
+      const float factor = exp2((m_i - m_use) * flash::kLog2e);
       float rs = 0.0f;
       for (int kk = 0; kk < NK; ++kk) {
-        const float p0 = exp2(S[kk].thread_elements()[0] - m_use);
-        const float p1 = exp2(S[kk].thread_elements()[1] - m_use);
+        const float p0 = exp2((S[kk].thread_elements()[0] - m_use) * flash::kLog2e);
+        const float p1 = exp2((S[kk].thread_elements()[1] - m_use) * flash::kLog2e);
         S[kk].thread_elements()[0] = p0;
         S[kk].thread_elements()[1] = p1;
         rs += p0 + p1;
@@ -290,7 +288,7 @@ template <typename T, int BD, int BK>
     }
     if (fc.col == 0) {
       const float pos_inf = as_type<float>(0x7f800000u);
-      lse[row_id] = l_i > 0.0f ? (m_i + log2(l_i)) * flash::kLn2 : pos_inf;
+      lse[row_id] = l_i > 0.0f ? m_i + log2(l_i) * flash::kLn2 : pos_inf;
     }
   } else {
     const long prow = row_id * P.num_splits + split;
@@ -358,7 +356,7 @@ template <typename T>
   float w[kMaxSplitChunks];
   float lsum = 0.0f;
   for (int c = 0; c < kMaxSplitChunks; ++c) {
-    w[c] = l[c] > 0.0f ? exp2(m[c] - mx) : 0.0f;
+    w[c] = l[c] > 0.0f ? exp2((m[c] - mx) * flash::kLog2e) : 0.0f;
     lsum += w[c] * l[c];
   }
   lsum = simd_sum(lsum);
@@ -383,7 +381,7 @@ template <typename T>
   }
   if (lane == 0) {
     const float pos_inf = as_type<float>(0x7f800000u);
-    lse[row_id] = lsum > 0.0f ? (mx + log2(lsum)) * flash::kLn2 : pos_inf;
+    lse[row_id] = lsum > 0.0f ? mx + log2(lsum) * flash::kLn2 : pos_inf;
   }
 }
 
@@ -403,7 +401,7 @@ template <typename T>
   out_i[4] = p.seqlen_q; out_i[5] = p.head_dim; out_i[6] = p.page_size; out_i[7] = p.num_splits;
   out_i[8] = p.diag_adjust; out_i[9] = p.window_left; out_i[10] = p.window_right; out_i[11] = p.rows_per_tg;
   out_i[12] = p.row_blocks; out_i[13] = p.num_threads;
-  out_f[0] = p.qk_scale; out_f[1] = p.softcap_log2;
+  out_f[0] = p.qk_scale; out_f[1] = p.softcap;
 }
 
 // ---------------------------------------------------------------------------

@@ -32,7 +32,6 @@ from ..plan import Launch, Plan, Unsupported
 from ..spec import AttentionSpec
 
 SOURCE = "flash_decode.metal"
-LOG2E = 1.4426950408889634
 
 # [[function_constant(i)]] indices of flash_decode.metal
 FC_PAGED, FC_HAS_LEFTPAD, FC_HAS_BATCH_IDX, FC_HAS_ALIBI, FC_HAS_SOFTCAP, FC_HAS_BAND, FC_USE_SPLITS = range(7)
@@ -76,7 +75,7 @@ class DecodeParams(ctypes.Structure):
         "bt_stride_b", "a_stride_b", "a_stride_h")] + [(n, ctypes.c_int32) for n in (
             "batch", "heads", "kv_heads", "gqa", "seqlen_q", "head_dim", "page_size", "num_splits",
             "diag_adjust", "window_left", "window_right", "rows_per_tg", "row_blocks", "num_threads")] + [
-        ("qk_scale", ctypes.c_float), ("softcap_log2", ctypes.c_float)]
+        ("qk_scale", ctypes.c_float), ("softcap", ctypes.c_float)]
 
     def to_bytes(self) -> bytes:
         return bytes(self)
@@ -249,10 +248,10 @@ def plan_decode(pb: DecodeProblem, num_splits: int = 0,
     p.num_threads = 32 * simdgroups
     if has_softcap:
         p.qk_scale = pb.scale / pb.softcap
-        p.softcap_log2 = pb.softcap * LOG2E
+        p.softcap = pb.softcap
     else:
-        p.qk_scale = pb.scale * LOG2E
-        p.softcap_log2 = 0.0
+        p.qk_scale = pb.scale
+        p.softcap = 0.0
 
     buffers: dict = {BUF_Q: q, BUF_K: kc, BUF_V: vc, BUF_O: out, BUF_LSE: pb.lse, BUF_SEQLENS: pb.seqlens_k}
     if pb.leftpad is not None:
