@@ -81,7 +81,7 @@ def _seam(monkeypatch, answer):
     backend = RecordingBackend()
     calls = []
 
-    def plan_forward(spec, out, lse, family):
+    def plan_forward(spec, out, lse, aux, family):
         calls.append(spec)
         return answer(spec, out, lse)
     monkeypatch.setattr(backends, "resolve", lambda device: backend)

@@ -29,8 +29,9 @@ def _attention(q, k, v, mask, alibi_slopes, sinks, scale, diag_offset, window_le
         spec = make_spec(q, k, v, mask, alibi_slopes, sinks, scale=scale, diag_offset=diag_offset,
                          window_left=window_left, window_right=window_right, softcap=softcap)
         return reference.dropout_attention(spec, dropout_p)
-    return torch.ops.metal_flash.fwd(q, k, v, mask, alibi_slopes, sinks, scale, diag_offset, window_left,
-                                     window_right, softcap)
+    out, lse, _ = torch.ops.metal_flash.fwd(q, k, v, mask, alibi_slopes, sinks, scale, diag_offset, window_left,
+                                            window_right, softcap, ops.needs_grad(q, k, v, mask, sinks))
+    return out, lse
 
 
 def _as_4d(t: torch.Tensor) -> torch.Tensor:

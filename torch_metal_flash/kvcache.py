@@ -316,8 +316,8 @@ def _reference(a: _Args, q, k_cache, v_cache):
         vt = v_cache[:B, s0:e0].transpose(1, 2)
         if uniform:
             lk = e0 - s0
-            out, lse = torch.ops.metal_flash.fwd(qt, kt, vt, None, alibi, None, a.scale, lk - Lq, a.left, a.right,
-                                                 a.softcap)
+            out, lse, _ = torch.ops.metal_flash.fwd(qt, kt, vt, None, alibi, None, a.scale, lk - Lq, a.left,
+                                                    a.right, a.softcap, False)
         else:
             # Ragged rows: the band of each row relative to its own [start, end), as a bool mask.
             j = torch.arange(s0, e0)[None, None, :]  # absolute positions
@@ -330,7 +330,8 @@ def _reference(a: _Args, q, k_cache, v_cache):
             if a.right >= 0:
                 vis &= rel <= a.right
             mask = vis[:, None].to(dev)  # (B, 1, Lq, span)
-            out, lse = torch.ops.metal_flash.fwd(qt, kt, vt, mask, None, None, a.scale, 0, -1, -1, a.softcap)
+            out, lse, _ = torch.ops.metal_flash.fwd(qt, kt, vt, mask, None, None, a.scale, 0, -1, -1, a.softcap,
+                                                    False)
         return out.transpose(1, 2), lse
     # Per batch row: a view of the contiguous cache row, or a gather of the pages.
     outs, lses = [], []
@@ -345,8 +346,8 @@ def _reference(a: _Args, q, k_cache, v_cache):
             row = int(a.cache_batch_idx[b]) if a.cache_batch_idx is not None else b
             kb, vb = k_cache[row:row + 1, s:e], v_cache[row:row + 1, s:e]
         al = alibi[b:b + 1] if alibi is not None else None
-        out, lse = torch.ops.metal_flash.fwd(qt[b:b + 1], kb.transpose(1, 2), vb.transpose(1, 2), None, al, None,
-                                             a.scale, (e - s) - Lq, a.left, a.right, a.softcap)
+        out, lse, _ = torch.ops.metal_flash.fwd(qt[b:b + 1], kb.transpose(1, 2), vb.transpose(1, 2), None, al,
+                                                None, a.scale, (e - s) - Lq, a.left, a.right, a.softcap, False)
         outs.append(out.transpose(1, 2))
         lses.append(lse)
     if B == 0:

@@ -6,7 +6,7 @@ Pure and backend-agnostic.  The prefill forward lives in :mod:`.forward`
 """
 from __future__ import annotations
 
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
@@ -21,13 +21,15 @@ __all__ = ["plan_forward", "plan_backward", "plan_prefill", "forward_tile", "for
            "FAMILIES"]
 
 
-def plan_forward(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor,
+def plan_forward(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor, aux: Optional[torch.Tensor] = None,
                  family: str = "apple8") -> Union[Plan, Unsupported]:
     """Decode-shaped problems (few query rows per KV head, long keys) take the
     split-K decode kernels, which read each K/V row once per GQA group; all
-    others, and whatever those decline, the prefill kernels."""
-    if decode.route_reason(spec) is None:
+    others, whatever those decline, and every call that keeps ``aux`` for a
+    backward (the backward kernels recompute the prefill kernel's scores bit
+    for bit), the prefill kernels."""
+    if aux is None and decode.route_reason(spec) is None:
         plan = decode.plan_decode_spec(spec, out, lse)
         if not isinstance(plan, Unsupported):
             return plan
-    return plan_prefill(spec, out, lse, family)
+    return plan_prefill(spec, out, lse, aux, family)
