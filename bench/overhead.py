@@ -77,8 +77,8 @@ def main() -> None:
         rows.append(("tmf.scaled_dot_product_attention, launch stubbed",
                      per_call_us(lambda: tmf.scaled_dot_product_attention(q, k, v, is_causal=True), args.iters)))
         rows.append(("torch.ops.metal_flash.fwd, launch stubbed",
-                     per_call_us(lambda: torch.ops.metal_flash.fwd(q, k, v, None, None, None, 0.125, 0, -1, 0, 0.0),
-                                 args.iters)))
+                     per_call_us(lambda: torch.ops.metal_flash.fwd(q, k, v, None, None, None, 0.125, 0, -1, 0, 0.0,
+                                                                   False), args.iters)))
     finally:
         backends.resolve = original_resolve
     rows.append(("planner.plan_forward alone", per_call_us(lambda: planner.plan_forward(spec, out, lse), args.iters)))

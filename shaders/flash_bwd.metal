@@ -25,10 +25,10 @@
 //     dS = P (dP - delta) (written to dbias when asked), softcap chain rule,
 //     dQ += scale * dS K.  Also writes the zeros of dbias outside the band.
 //  3. flash_bwd_dkv_<dt>_d<BD>_k<BK>_q<BQ>_m<MODE>: grid (ceil(Lk/BK), Hkv, B),
-//     one simdgroup per 8 key rows; K (pre-scaled), V and the dK / dV
-//     accumulators in registers; loops over every query head of the GQA
-//     group and over the query blocks of the band, streaming Q and dO tiles
-//     (and their stats / delta) through threadgroup memory.  Every dK / dV row
+//     one simdgroup per 8 key rows; K, V and the dK / dV accumulators in
+//     registers; loops over every query head of the GQA group and over the
+//     query blocks of the band, streaming Q and dO tiles (and their stats /
+//     delta) through threadgroup memory (Q pre-scaled as its fragments load).  Every dK / dV row
 //     has exactly one writer.  MODE 0 computes dK and dV, MODE 1 only dK,
 //     MODE 2 only dV (split variants for large head dims, against spills).
 //  4. flash_bwd_dsinks: one threadgroup per head, a fixed-order reduction
@@ -42,7 +42,7 @@
 // sinks, softcap, band, dims aligned), 7 has_dbias, 8 has_dlse,
 // 9 aux_has_out (aux rows hold the float32 output after m and l).
 // Threadgroup memory per variant: planner/backward_tiles.py and
-// bench/results/backward.md (all <= 17.3 KiB).
+// bench/results/backward.md (all <= 17.4 KiB).
 #include "flash_common.h"
 #include "flash_bwd_params.h"
 

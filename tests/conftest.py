@@ -5,6 +5,10 @@
   ``torch.randn_like`` and ``Tensor.normal_`` draw through
   :func:`torch_metal_flash.testing.randn` (``torch.randn``'s own bits depend on
   the CPU: its AVX2/AVX-512 path and its scalar path differ).
+* torch.compile's caches live in a directory of this session: Inductor's
+  shared ``/tmp/torchinductor_<user>`` would hand over graphs compiled against
+  another version of the ops' schemas (its cache key does not cover custom-op
+  schemas), so a test's verdict would depend on what ran on the machine before.
 * In CI (``CI`` set), a skipped test fails unless it is a macOS/MPS-only test:
   a missing compiler or optional dependency must not turn into a silent skip.
 * The summary reports the time spent compiling kernels for the emulator.
@@ -13,12 +17,17 @@ from __future__ import annotations
 
 import os
 import random
+import tempfile
 import zlib
 
 import pytest
-import torch
 
-from torch_metal_flash.testing import randn as _portable_randn
+_INDUCTOR_CACHE = tempfile.TemporaryDirectory(prefix="tmf-tests-inductor-")  # removed at exit
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", _INDUCTOR_CACHE.name)
+
+import torch  # noqa: E402
+
+from torch_metal_flash.testing import randn as _portable_randn  # noqa: E402
 
 
 def _randn_like(t, *, generator=None, dtype=None, device=None, requires_grad=False, **_):
@@ -39,6 +48,7 @@ def _portable_inputs(request, monkeypatch):
     monkeypatch.setattr(torch, "randn", _portable_randn)
     monkeypatch.setattr(torch, "randn_like", _randn_like)
     monkeypatch.setattr(torch.Tensor, "normal_", _normal_)
+
 
 _MAC_ONLY_WORDS = ("mps", "macos", "apple gpu")
 

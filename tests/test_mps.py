@@ -187,8 +187,8 @@ def test_forward_matrix(dt, d, lq, lk, causal):
     else:
         q, k, v = make_qkv(B, H, H, lq, lk, d, dtype, seed)
         with strict_metal():
-            out, lse = torch.ops.metal_flash.fwd(q.to(MPS), k.to(MPS), v.to(MPS), None, None, None, scale, 0, -1, -1,
-                                                 0.0)
+            out, lse, _ = torch.ops.metal_flash.fwd(q.to(MPS), k.to(MPS), v.to(MPS), None, None, None, scale, 0, -1,
+                                                    -1, 0.0, False)
         (ref, ref_lse), (low, low_lse) = oracle(q, k, v, scale=scale)
         assert_rule("out", out, ref, low)
         assert_rule("lse", lse, ref_lse, low_lse)
@@ -248,10 +248,10 @@ def _run_feature(feature, dtype, d, lq, lk, seed):
                         window_right=0, softcap=2.5)
         dev = {n: (t.to(MPS) if isinstance(t, torch.Tensor) else t) for n, t in args.items()}
         with strict_metal():
-            out, lse = torch.ops.metal_flash.fwd(
+            out, lse, _ = torch.ops.metal_flash.fwd(
                 q.to(MPS), k.to(MPS), v.to(MPS), None if dev["mask"] is None else dev["mask"].expand(B, H, lq, lk),
                 dev["alibi"], sinks.to(MPS), scale, dev["diag_offset"], dev["window_left"], dev["window_right"],
-                dev["softcap"])
+                dev["softcap"], False)
         (ref, ref_lse), (low, low_lse) = oracle(q, k, v, scale=scale, sinks=sinks, **args)
         return [("out", out, ref, low), ("lse", lse, ref_lse, low_lse)]
     # masks through the SDPA face (broadcast shapes, never expanded in memory)
@@ -300,7 +300,8 @@ def test_large_logits_do_not_overflow():
         q, k = (q * amp).to(dtype), (k * amp).to(dtype)
         v = v.to(dtype)
         with strict_metal():
-            out, lse = torch.ops.metal_flash.fwd(q.to(MPS), k.to(MPS), v.to(MPS), None, None, None, 1.0, 0, -1, -1, 0.0)
+            out, lse, _ = torch.ops.metal_flash.fwd(q.to(MPS), k.to(MPS), v.to(MPS), None, None, None, 1.0, 0, -1, -1,
+                                                    0.0, False)
         assert torch.isfinite(out.cpu()).all() and torch.isfinite(lse.cpu()).all()
         (ref, ref_lse), (low, low_lse) = oracle(q, k, v, scale=1.0)
         if torch.isfinite(low).all() and torch.isfinite(low_lse).all():
@@ -359,7 +360,8 @@ def _backward_case(case, dtype, d, lq, lk, seed):
                         kw["alibi_slopes"] = extra["alibi_slopes"].to(dev)
                     out = tmf.flash_attn_func(qq, kk, vv, **kw)
                 elif case == "sinks_grad":
-                    out, _ = torch.ops.metal_flash.fwd(qq, kk, vv, None, None, leaves["sinks"], scale, 0, -1, -1, 0.0)
+                    out, _, _ = torch.ops.metal_flash.fwd(qq, kk, vv, None, None, leaves["sinks"], scale, 0, -1, -1,
+                                                          0.0, True)
                 else:
                     out = tmf.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, is_causal=case == "sdpa_causal",
                                                            enable_gqa=case == "gqa")
@@ -618,3 +620,25 @@ def test_gpu_family_and_backend_selection():
     with strict_metal():
         backend = resolve(MPS)
     assert backend is not None and backend.name == "metal"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("features", ["plain", "softcap_alibi_mask"])
+def test_backward_rebuilds_p_exactly(dtype, features):
+    """One visible key per row, large scores: P = 1 exactly, so dv = dO and
+    out = v bit for bit -- the backward kernels recompute the forward's scores
+    bit for bit on Apple's compiler and GPU too (same operations, same order;
+    the emulator checks this on the CPU)."""
+    B, H, L, D = 1, 2, 40, 64
+    q, k, v = make_qkv(B, H, H, L, L, D, torch.float64, seed=21)
+    q, k, v = (q * 4).to(dtype), (k * 4).to(dtype), v.to(dtype)
+    dout = randn(B, H, L, D, dtype=dtype, seed=22)
+    mask = randn(1, H, L, L, dtype=dtype, seed=23) if features != "plain" else None
+    alibi = torch.rand(H, generator=torch.Generator().manual_seed(24)) * 0.2 if features != "plain" else None
+    leaves = [t.to(MPS).requires_grad_() for t in (q, k, v)]
+    with strict_metal():  # window (0, 0): each query row sees its diagonal key only
+        out, _, _ = torch.ops.metal_flash.fwd(*leaves, None if mask is None else mask.to(MPS),
+                                              None if alibi is None else alibi.to(MPS), None, 1.0, 0, 0, 0,
+                                              3.0 if features != "plain" else 0.0, True)
+        dv = torch.autograd.grad(out, leaves[2], dout.to(MPS))[0]
+    assert torch.equal(out.cpu(), v) and torch.equal(dv.cpu(), dout)

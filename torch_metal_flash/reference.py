@@ -19,7 +19,7 @@ _CHUNK_ELEMENTS = 1 << 24  # scores per chunk (64 MiB in float32)
 # A row whose lse is below this has every score below it too (e.g. a float mask
 # of finfo.min on all keys: a padding row).  At that magnitude q.k is lost to
 # rounding, the row is constant in q and k, and it passes no gradient — the
-# kernels' rule as well (their log2-domain math would overflow there).
+# kernels' rule as well (flash_bwd.metal's preprocess kernel).
 SATURATED_LSE = -1e37
 
 
