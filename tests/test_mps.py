@@ -8,9 +8,11 @@ path fails the test instead of passing it.
 
 Acceptance rule (DESIGN.md section 5): ``max|out - ref64| <= 2 * max|lowp - ref64|
 + atol``, where ``ref64`` is plain PyTorch math in float64 on the CPU and
-``lowp`` the same plain math in the inputs' dtype on the CPU.  The oracle here
-is a deliberately naive implementation (``naive_attention``), independent of
-the package.
+``lowp`` the same plain math in the inputs' dtype, computed by
+``torch_metal_flash.testing.plain_attention`` (the same numbers on every
+machine; torch's own low-precision CPU math would depend on the Mac's BLAS).
+The oracle here is a deliberately naive implementation (``naive_attention``),
+independent of the package.
 
 Full matrix: ``pytest tests/test_mps.py`` (a few minutes on an M-series Mac);
 ``-k "not matrix"`` for the quick part.
@@ -29,6 +31,8 @@ import pytest
 import torch
 
 import torch_metal_flash as tmf
+from torch_metal_flash.spec import make_spec
+from torch_metal_flash.testing import Arith, plain_attention
 
 pytestmark = pytest.mark.skipif(
     not torch.backends.mps.is_available(),
@@ -145,12 +149,21 @@ def make_qkv(B, Hq, Hkv, Lq, Lk, D, dtype, seed=0, layout="bhld"):
             randn(B, Hkv, Lk, D, dtype=dtype, seed=seed + 2))
 
 
+def plain_spec(q, k, v, *, scale, mask=None, diag_offset=0, window_left=-1, window_right=-1, softcap=0.0,
+               alibi=None, sinks=None):
+    """The problem of ``naive_attention``'s arguments as an AttentionSpec."""
+    alibi = None if alibi is None else alibi.expand(q.shape[0], q.shape[1])
+    return make_spec(q, k, v, mask, alibi, sinks, scale=scale, diag_offset=diag_offset, window_left=window_left,
+                     window_right=window_right, softcap=softcap)
+
+
 def oracle(q, k, v, **kw):
-    """(ref64, lowp) results of naive_attention for CPU inputs in (B, H, L, D)."""
+    """(ref64, lowp) (out, lse) for CPU inputs in (B, H, L, D): naive_attention in
+    float64, and the plain math of the same problem in the inputs' dtype."""
     f64 = {n: (t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t) for n, t in kw.items()}
     ref = naive_attention(q.double(), k.double(), v.double(), **f64)
-    low = naive_attention(q, k, v, **kw)
-    return ref, low
+    low = plain_attention(plain_spec(q, k, v, **kw), q.dtype)
+    return ref, (low.out.to(q.dtype), low.lse.to(q.dtype))
 
 
 def batch_heads(lq, lk):
@@ -366,31 +379,45 @@ def _backward_case(case, dtype, d, lq, lk, seed):
                     out = tmf.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, is_causal=case == "sdpa_causal",
                                                            enable_gqa=case == "gqa")
         else:
-            t = (lambda x: x.transpose(1, 2)) if layout == "blhd" else (lambda x: x)
-            kw = dict(okw)
-            if layout == "blhd":  # the flash-attn face aligns everything bottom-right (ALiBi distances too)
-                kw["diag_offset"] = lk - lq
-            if case == "flash_causal":
-                kw.update(window_right=0)
-            if case == "sdpa_causal":
-                kw.update(window_right=0)
-            if case == "window":
-                kw.update(window_left=20, window_right=3)
-            if case == "softcap":
-                kw["softcap"] = 3.0
-            if mask is not None:
-                kw["mask"] = mask.expand(B, H, lq, lk)
-            if "sinks" in leaves:
-                kw["sinks"] = leaves["sinks"]
-            out, _ = naive_attention(t(qq), t(kk), t(vv), scale=scale, **kw)
+            out, _ = naive_attention(t(qq), t(kk), t(vv), scale=scale, **naive_kw(mask, leaves.get("sinks")))
             out = t(out)
         (out * dout.to(dev, dt)).sum().backward()
         return {n: leaf.grad for n, leaf in leaves.items()}
 
+    t = (lambda x: x.transpose(1, 2)) if layout == "blhd" else (lambda x: x)
+
+    def naive_kw(mask, sinks):
+        kw = dict(okw)
+        if layout == "blhd":  # the flash-attn face aligns everything bottom-right (ALiBi distances too)
+            kw["diag_offset"] = lk - lq
+        if case in ("flash_causal", "sdpa_causal"):
+            kw.update(window_right=0)
+        if case == "window":
+            kw.update(window_left=20, window_right=3)
+        if case == "softcap":
+            kw["softcap"] = 3.0
+        if mask is not None:
+            kw["mask"] = mask.expand(B, H, lq, lk)
+        if sinks is not None:
+            kw["sinks"] = sinks
+        return kw
+
+    def plain_grads():
+        """The plain math's gradients in ``dtype`` (torch_metal_flash.testing), like run()'s."""
+        mask = extra.get("mask")
+        spec = plain_spec(t(q), t(k), t(v), scale=scale, **naive_kw(mask, extra.get("sinks")))
+        dbias = mask is not None and mask.is_floating_point()
+        res = plain_attention(spec, dtype, t(dout), compute_dbias=dbias)
+        grads = {"q": t(res.dq), "k": t(res.dk), "v": t(res.dv)}
+        if dbias:
+            grads["mask"] = Arith(dtype).r(res.dbias.sum_to_size(mask.shape))
+        if "sinks" in extra:
+            grads["sinks"] = res.dsinks
+        return {n: g.to(dtype) for n, g in grads.items()}
+
     got = run(MPS, dtype, True)
     ref = run("cpu", torch.float64, False)
-    low = run("cpu", dtype, False)
-    return got, ref, low
+    return got, ref, plain_grads()
 
 
 @needs_backward

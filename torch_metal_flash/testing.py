@@ -125,7 +125,8 @@ class Arith:
         if self.dtype != torch.float32:
             return self.r(a @ b)
         a32, b32 = a.to(torch.float32), b.to(torch.float32)
-        acc = torch.zeros(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1]))
+        acc = torch.zeros(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1]),
+                          dtype=torch.float32)
         for t in range(a.shape[-1]):
             acc = acc + a32[..., :, t:t + 1] * b32[..., t:t + 1, :]
         return acc.to(torch.float64)
@@ -135,7 +136,7 @@ class Arith:
         if self.dtype != torch.float32:
             return self.i(x.sum(dim))
         x32 = x.to(torch.float32).movedim(dim, 0)
-        acc = torch.zeros(x32.shape[1:])
+        acc = torch.zeros(x32.shape[1:], dtype=torch.float32)
         for t in range(x32.shape[0]):
             acc = acc + x32[t]
         return acc.to(torch.float64)
