@@ -1,44 +1,154 @@
-"""Build: the Objective-C++ Metal launcher (torch_metal_flash._C) on macOS only.
+"""Build: on macOS, the Objective-C++ Metal launcher (torch_metal_flash._C) and
+precompiled shader libraries; elsewhere a pure-Python package.
 
-Elsewhere the package installs as pure Python: the reference backend and the
-emulator (which compiles the shipped .metal sources with clang at run time).
 The shaders and the emulator's C++ runtime ship as package data, from the
-repo's shaders/ and csrc/ folders.
+repo's shaders/ and csrc/ folders.  On macOS:
+
+* torch comes from ``[build-system] requires`` (marked for darwin, in the
+  supported range), so pip's default isolated build works; Linux builds never
+  import it.
+* ``_C`` is built when that torch was built with MPS.
+* ``shaders/<stem>.metallib`` is compiled from each ``shaders/<stem>.metal``
+  when ``xcrun -sdk macosx metal`` works (Xcode with its Metal toolchain):
+  MSL 3.1 for macOS 14 (the minimum: ``bfloat`` needs MSL 3.1, and torch's MPS
+  backend needs macOS 14), every ``host_name`` in the file, function constants
+  left to pipeline creation.  The launcher loads it instead of compiling the
+  source.  With Command Line Tools only there is no ``metal`` and nothing is
+  precompiled: the launcher compiles the sources at first use.
+  ``TORCH_METAL_FLASH_METALLIB=0`` skips this step, ``=1`` makes a missing
+  toolchain an error.
+
+``_build_info.json`` in the package records what was built (printed by
+``python -m torch_metal_flash doctor``).
 """
+import concurrent.futures
+import json
 import os
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
 
 PACKAGE_DATA_DIRS = {name: folder for name, folder in
                      {"torch_metal_flash.shaders": "shaders", "torch_metal_flash._csrc": "csrc"}.items()
                      if os.path.isdir(folder)}
+XCRUN = ["xcrun", "-sdk", "macosx"]
+METAL_STD = "metal3.1"
+MACOS_MIN = "14.0"
+# Inf/NaN-honouring fast math, as the launcher's runtime default on macOS 15+
+# (docs/metal_launcher.md); compilers without these flags get -fno-fast-math.
+RELAXED_MATH = ["-fmetal-math-mode=relaxed", "-fmetal-math-fp32-functions=fast"]
+SAFE_MATH = ["-fno-fast-math"]
 
 
-def ext_modules():
+def extension():
+    """``(ext_modules, cmdclass, torch version, note)``: the launcher on macOS with an MPS torch."""
     if sys.platform != "darwin":
-        return [], {}
+        return [], {}, None, f"not built on {sys.platform} (macOS only)"
     import torch
     if not torch.backends.mps.is_built():
-        return [], {}
+        return [], {}, torch.__version__, f"torch {torch.__version__} was built without MPS"
     from torch.utils.cpp_extension import BuildExtension, CppExtension
+    # The Metal launcher plus the C++ op core it is the Metal encoder of (csrc/core/module.cpp is
+    # the core's own module for builds without Metal; torch_metal_flash/_core_build.py).
+    core = sorted(os.path.join("csrc", "core", f) for f in os.listdir(os.path.join("csrc", "core"))
+                  if f.endswith(".cpp") and f != "module.cpp")
     ext = CppExtension(
         "torch_metal_flash._C",
-        sources=["csrc/metal/launcher.mm"],
+        sources=["csrc/metal/launcher.mm"] + core,
         extra_compile_args={"cxx": ["-std=c++17", "-ObjC++", "-fobjc-arc"]},
         extra_link_args=["-framework", "Metal", "-framework", "Foundation"],
     )
-    return [ext], {"build_ext": BuildExtension}
+    return [ext], {"build_ext": BuildExtension}, torch.__version__, True
 
 
-modules, cmdclass = ext_modules()
-setup(
-    packages=find_packages(include=["torch_metal_flash", "torch_metal_flash.*"]) + list(PACKAGE_DATA_DIRS),
-    package_dir={name: folder for name, folder in PACKAGE_DATA_DIRS.items()},
-    package_data={
-        "torch_metal_flash.shaders": ["*.metal", "*.h"],
-        "torch_metal_flash._csrc": ["**/*"],
-    },
-    ext_modules=modules,
-    cmdclass=cmdclass,
-)
+def _run(cmd):
+    return subprocess.run(cmd, capture_output=True, text=True)
+
+
+def metal_toolchain():
+    """The first line of ``metal --version``, or None when ``xcrun -sdk macosx metal`` cannot run."""
+    try:
+        result = _run([*XCRUN, "metal", "--version"])
+    except OSError:
+        return None
+    return (result.stdout.strip().splitlines() or ["metal"])[0] if result.returncode == 0 else None
+
+
+def compile_metallibs(shader_dir: Path, out_dir: Path) -> dict:
+    """``out_dir/<stem>.metallib`` for every ``shader_dir/<stem>.metal``; returns the build record."""
+    with tempfile.TemporaryDirectory() as tmp:
+        math_mode, math_flags = "relaxed", RELAXED_MATH
+        probe = Path(tmp, "probe.metal")
+        probe.write_text("kernel void probe(device float* x [[buffer(0)]]) { x[0] = 1.0f; }\n")
+        if _run([*XCRUN, "metal", *RELAXED_MATH, "-c", str(probe), "-o", str(probe.with_suffix(".air"))]).returncode:
+            math_mode, math_flags = "safe", SAFE_MATH
+
+        def compile_one(source: Path) -> str:
+            air = Path(tmp, source.stem + ".air")
+            library = out_dir / (source.stem + ".metallib")
+            for cmd in ([*XCRUN, "metal", f"-std={METAL_STD}", f"-mmacosx-version-min={MACOS_MIN}", *math_flags,
+                         "-I", str(shader_dir), "-c", str(source), "-o", str(air)],
+                        [*XCRUN, "metallib", str(air), "-o", str(library)]):
+                result = _run(cmd)
+                if result.returncode:
+                    raise RuntimeError(f"torch_metal_flash: `{' '.join(cmd)}` failed:\n{result.stderr}\n"
+                                       "Set TORCH_METAL_FLASH_METALLIB=0 to skip the precompiled shaders "
+                                       "(the launcher then compiles the sources at first use).")
+            return library.name
+
+        with concurrent.futures.ThreadPoolExecutor() as pool:  # one compiler process per file
+            files = list(pool.map(compile_one, sorted(shader_dir.glob("*.metal"))))
+    return {"files": files, "std": METAL_STD, "macos_min": MACOS_MIN, "math_mode": math_mode}
+
+
+def metallib_step(shader_dir: Path, out_dir: Path):
+    """The ``metallib`` entry of the build record: what was compiled, or why nothing."""
+    choice = os.environ.get("TORCH_METAL_FLASH_METALLIB", "auto").strip().lower() or "auto"
+    if choice not in ("auto", "0", "1"):
+        raise ValueError(f"TORCH_METAL_FLASH_METALLIB must be auto, 0 or 1, got {choice!r}")
+    if sys.platform != "darwin":
+        return f"not built on {sys.platform} (macOS only)"
+    if choice == "0":
+        return "skipped (TORCH_METAL_FLASH_METALLIB=0)"
+    compiler = metal_toolchain()
+    if compiler is None:
+        why = "`xcrun -sdk macosx metal` is not available (Command Line Tools only, or no Metal toolchain)"
+        if choice == "1":
+            raise RuntimeError(f"torch_metal_flash: TORCH_METAL_FLASH_METALLIB=1 but {why}")
+        return why
+    return dict(compile_metallibs(shader_dir, out_dir), compiler=compiler)
+
+
+class BuildPy(build_py):
+    """build_py, then the precompiled shaders and the build record next to the package."""
+
+    torch_version = None
+    extension_note = None
+
+    def run(self):
+        super().run()
+        if self.dry_run or getattr(self, "editable_mode", False):
+            return  # an editable install runs from the checkout: shaders compile at first use
+        package = Path(self.build_lib, "torch_metal_flash")
+        shaders = package / "shaders"
+        record = {"platform": sys.platform, "torch": self.torch_version, "extension": self.extension_note,
+                  "metallib": metallib_step(shaders, shaders) if shaders.is_dir() else "no shaders folder"}
+        (package / "_build_info.json").write_text(json.dumps(record, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    modules, cmdclass, BuildPy.torch_version, BuildPy.extension_note = extension()
+    setup(
+        packages=find_packages(include=["torch_metal_flash", "torch_metal_flash.*"]) + list(PACKAGE_DATA_DIRS),
+        package_dir={name: folder for name, folder in PACKAGE_DATA_DIRS.items()},
+        package_data={
+            "torch_metal_flash.shaders": ["*.metal", "*.h"],
+            "torch_metal_flash._csrc": ["**/*"],
+        },
+        ext_modules=modules,
+        cmdclass={**cmdclass, "build_py": BuildPy},
+    )

@@ -4,6 +4,10 @@ Runs ``flash_attn_with_kvcache``'s kernels (split-K partial + combine, through
 ``plan_decode``) in the emulator's checked mode, whose byte counters are exact,
 and divides the device bytes read + written by all launches by the compulsory
 bytes: q, the L rows of K and V of every KV head, out and lse, once each.
+The "append" rows run a whole decode step (``plan_kvcache``: the append kernel
+writes one new token, with rotary over the full head dim, then the decode
+kernels attend to all L keys); their compulsory bytes add the new k/v rows read
+and written once and the rotary table row.
 Target (issue 7): <= 1.1 at B=1, H=32, H_kv=8, D=128, L=4096, one query row.
 
     python bench/decode_bytes.py                 # L = 512 ... 8192 (fp16)
@@ -28,9 +32,11 @@ sys.path.insert(0, str(ROOT))
 from torch_metal_flash import emulator  # noqa: E402
 from torch_metal_flash.backends.emulator import EmulatorBackend  # noqa: E402
 from torch_metal_flash.planner.decode import DecodeProblem, compulsory_bytes, plan_decode  # noqa: E402
+from torch_metal_flash.planner.kvcache import KvCacheProblem, plan_kvcache  # noqa: E402
 
 
-def measure(B=1, H=32, Hkv=8, D=128, L=4096, Lq=1, dtype=torch.float16, num_splits=0, paged=None, seed=0):
+def measure(B=1, H=32, Hkv=8, D=128, L=4096, Lq=1, dtype=torch.float16, num_splits=0, paged=None, append=False,
+            seed=0):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, Lq, H, D, generator=g).to(dtype)
     if paged:
@@ -45,22 +51,29 @@ def measure(B=1, H=32, Hkv=8, D=128, L=4096, Lq=1, dtype=torch.float16, num_spli
     out = torch.empty_like(q)
     lse = torch.empty(B, H, Lq, dtype=torch.float32)
     pb = DecodeProblem(q=q.transpose(1, 2), k_cache=kc, v_cache=vc, out=out.transpose(1, 2), lse=lse,
-                       seqlens_k=torch.full((B,), L, dtype=torch.int32), leftpad=None, batch_idx=None,
+                       seqlens=torch.full((B,), L, dtype=torch.int32), seqlen_fixed=0, leftpad=None, batch_idx=None,
                        block_table=bt, alibi_slopes=None, scale=D ** -0.5, window_left=-1,
-                       window_right=0, softcap=0.0, max_seqlen_k=L)
+                       window_right=0, softcap=0.0)
     plan = plan_decode(pb, num_splits=num_splits)
+    need = compulsory_bytes(pb)
+    if append:  # the last key is appended by this call, rotated at position L - 1
+        k, v = (torch.randn(B, 1, Hkv, D, generator=g).to(dtype) for _ in range(2))
+        cos, sin = (torch.randn(L, D // 2, generator=g).to(dtype) for _ in range(2))
+        plan = plan_kvcache(KvCacheProblem(q, kc, vc, k, v, cos, sin, torch.full((B,), L - 1, dtype=torch.int32),
+                                           None, None, bt, None, 0, D ** -0.5, -1, 0, 0.0, False, num_splits),
+                            out, lse)
+        need += 2 * k.nbytes + 2 * v.nbytes + B * D * cos.element_size()
     backend = EmulatorBackend()
     t = time.time()
     with emulator.settings(checked=True):
         backend.run(plan)
     secs = time.time() - t
     moved = sum(s.device_bytes for s in backend.last_stats)
-    need = compulsory_bytes(pb)
-    kv = backend.last_stats[0].bytes_read.get(1, 0) + backend.last_stats[0].bytes_read.get(2, 0)
-    splits = plan.launches[0].threadgroups[0]
+    splits = next(la for la in plan.launches if la.source == "flash_decode.metal").threadgroups[0]
     return dict(B=B, H=H, Hkv=Hkv, D=D, L=L, Lq=Lq, dtype=str(dtype).replace("torch.", ""), paged=paged or "-",
+                append="1 + rotary" if append else "-",
                 splits=splits, launches=len(plan.launches), moved=moved, compulsory=need, ratio=moved / need,
-                kv_read=kv, seconds=secs)
+                seconds=secs)
 
 
 def time_mps(lengths, B=1, H=32, Hkv=8, D=128, dtype=torch.float16, iters=200) -> list[str]:
@@ -123,25 +136,30 @@ def main() -> None:
     if not args.quick:
         configs += [dict(L=4096, Lq=5), dict(L=4096, num_splits=1), dict(L=4096, num_splits=16),
                     dict(L=4096, paged=256), dict(L=4096, dtype=torch.float32), dict(L=4096, dtype=torch.bfloat16),
-                    dict(L=4096, H=32, Hkv=32), dict(L=4096, H=32, Hkv=1), dict(L=2048, B=4)]
-    header = ("| B | H | H_kv | D | L | q rows | dtype | paged | splits | launches | device bytes | compulsory | "
-              "ratio | emulator s |")
-    lines = [header, "|" + "---|" * 14]
+                    dict(L=4096, H=32, Hkv=32), dict(L=4096, H=32, Hkv=1), dict(L=2048, B=4),
+                    dict(L=4096, append=True), dict(L=4096, append=True, paged=256)]
+    header = ("| B | H | H_kv | D | L | q rows | dtype | paged | append | splits | launches | device bytes | "
+              "compulsory | ratio | emulator s |")
+    lines = [header, "|" + "---|" * 15]
     print(header)
     for cfg in configs:
         r = measure(**cfg)
         rows.append(r)
         line = (f"| {r['B']} | {r['H']} | {r['Hkv']} | {r['D']} | {r['L']} | {r['Lq']} | {r['dtype']} | {r['paged']} | "
-                f"{r['splits']} | {r['launches']} | {r['moved']:,} | {r['compulsory']:,} | **{r['ratio']:.4f}** | "
-                f"{r['seconds']:.1f} |")
+                f"{r['append']} | {r['splits']} | {r['launches']} | {r['moved']:,} | {r['compulsory']:,} | "
+                f"**{r['ratio']:.4f}** | {r['seconds']:.1f} |")
         lines.append(line)
         print(line, flush=True)
     text = ("# Decode kernels: device bytes / compulsory bytes\n\n"
             "Emulator, checked mode (exact byte counters), all launches of one call (split-K partial kernel "
             "and, when split, the combine kernel).  Compulsory = q + K and V rows of every KV head + out + lse, "
             "once; the numerator counts every buffer, including the params struct and the per-row index "
-            "vectors (read once per threadgroup, shared through threadgroup memory) and the float32 partials.  Causal, one batch row per cache row, `num_splits=0` (heuristic, 10 GPU cores) unless a "
-            "splits value is forced.  Command: `python bench/decode_bytes.py " +
+            "vectors (read once per threadgroup, shared through threadgroup memory) and the float32 partials.  "
+            "Rows with an append are a whole decode step: the append kernel (one new token, rotary over the "
+            "head dim, q rotated into scratch) then the decode kernels; compulsory adds the new k/v rows "
+            "read and written once and one rotary table row.  Causal, one batch row per cache row, "
+            "`num_splits=0` (heuristic, 10 GPU cores) unless a splits value is forced.  "
+            "Command: `python bench/decode_bytes.py " +
             ("--quick" if args.quick else f"--lengths {args.lengths}") + "`.\n\n" + "\n".join(lines) + "\n")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)

@@ -1,19 +1,26 @@
-"""Host-side overhead per attention call, with the kernel launch stubbed out.
+"""Host overhead per call, as ratios to torch's whole ``F.scaled_dot_product_attention``
+call on the same tiny tensors, measured in one run.
 
-Measures, on tiny inputs where the math is negligible:
-  * torch's whole ``F.scaled_dot_product_attention`` call (the bar to compare with),
-  * our full path — public face → op → planner → parameter packing → Metal
-    backend — with ``_C.launch`` replaced by a no-op (so only the host work remains),
-  * the pieces: the op dispatch alone (planning skipped) and planning alone.
+The kernels run nowhere: the C++ op core plans and binds as always, but its
+emulator encoder is replaced by the stub encoder (``core.use_stub_encoder``),
+so what is timed is the host path of a call on CPU tensors with the emulator
+backend selected -- the same C++ path an MPS call takes to its Metal encoder.
+Measured: the op on a plan-cache hit and on a miss (cache cleared before each
+call), each public face (``scaled_dot_product_attention``, ``flash_attn_func``,
+the SDPA override), the backward op on a hit, and one ``flash_attn_with_kvcache``
+decode step (whatever path it takes; plan runs that bypass the core are
+stubbed too).
 
-    python bench/overhead.py [--iters N]
+    python bench/overhead.py [--iters N] [--json]
 
-Timings are noisy on shared machines: read the ratios, not the absolutes.
-Results go to stdout and bench/results/overhead.md.
+Writes bench/results/overhead.md; ``--json`` prints one JSON object as the last line.
+Timings are medians of 7 interleaved rounds (load shifts all rows alike); read the ratios.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import pathlib
 import statistics
 import sys
@@ -25,76 +32,129 @@ import torch.nn.functional as F
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout
 
 import torch_metal_flash as tmf  # noqa: E402
-from torch_metal_flash import backends, planner  # noqa: E402
-from torch_metal_flash.backends import metal  # noqa: E402
-from torch_metal_flash.layout import empty_in_layout  # noqa: E402
-from torch_metal_flash.spec import make_spec  # noqa: E402
+from torch_metal_flash import backends, core  # noqa: E402
 
 
-class _NoLaunch:
-    """Stands in for torch_metal_flash._C: accepts launches, runs nothing."""
+def per_call_us(calls: dict, iters: int, rounds: int = 7) -> dict:
+    """Median µs per call of each ``name: (fn, before, context)``: ``before`` (or None) runs
+    untimed before each call, ``context`` (or None) makes the context the calls run in.
+    Rounds interleave the rows, so load on a shared machine shifts every row alike and
+    the ratios hold."""
+    def timed(fn, before, context, n):
+        with context() if context else contextlib.nullcontext():
+            if before is None:
+                start = time.perf_counter()
+                for _ in range(n):
+                    fn()
+                return time.perf_counter() - start
+            total = 0.0
+            for _ in range(n):
+                before()
+                start = time.perf_counter()
+                fn()
+                total += time.perf_counter() - start
+            return total
 
-    def set_shader_dir(self, path):
-        pass
+    samples = {name: [] for name in calls}
+    for fn, before, context in calls.values():
+        timed(fn, before, context, max(20, iters // 10))  # warm up
+    for _ in range(rounds):
+        for name, (fn, before, context) in calls.items():
+            n = iters if before is None else max(1, iters // 10)
+            samples[name].append(timed(fn, before, context, n) / n * 1e6)
+    return {name: statistics.median(s) for name, s in samples.items()}
 
-    def gpu_family(self):
-        return "apple8"
 
-    def launch(self, *args):
-        pass
+def measure(iters: int) -> tuple[float, dict]:
+    torch.set_num_threads(1)  # tiny tensors: one thread is torch's fastest, and steadier on a shared machine
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 64, generator=g, dtype=torch.float32).to(torch.float16) for _ in range(3))
+    qf, kf, vf = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # flash-attn layout (B, L, H, D)
+    fwd, bwd = torch.ops.metal_flash.fwd, torch.ops.metal_flash.bwd
+    fwd_args = (q, k, v, None, None, None, 0.125, 0, -1, 0, 0.0, False)
+
+    # decode: one new token appended to a 64-row cache, GQA 2:1
+    k_cache = torch.randn(1, 64, 1, 64, generator=g).to(torch.float16)
+    v_cache = torch.randn(1, 64, 1, 64, generator=g).to(torch.float16)
+    q1 = torch.randn(1, 1, 2, 64, generator=g).to(torch.float16)
+    k1 = torch.randn(1, 1, 1, 64, generator=g).to(torch.float16)
+    v1 = torch.randn(1, 1, 1, 64, generator=g).to(torch.float16)
+    lens = torch.tensor([40], dtype=torch.int32)
+
+    core.configure_plan_cache(verify=False)  # (the test suite's verify mode re-plans every hit)
+    emulator = backends.instance("emulator")
+    core.use_stub_encoder(True)
+    emulator.encode = lambda launches: None  # plan runs outside the core (none for these calls)
+    try:
+        with tmf.backend("emulator"):
+            out, _, aux = fwd(*fwd_args[:-1], True)
+            dout = torch.randn(out.shape, generator=g).to(out.dtype)
+            bwd_args = (dout, q, k, v, out, aux, None, None, None, None, 0.125, 0, -1, 0, 0.0, False)
+            sdpa = (lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), None)
+            calls = {
+                "torch_sdpa": (*sdpa, None),
+                "op_hit": (lambda: fwd(*fwd_args), None, None),
+                "op_miss": (lambda: fwd(*fwd_args), lambda: core.plan_cache_clear(reset_counters=False), None),
+                "scaled_dot_product_attention": (lambda: tmf.scaled_dot_product_attention(q, k, v, is_causal=True),
+                                                 None, None),
+                "flash_attn_func": (lambda: tmf.flash_attn_func(qf, kf, vf, causal=True), None, None),
+                "sdpa_override": (*sdpa, tmf.sdpa_override),  # routes CPU calls while the emulator is selected
+                "backward": (lambda: bwd(*bwd_args), None, None),
+                "decode": (lambda: tmf.flash_attn_with_kvcache(q1, k_cache, v_cache, k=k1, v=v1, cache_seqlens=lens,
+                                                                causal=True), None, None),
+            }
+            results = per_call_us(calls, iters)
+            runs = tmf.run_counts(reset=True)
+    finally:
+        core.use_stub_encoder(False)
+        del emulator.encode
+    assert "reference" not in runs, f"a measured call fell back to the reference path: {runs}"
+    return results["torch_sdpa"], results
 
 
-def per_call_us(fn, iters: int) -> float:
-    for _ in range(max(10, iters // 10)):
-        fn()
-    samples = []
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        samples.append((time.perf_counter() - start) / iters * 1e6)
-    return statistics.median(samples)
+ROWS = (
+    ("op_hit", "`torch.ops.metal_flash.fwd`, plan-cache hit"),
+    ("op_miss", "`torch.ops.metal_flash.fwd`, plan-cache miss (plans in Python)"),
+    ("scaled_dot_product_attention", "`tmf.scaled_dot_product_attention`"),
+    ("flash_attn_func", "`tmf.flash_attn_func`"),
+    ("sdpa_override", "`F.scaled_dot_product_attention` with `tmf.sdpa_override()`"),
+    ("backward", "`torch.ops.metal_flash.bwd`, plan-cache hit"),
+    ("decode", "`tmf.flash_attn_with_kvcache`, one decode step"),
+)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=2000)
+    parser.add_argument("--json", action="store_true", help="print the JSON summary as the last line")
+    parser.add_argument("--results", default=str(pathlib.Path(__file__).parent / "results"),
+                        help="folder of overhead.md (default: bench/results)")
     args = parser.parse_args()
 
-    q = torch.randn(1, 2, 8, 64, dtype=torch.float16)
-    k = torch.randn(1, 2, 8, 64, dtype=torch.float16)
-    v = torch.randn(1, 2, 8, 64, dtype=torch.float16)
-    spec = make_spec(q, k, v, scale=0.125, window_right=0)
-    out, lse = empty_in_layout(q), q.new_empty(q.shape[:3], dtype=torch.float32)
-
-    metal._extension = lambda: _NoLaunch()  # the launcher, stubbed
-    stub = metal.MetalBackend()
-    original_resolve = backends.resolve
-    rows = [("torch F.scaled_dot_product_attention (whole call, CPU)",
-             per_call_us(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), args.iters))]
-    try:
-        backends.resolve = lambda device: stub
-        rows.append(("tmf.scaled_dot_product_attention, launch stubbed",
-                     per_call_us(lambda: tmf.scaled_dot_product_attention(q, k, v, is_causal=True), args.iters)))
-        rows.append(("torch.ops.metal_flash.fwd, launch stubbed",
-                     per_call_us(lambda: torch.ops.metal_flash.fwd(q, k, v, None, None, None, 0.125, 0, -1, 0, 0.0,
-                                                                   False), args.iters)))
-    finally:
-        backends.resolve = original_resolve
-    rows.append(("planner.plan_forward alone", per_call_us(lambda: planner.plan_forward(spec, out, lse), args.iters)))
-    rows.append(("MetalBackend.run alone (stubbed launch)",
-                 per_call_us(lambda p=planner.plan_forward(spec, out, lse): stub.run(p), args.iters)))
-
-    base = rows[0][1]
-    lines = ["| path | µs per call | × torch SDPA call |", "|---|---:|---:|"]
-    lines += [f"| {name} | {us:.1f} | {us / base:.2f} |" for name, us in rows]
+    base, r = measure(args.iters)
+    lines = ["| call | µs per call | × torch SDPA call |", "|---|---:|---:|",
+             f"| torch `F.scaled_dot_product_attention` (whole call, CPU) | {base:.1f} | 1.00 |"]
+    lines += [f"| {label} | {r[key]:.1f} | {r[key] / base:.2f} |" for key, label in ROWS]
     table = "\n".join(lines)
     print(table)
-    out_dir = pathlib.Path(__file__).parent / "results"
-    out_dir.mkdir(exist_ok=True)
+    out_dir = pathlib.Path(args.results)
+    out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "overhead.md").write_text(
-        "# Host overhead per call (launch stubbed)\n\n"
-        f"`python bench/overhead.py --iters {args.iters}`; q, k, v (1, 2, 8, 64) fp16, causal.\n\n{table}\n")
+        "# Host overhead per call (kernel launches stubbed)\n\n"
+        f"`python bench/overhead.py --iters {args.iters}`: q, k, v (1, 2, 8, 64) fp16 causal on the CPU, "
+        "emulator backend with the C++ core's stub encoder (everything but the kernels runs); decode: one token "
+        f"against a 64-row cache, GQA 2:1. {torch.get_num_threads()} torch threads.\n\n{table}\n")
+    if args.json:
+        summary = {
+            "torch_sdpa_us": round(base, 2),
+            "op_hit_ratio": round(r["op_hit"] / base, 3),
+            "op_miss_ratio": round(r["op_miss"] / base, 3),
+            "faces": {name: round(r[name] / base, 3)
+                      for name in ("scaled_dot_product_attention", "flash_attn_func", "sdpa_override")},
+            "backward_ratio": round(r["backward"] / base, 3),
+            "decode_ratio": round(r["decode"] / base, 3),
+        }
+        print(json.dumps(summary))
 
 
 if __name__ == "__main__":

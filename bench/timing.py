@@ -3,6 +3,7 @@
 On a Mac (the point of it):
 
     python bench/timing.py                      # MPS: our kernels vs F.scaled_dot_product_attention
+    python bench/timing.py --commit both        # ... and the effect of the commit after large plans
 
 Elsewhere it can only exercise the script itself (the reference path on the
 CPU times PyTorch, not our kernels), which CI does not do and nobody should quote:
@@ -11,6 +12,11 @@ CPU times PyTorch, not our kernels), which CI does not do and nobody should quot
 
 Writes a markdown table to stdout and bench/results/timing_<device>.md, and a
 plot bench/results/timing_<device>.png when matplotlib is installed.
+
+``--commit both`` (MPS) also measures the launcher's commit after large plans
+(``TORCH_METAL_FLASH_COMMIT``): our forward, forward+backward, and a forward
+followed by host work (32 small MPS ops encoded before the sync, where an early
+commit lets the GPU start on attention sooner), with the commit off and on.
 FLOPs counted as flash-attn does: 4·B·H·Lq·Lk·D forward (halved for causal),
 2.5× that for the backward.
 """
@@ -73,12 +79,51 @@ def run_config(B, H, L, D, causal, dtype, device, repeats):
     return flops, rows
 
 
+def set_commit(on: bool) -> bool:
+    """Turn the launcher's commit after large plans on or off (same threshold); returns the previous state."""
+    from torch_metal_flash.backends import metal
+    ext = metal._extension()
+    enabled, threads = ext.commit_policy()
+    ext.set_commit(on, threads)
+    return enabled
+
+
+def commit_rows(B, H, L, D, causal, dtype, device, repeats) -> str:
+    """Our forward, forward+backward and forward-then-host-work, commit off | on (ms)."""
+    q, k, v = (torch.randn(B, H, L, D, dtype=dtype, device=device, requires_grad=True) for _ in range(3))
+    dout = torch.randn(B, H, L, D, dtype=dtype, device=device)
+    x = torch.randn(256, 256, device=device)
+
+    def fwd():
+        with torch.no_grad():
+            tmf.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    def fwd_bwd():
+        torch.autograd.grad(tmf.scaled_dot_product_attention(q, k, v, is_causal=causal), (q, k, v), dout)
+
+    def fwd_then_host_work():
+        fwd()
+        y = x
+        for _ in range(32):
+            y = y * 1.0001
+    cells = []
+    before = set_commit(False)
+    for fn in (fwd, fwd_bwd, fwd_then_host_work):
+        for on in (False, True):
+            set_commit(on)
+            cells.append(f"{seconds(fn, device, repeats) * 1e3:.2f}")
+    set_commit(before)
+    return f"| {B}×{H}×{L}×{D} | {causal} | " + " | ".join(cells) + " |"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="mps" if torch.backends.mps.is_available() else "cpu")
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--commit", default="on", choices=["on", "both"],
+                    help="'both': also time our kernels with the commit after large plans off and on (MPS)")
     args = ap.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     lines = [f"# Timing on {device.type} ({args.dtype}), best of {args.repeats}\n",
@@ -102,6 +147,13 @@ def main() -> None:
         lines.append(f"| {B}×{H}×{L}×{D} | {causal} | " + " | ".join(cells) + " |")
         plot.append((f"{L}/{D}{'c' if causal else ''}", rows))
         print(lines[-1], flush=True)
+    if args.commit == "both" and device.type == "mps":
+        lines += ["", "## Commit after large plans (ms, commit off | on)", "",
+                  "| B×H×L×D | causal | fwd off | fwd on | fwd+bwd off | fwd+bwd on | fwd + host work off "
+                  "| fwd + host work on |", "|---|---|---|---|---|---|---|---|"]
+        for B, H, L, D, causal in (QUICK if args.quick else CONFIGS):
+            lines.append(commit_rows(B, H, L, D, causal, dtype, device, args.repeats))
+            print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
     out_dir = pathlib.Path(__file__).parent / "results"
     out_dir.mkdir(exist_ok=True)

@@ -16,7 +16,7 @@
 //       delta[r] = rowsum(dO * O) - dlse[r]         (float32 scratch)
 //       stats[r] = (m, 1 / l) from aux, or (0, 0) for rows that pass no
 //     gradient (nothing visible: l = 0; saturated: m < -1e37).  O is the
-//     float32 output row from aux for fp16/bf16 (aux_has_out), not the
+//     float32 output row from aux for fp16/bf16 (flash::AuxHasOut), not the
 //     output rounded to the input dtype.
 //  2. flash_bwd_dq_<dt>_d<BD>_q<BQ>_k<BK>: grid (ceil(Lq/BQ), Hq, B), one
 //     simdgroup per 8 query rows; Q (pre-scaled), dO and the dQ accumulator
@@ -39,8 +39,7 @@
 //   x += bias[i, j]; visible iff band and bool mask.
 //
 // Function constants: 0-6 as in flash_fwd.metal (mask, mask kind, ALiBi,
-// sinks, softcap, band, dims aligned), 7 has_dbias, 8 has_dlse,
-// 9 aux_has_out (aux rows hold the float32 output after m and l).
+// sinks, softcap, band, dims aligned), 7 has_dbias, 8 has_dlse.
 // Threadgroup memory per variant: planner/backward_tiles.py and
 // bench/results/backward.md (all <= 17.4 KiB).
 #include "flash_common.h"
@@ -56,7 +55,6 @@ constant bool has_band [[function_constant(5)]];
 constant bool dims_aligned [[function_constant(6)]];
 constant bool has_dbias [[function_constant(7)]];
 constant bool has_dlse [[function_constant(8)]];
-constant bool aux_has_out [[function_constant(9)]];
 
 namespace flash_bwd {
 
@@ -159,11 +157,12 @@ template <typename T>
   const int b = bh / p.f.heads;
   const device T* dop = dout + long(b) * p.do_stride_b + long(h) * p.do_stride_h + long(i) * p.do_stride_l;
   const device T* op = out + long(b) * p.f.o_stride_b + long(h) * p.f.o_stride_h + long(i) * p.f.o_stride_l;
-  const int pitch = aux_has_out ? 2 + p.f.head_dim_v : 2;
+  constexpr bool kAuxOut = flash::AuxHasOut<T>::value;
+  const int pitch = kAuxOut ? 2 + p.f.head_dim_v : 2;
   const device float* arow = aux + long(row) * pitch;
   float acc = 0.0f;
   for (int d = lane; d < p.f.head_dim_v; d += 32) {
-    const float o = aux_has_out ? arow[2 + d] : float(op[d]);
+    const float o = kAuxOut ? arow[2 + d] : float(op[d]);
     acc += float(dop[d]) * o;
   }
   acc = simd_sum(acc);

@@ -22,19 +22,21 @@
 //   Grid: ceil(batch * heads * seqlen_q / 8) threadgroups of 8 simdgroups, one
 //   simdgroup per (b, h, i) row.  Merges the partials of a row with log-sum-exp weights; reads O only of splits with l > 0.
 //
-// Per batch row b the keys are the cache positions [start_b, end_b): start_b =
-// leftpad[b] (0 without leftpad), end_b = seqlens_k[b] (cache_seqlens + new
-// rows).  Positions for the band and ALiBi count from start_b; the band is
-// aligned bottom-right: diag_b = (end_b - start_b) - seqlen_q + diag_adjust.
+// Per batch row b the keys are the cache positions [start_b, end_b) of
+// kvcache_index.h: end_b = cache_seqlens[b] (or seqlen_fixed) + seqlen_new,
+// start_b = leftpad[b] (0 without leftpad), both clamped; out-of-range cache rows
+// and blocks are ignored.  Positions for the band and ALiBi count from start_b;
+// the band is aligned bottom-right: diag_b = (end_b - start_b) - seqlen_q + diag_adjust.
 // Contiguous caches: (batch_cache, L_max, Hkv, D) via strides, cache row
 // batch_idx[b] (or b).  Paged caches: (num_blocks, page_size, Hkv, D), position
 // pos of row b lives in block block_table[b, pos / page_size], row pos % page_size
 // (read through the table: no gather copy).
 //
 // Buffers: 0 q, 1 k_cache, 2 v_cache, 3 out, 4 lse (float, contiguous (B, Hq, Lq)),
-// 5 DecodeParams, 6 seqlens_k (int, (B,)), 7 leftpad (int), 8 batch_idx (int),
+// 5 DecodeParams, 6 cache_seqlens (int, (B,)), 7 leftpad (int), 8 batch_idx (int),
 // 9 block_table (int), 10 alibi slopes (float), 11 partial O (float), 12 partial (m, l) (float).
 #include "flash_common.h"
+#include "kvcache_index.h"
 
 // Host mirror: torch_metal_flash/planner/decode.py (DecodeParams, ctypes).
 struct DecodeParams {
@@ -50,6 +52,9 @@ struct DecodeParams {
   int seqlen_q, head_dim, page_size, num_splits;
   int diag_adjust, window_left, window_right, rows_per_tg;
   int row_blocks, num_threads;  // threads per threadgroup of flash_decode (>= 32 * ceil(rows_per_tg / 8))
+  // kvcache_index.h: cache_seqlens when buffer 6 is not bound, rows appended
+  // before this call, L_max or max_blocks * page_size, the caches' first dim
+  int seqlen_fixed, seqlen_new, capacity, cache_rows;
   // q is multiplied by qk_scale when loaded: scale without softcap, scale /
   // softcap with softcap (then the score is softcap * tanh(q.k)).
   float qk_scale, softcap;
@@ -62,12 +67,13 @@ constant bool has_alibi [[function_constant(3)]];
 constant bool has_softcap [[function_constant(4)]];
 constant bool has_band [[function_constant(5)]];
 constant bool use_splits [[function_constant(6)]];
+constant bool has_seqlens [[function_constant(7)]];
 
 #define FLASH_DECODE_ARGS(T)                                                          \
   const device T* q [[buffer(0)]], const device T* kc [[buffer(1)]],                  \
       const device T* vc [[buffer(2)]], device T* o [[buffer(3)]],                    \
       device float* lse [[buffer(4)]], constant DecodeParams& p [[buffer(5)]],         \
-      const device int* seqlens_k [[buffer(6)]],                                      \
+      const device int* cache_seqlens [[buffer(6), function_constant(has_seqlens)]],  \
       const device int* leftpad [[buffer(7), function_constant(has_leftpad)]],        \
       const device int* batch_idx [[buffer(8), function_constant(has_batch_idx)]],    \
       const device int* block_table [[buffer(9), function_constant(paged)]],          \
@@ -109,9 +115,14 @@ template <typename T, int BD, int BK>
 
   const int b = int(tgid.z);
   copy_params(params_words, p, tid);
-  if (tid == 31) row_meta[0] = seqlens_k[b];
-  if (tid == 30) row_meta[1] = has_leftpad ? leftpad[b] : 0;
-  if (tid == 29) row_meta[2] = has_batch_idx ? batch_idx[b] : b;
+  if (tid == 31) {
+    const int crow = has_batch_idx ? kv_cache_row(batch_idx[b], p.cache_rows) : b;
+    const KvRow r = kv_row(has_seqlens ? cache_seqlens[b] : p.seqlen_fixed, has_leftpad ? leftpad[b] : 0,
+                           crow < 0, p.seqlen_new, p.capacity);
+    row_meta[0] = r.end;
+    row_meta[1] = r.start;
+    row_meta[2] = crow;
+  }
   threadgroup_barrier(mem_flags::mem_threadgroup);
   const threadgroup DecodeParams& P = *reinterpret_cast<const threadgroup DecodeParams*>(params_words);
 
@@ -158,7 +169,7 @@ template <typename T, int BD, int BK>
   long k_base = long(kvh) * P.k_stride_h;
   long v_base = long(kvh) * P.v_stride_h;
   if (!paged) {
-    const long crow = long(row_meta[2]);
+    const long crow = long(max(row_meta[2], 0));  // an ignored row has no keys
     k_base += crow * P.k_stride_b;
     v_base += crow * P.v_stride_b;
   }
@@ -191,10 +202,12 @@ template <typename T, int BD, int BK>
       if (pos >= key_lo && pos < key_hi) {
         if (paged) {
           const int page = pos / P.page_size;
-          const long blk = long(block_table[long(b) * P.bt_stride_b + page]);
+          const long blk = kv_block(block_table + long(b) * P.bt_stride_b, page, P.cache_rows);
           const long off = long(pos - page * P.page_size);
-          ko = k_base + blk * P.k_stride_b + off * P.k_stride_l;
-          vo = v_base + blk * P.v_stride_b + off * P.v_stride_l;
+          if (blk >= 0) {  // an ignored block: not keys (masked below)
+            ko = k_base + blk * P.k_stride_b + off * P.k_stride_l;
+            vo = v_base + blk * P.v_stride_b + off * P.v_stride_l;
+          }
         } else {
           ko = k_base + long(pos) * P.k_stride_l;
           vo = v_base + long(pos) * P.v_stride_l;
@@ -229,7 +242,7 @@ template <typename T, int BD, int BK>
           simdgroup_multiply_accumulate(S[kk], Qf[dd], Kt, S[kk]);
         }
       }
-      const bool need_bounds = kb < key_lo || kb + BK > key_hi;
+      const bool need_bounds = paged || kb < key_lo || kb + BK > key_hi;
       if (has_softcap || has_alibi || has_band || need_bounds) {
         for (int kk = 0; kk < NK; ++kk) {
           for (int e = 0; e < 2; ++e) {
@@ -239,6 +252,7 @@ template <typename T, int BD, int BK>
             if (has_softcap) s = flash::softcap_tanh(s, P.softcap);
             if (has_alibi) s -= slope * float(abs(i + diag - j));
             bool vis = pos >= key_lo && pos < key_hi;
+            if (paged) vis = vis && k_row[kk * 8 + fc.col + e] >= 0;
             if (has_band) vis = vis && band.visible(i, j);
             S[kk].thread_elements()[e] = vis ? s : kNeg;
           }
@@ -401,6 +415,7 @@ template <typename T>
   out_i[4] = p.seqlen_q; out_i[5] = p.head_dim; out_i[6] = p.page_size; out_i[7] = p.num_splits;
   out_i[8] = p.diag_adjust; out_i[9] = p.window_left; out_i[10] = p.window_right; out_i[11] = p.rows_per_tg;
   out_i[12] = p.row_blocks; out_i[13] = p.num_threads;
+  out_i[14] = p.seqlen_fixed; out_i[15] = p.seqlen_new; out_i[16] = p.capacity; out_i[17] = p.cache_rows;
   out_f[0] = p.qk_scale; out_f[1] = p.softcap;
 }
 

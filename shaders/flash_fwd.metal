@@ -41,10 +41,9 @@ constant bool dims_aligned [[function_constant(6)]];
 // k and v start on 4-element boundaries with row strides that are multiples
 // of 4 elements: full K/V tiles are loaded as 4-element vectors.
 constant bool kv_vec_aligned [[function_constant(7)]];
-// Write the backward's row state into aux (A = 2 floats per row: m, l), and
-// the float32 output row after them (A = 2 + head_dim_v) when aux_has_out.
+// Write the backward's row state into aux: A = 2 floats per row (m, l), and
+// for half/bfloat the float32 output row after them (A = 2 + head_dim_v).
 constant bool has_aux [[function_constant(8)]];
-constant bool aux_has_out [[function_constant(9)]];
 
 #define FLASH_FWD_ARGS(T)                                                   \
   const device T* q [[buffer(0)]], const device T* k [[buffer(1)]],         \
@@ -270,13 +269,14 @@ template <typename T, int BD, int BQ, int BK, bool KVS>
   // lse's rounding, ~ulp(|lse|), into every P at large scores), and for
   // fp16/bf16 the output before rounding (delta = rowsum(dO * O) needs it).
   if (has_aux) {
-    const int pitch = aux_has_out ? 2 + p.head_dim_v : 2;
+    constexpr bool kAuxOut = flash::AuxHasOut<T>::value;
+    const int pitch = kAuxOut ? 2 + p.head_dim_v : 2;
     device float* arow = aux + ((long(b) * p.heads + h) * long(Lq) + i) * pitch;
     if (fc.col == 0 && row_ok) {
       arow[0] = l_i > 0.0f ? m_i : 0.0f;  // a row that saw nothing: any finite max
       arow[1] = l_i;
     }
-    if (aux_has_out) {
+    if (kAuxOut) {
       for (int dd = 0; dd < NF; ++dd) {
         flash::store_frag_rows(Of[dd], arow + 2 + dd * 8, row_ok, p.head_dim_v - dd * 8, fc, inv_l);
       }

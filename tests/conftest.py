@@ -12,6 +12,9 @@
 * In CI (``CI`` set), a skipped test fails unless it is a macOS/MPS-only test:
   a missing compiler or optional dependency must not turn into a silent skip.
 * The summary reports the time spent compiling kernels for the emulator.
+* Every op call goes through the C++ op core (loaded, and built if needed, at
+  session start) with the plan cache in verify mode: each cache hit re-plans
+  and fails if the cached template differs (an incomplete cache key).
 """
 from __future__ import annotations
 
@@ -24,6 +27,8 @@ import pytest
 
 _INDUCTOR_CACHE = tempfile.TemporaryDirectory(prefix="tmf-tests-inductor-")  # removed at exit
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", _INDUCTOR_CACHE.name)
+
+os.environ.setdefault("TORCH_METAL_FLASH_PLAN_CACHE_VERIFY", "1")
 
 import torch  # noqa: E402
 
@@ -50,6 +55,11 @@ def _portable_inputs(request, monkeypatch):
     monkeypatch.setattr(torch.Tensor, "normal_", _normal_)
 
 
+def pytest_configure(config):
+    from torch_metal_flash import core
+    core.load()
+
+
 _MAC_ONLY_WORDS = ("mps", "macos", "apple gpu")
 
 
@@ -73,4 +83,5 @@ def pytest_terminal_summary(terminalreporter):
     from torch_metal_flash import emulator
     seconds = emulator.compile_seconds()
     if seconds:
-        terminalreporter.write_sep("-", f"emulator: {seconds:.1f} s compiling kernels (clang, this session)")
+        terminalreporter.write_sep("-", f"{seconds:.1f} s compiling emulator kernels and the C++ op core "
+                                        f"(this session)")

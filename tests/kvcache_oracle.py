@@ -8,6 +8,12 @@ inputs' dtype, handed over as one attention problem per batch row (this
 file's own visibility as a bool mask), whose plain math in that dtype
 ``torch_metal_flash.testing`` computes identically on every machine.  Apart
 from that hand-over it shares no code with ``torch_metal_flash``.
+
+Out-of-range index values follow the kernels' documented rules
+(docs/kvcache.md, "Index values"): lengths clamped to [0, capacity], new rows
+past the capacity dropped, leftpad clamped to [0, end], rotary positions
+clamped to the table, and a cache row or block outside the cache ignored.
+For valid values these rules change nothing.
 """
 from __future__ import annotations
 
@@ -21,7 +27,8 @@ def rotate(x, cos, sin, pos, interleaved):
     half = cos.shape[1]
     out = x.clone()
     for t in range(x.shape[0]):
-        c, s = cos[pos[t]], sin[pos[t]]
+        p = min(pos[t], cos.shape[0] - 1)
+        c, s = cos[p], sin[p]
         for f in range(half):
             if interleaved:
                 a, b = 2 * f, 2 * f + 1
@@ -63,14 +70,16 @@ def _rows(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
         right = 0
     local = causal or left >= 0 or right >= 0
 
-    def slot(b, p):  # (cache tensor index, row index) of logical position p of batch row b
-        if paged:
-            return int(block_table[b, p // page]), p % page
-        return rows[b], p
+    def slot(b, p):  # (cache tensor index, row index) of logical position p of batch row b; None: ignored
+        ci = int(block_table[b, p // page]) if paged else rows[b]
+        if not 0 <= ci < kc.shape[0]:
+            return None
+        return ci, (p % page if paged else p)
 
     out = []
     for b in range(B):
-        s0 = seqlens[b]
+        s0 = min(max(seqlens[b], 0), cap)
+        end = min(s0 + lnew, cap)
         qb = q[b]
         if k is not None:
             kb = k[b]
@@ -78,17 +87,24 @@ def _rows(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                 kb = rotate(kb, cos, sin, [s0 + t for t in range(lnew)], rotary_interleaved)
                 qpos = [s0 + i for i in range(Lq)] if local else [s0] * Lq
                 qb = rotate(qb, cos, sin, qpos, rotary_interleaved)
-            for t in range(lnew):
-                ci, ri = slot(b, s0 + t)
-                kc[ci, ri] = kb[t]
-                vc[ci, ri] = v[b, t]
-        start, end = lp[b], s0 + lnew
-        Lk = max(0, end - start)
-        keys = torch.stack([kc[slot(b, p)] for p in range(start, end)]) if Lk else kc.new_empty(0, Hkv, D)
-        vals = torch.stack([vc[slot(b, p)] for p in range(start, end)]) if Lk else vc.new_empty(0, Hkv, D)
+            for t in range(end - s0):
+                sl = slot(b, s0 + t)
+                if sl is not None:
+                    kc[sl] = kb[t]
+                    vc[sl] = v[b, t]
+        start = min(max(lp[b], 0), end)
+        if end - start <= 0 or (not paged and slot(b, 0) is None):
+            start = end  # no keys
+        Lk = end - start
+        present = torch.tensor([slot(b, p) is not None for p in range(start, end)], dtype=torch.bool)
+        zero = torch.zeros(Hkv, D, dtype=dtype)
+        keys = torch.stack([kc[slot(b, p)] if slot(b, p) else zero for p in range(start, end)]) if Lk \
+            else kc.new_empty(0, Hkv, D)  # (Lk, Hkv, D)
+        vals = torch.stack([vc[slot(b, p)] if slot(b, p) else zero for p in range(start, end)]) if Lk \
+            else vc.new_empty(0, Hkv, D)
         i = torch.arange(Lq)[:, None]
         j = torch.arange(Lk)[None, :]
-        vis = torch.ones(Lq, Lk, dtype=torch.bool)
+        vis = present[None, :].expand(Lq, Lk).clone()
         if left >= 0:
             vis &= j >= i + Lk - Lq - left
         if right >= 0:

@@ -1,13 +1,15 @@
-"""Backend selection, the planner/backend seam, fallback warnings and strict mode."""
+"""Backend selection, the planner/core/encoder seam, fallback warnings and strict mode."""
 import types
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
 import torch_metal_flash as tmf
-from torch_metal_flash import backends, ops
-from torch_metal_flash.plan import Plan, Unsupported
+from torch_metal_flash import backends, core, ops
+from torch_metal_flash.backends.emulator import EmulatorBackend
+from torch_metal_flash.plan import Launch, Plan, Unsupported
 
 
 @pytest.fixture(autouse=True)
@@ -63,65 +65,71 @@ def test_strict_mode_raises_instead(monkeypatch):
             tmf.flash_attn_func(q, k, v)
 
 
-class RecordingBackend:
-    """Executes nothing; records the plans it is handed."""
-    name = "recording"
+class RecordingEncoder:
+    """Stands in for the emulator's encode (what the C++ core's emulator encoder
+    calls): records the bound launches and pretends the kernel wrote out and lse."""
 
     def __init__(self):
         self.plans = []
 
-    def run(self, plan):
-        self.plans.append(plan)
-        for launch in plan.launches:
-            launch.buffers[3].fill_(1.0)  # pretend the kernel wrote out
-            launch.buffers[4].fill_(0.0)
+    def __call__(self, launches):
+        self.plans.append(launches)
+        for _, buffers in launches:
+            np.frombuffer(buffers[3], dtype=np.float32)[:] = 1.0  # out
+            np.frombuffer(buffers[4], dtype=np.float32)[:] = 0.0  # lse
 
 
-def _seam(monkeypatch, answer):
-    backend = RecordingBackend()
-    calls = []
+@pytest.fixture
+def seam(monkeypatch, request):
+    """Plan with a stand-in planner and record what reaches the emulator encoder."""
+    def install(answer):
+        encoder = RecordingEncoder()
+        calls = []
 
-    def plan_forward(spec, out, lse, aux, family):
-        calls.append(spec)
-        return answer(spec, out, lse)
-    monkeypatch.setattr(backends, "resolve", lambda device: backend)
-    monkeypatch.setattr(ops, "planner", types.SimpleNamespace(plan_forward=plan_forward))
-    return backend, calls
+        def plan_forward(spec, out, lse, aux, family, pipeline_info):
+            calls.append(spec)
+            return answer(spec, out, lse)
+        monkeypatch.setattr(ops, "planner", types.SimpleNamespace(plan_forward=plan_forward))
+        # (patched on the class: undoing a patch of the instance would leave an instance attribute behind)
+        monkeypatch.setattr(EmulatorBackend, "prepare", lambda self, *launch: launch)
+        monkeypatch.setattr(EmulatorBackend, "encode", lambda self, launches: encoder(launches))
+        core.plan_cache_clear()  # the stand-in planner must see the calls ...
+        request.addfinalizer(core.plan_cache_clear)  # ... and its templates must not outlive the test
+        return encoder, calls
+    return install
 
 
-def test_seam_runs_the_plan_on_the_backend(monkeypatch):
-    from torch_metal_flash.plan import Launch
-
+def test_seam_runs_the_plan_on_the_backend(seam):
     def answer(spec, out, lse):
         return Plan((Launch("flash_fwd.metal", "k", (1, 1, 1), (32, 1, 1), {3: out, 4: lse}),))
-    backend, calls = _seam(monkeypatch, answer)
+    encoder, calls = seam(answer)
     q, k, v = _qkv()
-    out, lse, _ = tmf.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
-    assert len(backend.plans) == 1 and len(calls) == 1
+    with tmf.backend("emulator"):
+        out, lse, _ = tmf.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+        tmf.flash_attn_func(q, k, v, causal=True)  # a plan-cache hit: encoded without planning
+    assert len(encoder.plans) == 2 and len(calls) == 1 + core.plan_cache_info()["verify"]
     spec = calls[0]
     assert (spec.diag_offset, spec.window_left, spec.window_right) == (3, -1, 0)
     assert spec.q.data_ptr() == q.data_ptr(), "the flash-attn layout reaches the planner without a copy"
     assert torch.equal(out, torch.ones_like(out)) and torch.equal(lse, torch.zeros_like(lse))
 
 
-def test_unsupported_plan_falls_back_with_its_reason(monkeypatch):
-    backend, _ = _seam(monkeypatch, lambda spec, out, lse: Unsupported("head dim 300 > 256"))
+def test_unsupported_plan_falls_back_with_its_reason(seam):
+    encoder, _ = seam(lambda spec, out, lse: Unsupported("head dim 300 > 256"))
     q, k, v = _qkv()
-    with pytest.warns(tmf.FallbackWarning, match="head dim 300 > 256"):
+    with tmf.backend("emulator"), pytest.warns(tmf.FallbackWarning, match="head dim 300 > 256"):
         out = tmf.flash_attn_func(q, k, v)
-    assert backend.plans == []
-    monkeypatch.undo()
+    assert encoder.plans == []
     torch.testing.assert_close(out, tmf.flash_attn_func(q, k, v))
 
 
-def test_unsupported_reason_probe(monkeypatch):
+def test_unsupported_reason_probe(seam):
     q, k, v = (t.transpose(1, 2) for t in _qkv())
     args = (q, k, v, None, None, None, 0.3, 0, -1, 0, 0.0)
     assert ops.unsupported_reason(*args) == "the reference backend is selected"
     with tmf.backend("metal"):
         assert "metal backend runs on MPS tensors" in ops.unsupported_reason(*args)
-    _seam(monkeypatch, lambda spec, out, lse: Unsupported("head dim 300 > 256"))
-    monkeypatch.setattr(backends, "select", lambda device: (RecordingBackend(), None))
-    with warnings.catch_warnings():
+    seam(lambda spec, out, lse: Unsupported("head dim 300 > 256"))
+    with tmf.backend("emulator"), warnings.catch_warnings():
         warnings.simplefilter("error")  # a probe never warns
         assert ops.unsupported_reason(*args) == "head dim 300 > 256"

@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import forward_cases as fc  # noqa: E402
+import torch_metal_flash as tmf  # noqa: E402
 from torch_metal_flash import reference  # noqa: E402
 from torch_metal_flash._paths import shaders_dir  # noqa: E402
 from torch_metal_flash.layout import empty_in_layout  # noqa: E402
@@ -407,15 +408,28 @@ def test_op_backward_uses_kernels_and_opcheck():
 
 def test_expanded_dout_and_dlse():
     """Autograd hands over expanded gradients (e.g. of ``out.sum()``): the
-    planner copies a dO whose last dim is not contiguous, and dlse of any strides."""
+    planner binds dO and dlse as given and declines strided ones; the autograd
+    formula makes them contiguous, so such calls run on the kernels."""
+    from torch_metal_flash.planner.backward import plan_backward
     g = torch.Generator().manual_seed(13)
     q, k, v = (torch.randn(1, 2, n, 16, generator=g) for n in (11, 14, 14))
     spec = make_spec(q, k, v, scale=0.3, window_right=0, diag_offset=3)
     out, aux = saved_forward(spec)
     dout = torch.full((1,), 0.5).expand(out.shape)
     dlse = torch.full((1,), -0.25).expand(aux.shape[:3])
-    grads, _ = run_backward(spec, dout, out, aux, dlse, order="reverse")
+    for d_out, d_lse, name in ((dout, dlse.contiguous(), "dout"), (dout.contiguous(), dlse, "dlse")):
+        declined = plan_backward(spec, d_out, out, aux, d_lse, *grad_buffers(spec, False))
+        assert isinstance(declined, Unsupported) and name in declined.reason
+    grads, _ = run_backward(spec, dout.contiguous(), out, aux, dlse.contiguous(), order="reverse")
     check_grads(spec, dout.contiguous(), dlse.contiguous(), grads, False)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with tmf.backend("emulator", strict=True):  # strict: every call runs on the kernels
+        o, l, a = torch.ops.metal_flash.fwd(*leaves, None, None, None, 0.3, 3, -1, 0, 0.0, True)
+        (0.5 * o.sum() - 0.25 * l.sum()).backward()
+        direct = torch.ops.metal_flash.bwd(dout.contiguous(), *leaves, o, a, dlse.contiguous(), None, None, None,
+                                           0.3, 3, -1, 0, 0.0, False)
+    for leaf, want in zip(leaves, direct[:3]):
+        assert torch.equal(leaf.grad, want)
 
 
 def test_gpu_families():

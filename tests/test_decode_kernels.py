@@ -1,4 +1,5 @@
-"""The split-K flash-decoding kernels (shaders/flash_decode.metal) in the emulator.
+"""The split-K flash-decoding kernels (shaders/flash_decode.metal) and the append
+kernel (shaders/kvcache_append.metal) in the emulator.
 
 ``flash_attn_with_kvcache`` on the emulator backend, checked mode (poisoned
 threadgroup memory, bounds and race checks, exact byte counters), two schedule
@@ -71,12 +72,26 @@ CASES = [
     dict(kw=dict(dtype="f16", B=1, Hq=32, Hkv=1, D=16, cap=24, Lq=5, lnew=1, causal=True)),
     # more query rows than keys (leading rows see nothing)
     dict(kw=dict(dtype="f32", B=2, Hq=2, Hkv=1, D=16, cap=8, Lq=8, causal=True, seqlens="ragged")),
+    # The append kernel: appends crossing several pages of an odd size, interleaved rotary_dim < D, GQA
+    dict(kw=dict(dtype="f16", B=3, Hq=6, Hkv=2, D=40, cap=27, paged=3, Lq=4, lnew=5, causal=True,
+                 rotary=(24, True))),
+    # an awkward capacity, a prefill-sized append, GPT-NeoX rotary_dim < D from a float32 table
+    dict(kw=dict(dtype="bf16", B=2, Hq=4, Hkv=2, D=40, cap=113, Lq=17, lnew=17, causal=True, rotary=(8, False)),
+         rope_f32=True, splits=3),
+    # cache_batch_idx + leftpad + rotary + window, MQA
+    dict(kw=dict(dtype="f32", B=3, Hq=4, Hkv=1, D=24, cap=33, batch_idx=True, leftpad=True, Lq=3, lnew=2,
+                 rotary=(16, False), window=(6, 0))),
+    # paged (page 7) + leftpad + append + ALiBi per (b, h) + softcap
+    dict(kw=dict(dtype="f16", B=2, Hq=4, Hkv=2, D=32, cap=35, paged=7, leftpad=True, Lq=2, lnew=3, alibi="bh",
+                 softcap=5.0, causal=True), splits=2),
 ]
 
 
 @pytest.mark.parametrize("i,case", list(enumerate(CASES)))
 def test_kernels_match_oracle(i, case):
     kw = make_case(seed=500 + i, **case["kw"])
+    if case.get("rope_f32"):
+        kw["rotary_cos"], kw["rotary_sin"] = kw["rotary_cos"].float(), kw["rotary_sin"].float()
     run_orders(kw, ORDER_PAIRS[i % 3], num_splits=case.get("splits", 0))
 
 
@@ -149,9 +164,9 @@ def _problem(B=1, Hq=8, Hkv=2, D=64, L=512, Lq=1, dtype=torch.float16, paged=Non
     vc = torch.randn_like(kc)
     out = torch.empty_like(q)
     return DecodeProblem(q=q.transpose(1, 2), k_cache=kc, v_cache=vc, out=out.transpose(1, 2),
-                         lse=torch.empty(B, Hq, Lq), seqlens_k=torch.full((B,), L, dtype=torch.int32), leftpad=None,
-                         batch_idx=None, block_table=bt, alibi_slopes=None, scale=D ** -0.5, window_left=-1,
-                         window_right=0, softcap=0.0, max_seqlen_k=L)
+                         lse=torch.empty(B, Hq, Lq), seqlens=torch.full((B,), L, dtype=torch.int32), seqlen_fixed=0,
+                         leftpad=None, batch_idx=None, block_table=bt, alibi_slopes=None, scale=D ** -0.5,
+                         window_left=-1, window_right=0, softcap=0.0)
 
 
 @pytest.mark.parametrize("paged", [None, 64])
@@ -182,7 +197,7 @@ def test_params_layout():
         setattr(p, n, -(k + 1) * 13)
     p.qk_scale, p.softcap = 0.5, -2.25
     lib = emulator.compile_shader(shaders_dir() / "flash_decode.metal",
-                                  function_constants={i: False for i in range(7)})
+                                  function_constants={i: False for i in range(8)})
     out_l, out_i, out_f = torch.zeros(len(longs), dtype=torch.int64), torch.zeros(len(ints), dtype=torch.int32), \
         torch.zeros(2)
     lib.flash_decode_params_echo(buffers={0: out_l, 1: out_i, 2: out_f, 5: p.to_bytes()}, grid=(1,),
@@ -190,6 +205,25 @@ def test_params_layout():
     assert out_l.tolist() == [getattr(p, n) for n in longs]
     assert out_i.tolist() == [getattr(p, n) for n in ints]
     assert out_f.tolist() == [0.5, -2.25]
+
+
+def test_append_params_layout():
+    """Host ctypes mirror == the shader's AppendParams (an echo kernel)."""
+    from torch_metal_flash._paths import shaders_dir
+    from torch_metal_flash.planner.kvcache import AppendParams
+    p = AppendParams()
+    longs = [n for n, t in AppendParams._fields_ if t is __import__("ctypes").c_int64]
+    ints = [n for n, t in AppendParams._fields_ if t is __import__("ctypes").c_int32]
+    for k, n in enumerate(longs):
+        setattr(p, n, (k + 1) * 1_000_000_007)
+    for k, n in enumerate(ints):
+        setattr(p, n, -(k + 1) * 13)
+    lib = emulator.compile_shader(shaders_dir() / "kvcache_append.metal",
+                                  function_constants={i: False for i in range(5)})
+    out_l, out_i = torch.zeros(len(longs), dtype=torch.int64), torch.zeros(len(ints), dtype=torch.int32)
+    lib.kvcache_append_params_echo(buffers={0: out_l, 1: out_i, 4: bytes(p)}, grid=(1,), threadgroup=(1,))
+    assert out_l.tolist() == [getattr(p, n) for n in longs]
+    assert out_i.tolist() == [getattr(p, n) for n in ints]
 
 
 def test_planner_choices_and_reasons():

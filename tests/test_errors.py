@@ -76,3 +76,21 @@ def test_unknown_backend_names_the_source(monkeypatch):
     monkeypatch.setenv("TORCH_METAL_FLASH_BACKEND", "gpu")
     with pytest.raises(ValueError, match="TORCH_METAL_FLASH_BACKEND: unknown backend 'gpu'"):
         tmf.flash_attn_func(Q, K, K)
+
+
+def test_face_checks_are_memoised_per_signature(monkeypatch):
+    """A call with a signature the checks already passed skips them; any new
+    signature (here: a bad head count) runs them, with the same error."""
+    from torch_metal_flash import checks, functional
+    monkeypatch.setattr(functional, "_FLASH_CHECKED", checks.Memo())
+    ran = []
+    real = functional._flash_checks
+    monkeypatch.setattr(functional, "_flash_checks", lambda *a: (ran.append(1), real(*a)))
+    q, k, v = (torch.randn(1, 5, 2, 8) for _ in range(3))
+    for _ in range(3):
+        tmf.flash_attn_func(q, k, v, causal=True)
+    assert len(ran) == 1
+    with pytest.raises(ValueError, match="must be a multiple of the number of key/value heads"):
+        tmf.flash_attn_func(torch.randn(1, 5, 3, 8), k, v, causal=True)
+    tmf.flash_attn_func(q, k, v, causal=False)  # another signature: checked again
+    assert len(ran) == 3

@@ -30,6 +30,8 @@ def naive_flash_attn(q, k, v, dtype, softmax_scale=None, causal=False, window_si
     left, right = window_size
     if causal:
         right = 0
+    # flash-attn's mha_fwd: a window side >= seqlen_k is unbounded
+    left, right = (-1 if w >= Lk else w for w in (left, right))
     hidden = torch.zeros(Lq, Lk, dtype=torch.bool)
     if left >= 0:
         hidden |= col < row - left
@@ -157,3 +159,30 @@ def test_varlen_errors():
         tmf.flash_attn_varlen_func(q, k, k, good_q.float(), good_k, 5, 6)
     with pytest.raises(ValueError, match="expected the same batch size"):
         tmf.flash_attn_varlen_func(q, k, k, good_q, torch.tensor([0, 3, 6], dtype=torch.int32), 5, 6)
+
+
+def test_window_wider_than_keys_is_unbounded_like_upstream():
+    """Issue 16: a window side >= seqlen_k means "unbounded" in every flash-attn face (upstream clamps
+    it to -1 in mha_fwd / mha_varlen_fwd / mha_fwd_kvcache); with seqlen_q > seqlen_k + 1 the literal
+    band would hide keys from the first rows.  flash_attn_func, varlen and kvcache must agree."""
+    g = torch.Generator().manual_seed(16)
+    q = torch.randn(1, 8, 1, 16, generator=g)
+    k = torch.randn(1, 4, 1, 16, generator=g)
+    v = torch.randn(1, 4, 1, 16, generator=g)
+    ours = tmf.flash_attn_func(q, k, v, window_size=(-1, 5))
+    unbounded = naive_flash_attn(q, k, v, torch.float64)[0]
+    torch.testing.assert_close(ours, unbounded.float(), atol=1e-6, rtol=1e-6)
+    cache = tmf.flash_attn_with_kvcache(q, k.clone(), v.clone(), window_size=(-1, 5))
+    torch.testing.assert_close(cache, ours, atol=1e-6, rtol=1e-6)
+    cu_q, cu_k = torch.tensor([0, 8], dtype=torch.int32), torch.tensor([0, 4], dtype=torch.int32)
+    packed = tmf.flash_attn_varlen_func(q[0], k[0], v[0], cu_q, cu_k, 8, 4, window_size=(-1, 5))
+    torch.testing.assert_close(packed, ours[0], atol=1e-6, rtol=1e-6)
+    # varlen clamps against the batch's max_seqlen_k, not each sequence's own length
+    q2 = torch.randn(9, 1, 16, generator=g)
+    k2 = torch.randn(5, 1, 16, generator=g)
+    cu_q2, cu_k2 = torch.tensor([0, 8, 9], dtype=torch.int32), torch.tensor([0, 1, 5], dtype=torch.int32)
+    got = tmf.flash_attn_varlen_func(q2, k2, k2, cu_q2, cu_k2, 8, 4, window_size=(-1, 1))
+    # sequence 0 (8 queries, 1 key): right window 1 < max_seqlen_k stays, so row i sees key 0 only
+    # when 0 <= i + (1 - 8) + 1, i.e. rows 6 and 7 (which then output that key's value)
+    assert torch.equal(got[:6], torch.zeros_like(got[:6]))
+    torch.testing.assert_close(got[6:8], k2[:1].expand(2, 1, 16), atol=1e-6, rtol=1e-6)

@@ -217,10 +217,14 @@ def _base():
     (lambda kw: kw.update(num_splits=-1), ValueError, "num_splits"),
     (lambda kw: kw.update(softmax_scale=float("nan")), ValueError, "softmax_scale"),
 ])
-def test_errors(mutate, exc, match):
+@pytest.mark.parametrize("backend", ["reference", "emulator"])
+def test_errors(mutate, exc, match, backend, monkeypatch):
+    """The reference path checks index values always; the kernel path in debug mode."""
     kw = _base()
     mutate(kw)
-    with backends.backend("reference"), pytest.raises(exc, match=match):
+    if backend != "reference":
+        monkeypatch.setenv("TORCH_METAL_FLASH_DEBUG", "1")
+    with backends.backend(backend), pytest.raises(exc, match=match):
         flash_attn_with_kvcache(**kw)
 
 

@@ -585,12 +585,20 @@ def probe_dir(tmp_path):
         _C.set_shader_dir(str(shaders_dir()))  # the real kernels again (caches are rebuilt)
 
 
+def _run(source, kernel, buffers, constants=(), threadgroups=(1, 1, 1), threadgroup=(1, 1, 1), tg_memory=None):
+    """Encode one launch as it is, through the core's Metal encoder (what MetalBackend.run does)."""
+    from torch_metal_flash import core
+    from torch_metal_flash.plan import Launch, Plan
+    core.run_plan("metal", Plan((Launch(source, kernel, threadgroups, threadgroup, dict(buffers), dict(constants),
+                                        dict(tg_memory or {})),)))
+
+
 def _probe_launch(_C, base, threads=32, constants=((0, True), (1, -7), (2, 2.5)), tg_mem=None, extra_bytes=None):
     out = base[5:]  # bound at storage_offset * element_size = 20 bytes
     inp = torch.full((3,), 100.0, device=MPS)[1:]
     params = extra_bytes if extra_bytes is not None else struct.pack("fi", 1.25, 42)
-    _C.launch("probe.metal", "probe", list(constants), [0, 1, 2], [out, params, inp], [2, 1, 1], [threads, 1, 1],
-              [(0, tg_mem if tg_mem is not None else threads * 4)])
+    _run("probe.metal", "probe", {0: out, 1: params, 2: inp}, constants, (2, 1, 1), (threads, 1, 1),
+         {0: tg_mem if tg_mem is not None else threads * 4})
     return out
 
 
@@ -617,9 +625,9 @@ def test_launcher_errors(probe_dir):
     _C = probe_dir
     base = torch.zeros(64, device=MPS)
     with pytest.raises(RuntimeError, match="no_such_symbol_here"):  # the compiler log reaches Python
-        _C.launch("broken.metal", "broken", [], [0], [base], [1, 1, 1], [1, 1, 1], [])
+        _run("broken.metal", "broken", {0: base})
     with pytest.raises(RuntimeError, match="not_a_kernel"):
-        _C.launch("probe.metal", "not_a_kernel", [], [0], [base], [1, 1, 1], [1, 1, 1], [])
+        _run("probe.metal", "not_a_kernel", {0: base})
     with pytest.raises(RuntimeError, match="threads per threadgroup"):
         _probe_launch(_C, base, threads=4096, tg_mem=16)
     with pytest.raises(RuntimeError, match="threadgroup memory"):
@@ -631,10 +639,9 @@ def test_launcher_errors(probe_dir):
     with pytest.raises(RuntimeError, match="setBytes"):
         _probe_launch(_C, base, extra_bytes=bytes(5000))
     with pytest.raises(RuntimeError, match="MPS tensor"):
-        _C.launch("probe.metal", "probe", [(0, True), (1, 1), (2, 1.0)], [0], [torch.zeros(8)], [1, 1, 1],
-                  [1, 1, 1], [])
+        _run("probe.metal", "probe", {0: torch.zeros(8)}, [(0, True), (1, 1), (2, 1.0)])
     with pytest.raises(RuntimeError, match="missing.metal"):
-        _C.launch("missing.metal", "k", [], [0], [base], [1, 1, 1], [1, 1, 1], [])
+        _run("missing.metal", "k", {0: base})
     # still usable after the errors
     assert _probe_launch(_C, torch.zeros(64, device=MPS)).cpu()[1].item() == -7.0
 

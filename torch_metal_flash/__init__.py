@@ -6,6 +6,7 @@ Faces: :func:`scaled_dot_product_attention` (torch semantics),
 """
 from .backends import FallbackWarning, UnsupportedError, backend, run_counts, set_strict
 from . import nn
+from .core import plan_cache_clear, plan_cache_info
 from .flash_attn_shim import install_flash_attn_shim, is_flash_attn_shim_installed, uninstall_flash_attn_shim
 from .functional import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
                          flash_attn_varlen_func, scaled_dot_product_attention)
@@ -30,6 +31,8 @@ __all__ = [
     "is_flash_attn_shim_installed",
     "is_sdpa_enabled",
     "nn",
+    "plan_cache_clear",
+    "plan_cache_info",
     "reset_sdpa_stats",
     "run_counts",
     "scaled_dot_product_attention",

@@ -4,10 +4,12 @@ else the reference) and check each result against the float64 oracle.
 
     python -m torch_metal_flash            # a few shapes and features
     python -m torch_metal_flash --quick    # one small case per face
+    python -m torch_metal_flash doctor     # the full self-test (torch_metal_flash/doctor.py)
 """
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import torch
@@ -76,6 +78,10 @@ def run_case(name, dims, dtype, kw, device):
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["doctor"]:
+        from torch_metal_flash import doctor
+        return doctor.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m torch_metal_flash", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one small case per face")
     parser.add_argument("--backend", choices=backends.BACKENDS, help="force a backend")

@@ -3,9 +3,12 @@
 An installed package carries them as package data (``setup.py`` maps
 ``shaders/`` to ``torch_metal_flash/shaders`` and ``csrc/`` to
 ``torch_metal_flash/_csrc``); a source checkout uses the repo's folders.
+``build_info()`` reads the record ``setup.py`` leaves next to the package.
 """
 from __future__ import annotations
 
+import functools
+import json
 from pathlib import Path
 
 _PKG = Path(__file__).resolve().parent
@@ -25,3 +28,15 @@ def shaders_dir() -> Path:
 
 def csrc_dir() -> Path:
     return _find("_csrc", "csrc")
+
+
+@functools.lru_cache(maxsize=None)
+def build_info() -> dict:
+    """What ``setup.py`` recorded when it built this install (``_build_info.json``):
+    ``platform``, ``torch`` (the version built against), ``extension`` (True, or why
+    not), ``metallib`` (the precompiled shader libraries, or why none).  Empty for a
+    source checkout."""
+    try:
+        return json.loads((_PKG / "_build_info.json").read_text())
+    except (OSError, ValueError):
+        return {}

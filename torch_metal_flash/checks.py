@@ -1,7 +1,13 @@
-"""Argument checks shared by the public faces: clear errors naming the argument."""
+"""Argument checks shared by the public faces: clear errors naming the argument.
+
+The faces remember what their checks concluded per call signature
+(:class:`Memo`): the checks read only the shapes, dtypes, devices and last-dim
+strides of the tensors and the other arguments' values, so a call with the same
+signature skips them; a new signature runs them (raising as ever).
+"""
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -58,13 +64,20 @@ def broadcastable(name: str, t: torch.Tensor, shape: Sequence[int]) -> None:
                          f"(batch, heads, seqlen_q, seqlen_k)")
 
 
-def window(window_size) -> tuple[int, int]:
+def window(window_size, causal: bool = False, seqlen_k: Optional[int] = None) -> tuple[int, int]:
+    """(left, right) of a flash-attn ``window_size``; ``causal`` sets right = 0.  With
+    ``seqlen_k``, a side >= seqlen_k becomes -1 (unbounded), as flash-attn's ``mha_fwd``,
+    ``mha_varlen_fwd``, ``mha_bwd`` and ``mha_fwd_kvcache`` all do (see spec.py)."""
     try:
         left, right = (int(w) for w in window_size)
     except (TypeError, ValueError):
         raise ValueError(f"window_size: expected a pair (left, right) of ints, got {window_size!r}") from None
     if left < -1 or right < -1:
         raise ValueError(f"window_size: expected values >= 0 or -1 (unbounded), got {window_size!r}")
+    if causal:
+        right = 0
+    if seqlen_k is not None:
+        left, right = (-1 if w >= seqlen_k else w for w in (left, right))
     return left, right
 
 
@@ -98,3 +111,40 @@ def softcap(value) -> float:
     if not isinstance(value, (int, float)) or value < 0:
         raise ValueError(f"softcap: expected a float >= 0 (0 = off), got {value!r}")
     return float(value)
+
+
+def signature(t) -> Any:
+    """What the checks read of a tensor argument (``None`` for None); a tensor's
+    shape, dtype, device and whether its last dim is contiguous."""
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise TypeError  # not memoisable: the checks explain
+    return t.shape, t.dtype, t.device, t.dim() > 0 and (t.shape[-1] <= 1 or t.stride(-1) == 1)
+
+
+def scalar(x) -> tuple:
+    """A scalar argument with its type (``True`` and ``1.0`` are checked differently)."""
+    return type(x), x
+
+
+class Memo:
+    """A face's check results per call signature (bounded; dropped when full)."""
+
+    def __init__(self, size: int = 512):
+        self._results: dict = {}
+        self._size = size
+
+    def get(self, key) -> Any:
+        try:
+            return self._results.get(key)
+        except TypeError:  # unhashable (symbolic sizes, odd scalars): check every time
+            return None
+
+    def put(self, key, result) -> None:
+        try:
+            if len(self._results) >= self._size:
+                self._results.clear()
+            self._results[key] = result
+        except TypeError:
+            pass

@@ -8,7 +8,7 @@ import warnings
 import torch
 
 from . import checks, ops, reference  # noqa: F401  (ops registers torch.ops.metal_flash)
-from .spec import make_spec
+from .spec import make_spec, stats_dtype
 
 _dropout_warned = False
 
@@ -24,6 +24,8 @@ def _warn_dropout() -> None:
 def _attention(q, k, v, mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right, softcap,
                dropout_p):
     """(out, lse) for (B, H, L, D)-indexed views."""
+    if sinks is not None and (sinks.dtype != stats_dtype(q.dtype) or not sinks.is_contiguous()):
+        sinks = sinks.to(stats_dtype(q.dtype)).contiguous()  # the kernels read float32 sinks
     if dropout_p > 0:
         _warn_dropout()
         spec = make_spec(q, k, v, mask, alibi_slopes, sinks, scale=scale, diag_offset=diag_offset,
@@ -55,6 +57,39 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     Hq be a multiple of Hkv (K/V are never repeated in memory).  Rows with no
     visible key return zeros.  Returns (..., Hq, L, Ev) in the query's dtype.
     """
+    signature = _signature(_sdpa_signature, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    checked = _SDPA_CHECKED.get(signature)
+    if checked is None:
+        checked = _sdpa_checks(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        if signature is not None:
+            _SDPA_CHECKED.put(signature, checked)
+    scale, window_right, dropout_p, mask_shape = checked
+    mask = None if attn_mask is None else _as_4d(attn_mask.expand(mask_shape))
+    out, _ = _attention(_as_4d(query), _as_4d(key), _as_4d(value), mask, None, None, scale, 0, -1, window_right, 0.0,
+                        dropout_p)
+    return out if query.dim() == 4 else out.reshape(tuple(query.shape[:-1]) + (value.shape[-1],))
+
+
+_SDPA_CHECKED = checks.Memo()
+
+
+def _signature(make, *args):
+    """The memo key of a face call, or None (not memoisable, or traced by torch.compile)."""
+    if torch.compiler.is_compiling():
+        return None
+    try:
+        return make(*args)
+    except TypeError:
+        return None
+
+
+def _sdpa_signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    return (checks.signature(query), checks.signature(key), checks.signature(value), checks.signature(attn_mask),
+            checks.scalar(dropout_p), checks.scalar(is_causal), checks.scalar(scale), checks.scalar(enable_gqa))
+
+
+def _sdpa_checks(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    """Check the SDPA face's arguments; (scale, window_right, dropout_p, mask shape) for the op."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         checks.tensor(name, t)
         if t.dim() < 2:
@@ -80,17 +115,16 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                              f"grouped-query attention")
         checks.gqa_heads(hq, hkv)
     L, S = q.shape[2], k.shape[2]
-    mask = None
+    mask_shape = None
     if attn_mask is not None:
         checks.tensor("attn_mask", attn_mask)
         if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
             raise TypeError(f"attn_mask: expected dtype bool or a float dtype, got {attn_mask.dtype}")
         checks.same(("query", "attn_mask"), (query, attn_mask), "device")
-        checks.broadcastable("attn_mask", attn_mask, tuple(query.shape[:-2]) + (L, S))
-        mask = _as_4d(attn_mask.expand(tuple(query.shape[:-2]) + (L, S)))
+        mask_shape = tuple(query.shape[:-2]) + (L, S)
+        checks.broadcastable("attn_mask", attn_mask, mask_shape)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
-    out, _ = _attention(q, k, v, mask, None, None, scale, 0, -1, 0 if is_causal else -1, 0.0, dropout_p)
-    return out.reshape(tuple(query.shape[:-1]) + (value.shape[-1],))
+    return scale, 0 if is_causal else -1, dropout_p, mask_shape
 
 
 def _flash_checks(q, k, v):
@@ -130,17 +164,44 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         out (batch, seqlen_q, nheads, headdim); with ``return_attn_probs``,
         ``(out, softmax_lse (batch, nheads, seqlen_q) float32, None)``.
     """
-    _flash_checks(q, k, v)
+    signature = _signature(_flash_signature, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes)
+    checked = _FLASH_CHECKED.get(signature)
+    if checked is None:
+        _flash_checks(q, k, v)
+        checked = _flash_arguments(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                   seqlen_k=k.shape[1])
+        if signature is not None:
+            _FLASH_CHECKED.put(signature, checked)
+    return _flash_attn(q, k, v, alibi_slopes, return_attn_probs, *checked)
+
+
+_FLASH_CHECKED = checks.Memo()
+
+
+def _flash_signature(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes):
+    return (checks.signature(q), checks.signature(k), checks.signature(v), checks.scalar(dropout_p),
+            checks.scalar(softmax_scale), checks.scalar(causal), checks.scalar(window_size), checks.scalar(softcap),
+            checks.signature(alibi_slopes))
+
+
+def _flash_arguments(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, seqlen_k):
+    """Check flash_attn_func's other arguments; (dropout_p, scale, window left, window right, softcap)
+    for the op.  ``seqlen_k`` is the length windows are clamped against (the call's key
+    length; the batch's longest for varlen), as flash-attn does."""
     dropout_p = checks.dropout(dropout_p)
-    left, right = checks.window(window_size)
-    if causal:
-        right = 0
+    left, right = checks.window(window_size, causal=causal, seqlen_k=seqlen_k)
     softcap = checks.softcap(softcap)
     batch, seqlen_q, heads, head_dim = q.shape
-    alibi_slopes = checks.alibi(alibi_slopes, batch, heads, q.device)
+    checks.alibi(alibi_slopes, batch, heads, q.device)
     scale = head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
+    return dropout_p, scale, left, right, softcap
+
+
+def _flash_attn(q, k, v, alibi_slopes, return_attn_probs, dropout_p, scale, left, right, softcap):
+    """flash_attn_func on checked arguments."""
     out, lse = _attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, alibi_slopes, None, scale,
-                          k.shape[1] - seqlen_q, left, right, softcap, dropout_p)
+                          k.shape[1] - q.shape[1], left, right, softcap, dropout_p)
     out = out.transpose(1, 2)
     return (out, lse, None) if return_attn_probs else out
 
@@ -206,8 +267,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     for b in range(batch):
         (q0, q1), (k0, k1) = bounds[0][b:b + 2], bounds[1][b:b + 2]
         slopes = alibi_slopes[b] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
-        out, lse, _ = flash_attn_func(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], dropout_p, softmax_scale,
-                                      causal, window_size, softcap, slopes, deterministic, True)
+        qb = q[None, q0:q1]
+        out, lse, _ = _flash_attn(qb, k[None, k0:k1], v[None, k0:k1], slopes, True,
+                                  *_flash_arguments(qb, dropout_p, softmax_scale, causal, window_size, softcap, slopes,
+                                                    seqlen_k=max_seqlen_k))
         outs.append(out[0])
         lses.append(lse[0])
     if batch == 0:

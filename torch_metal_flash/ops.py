@@ -13,12 +13,23 @@ Schemas (flat: tensors, optional tensors, int, float, bool)::
 ``aux`` is the row state the backward needs (:mod:`torch_metal_flash.spec`:
 row max and sum, and the unrounded output for fp16/bf16), written only when
 ``return_aux`` (the faces pass ``True`` when an input requires grad), else an
-empty tensor.  Both ops take the general problem of
+empty tensor; either side of a training step may fall back to the reference
+path, aux is the same contract for both.  Both take the general problem of
 :mod:`torch_metal_flash.spec` so that the SDPA and flash-attn faces map onto
-them without copies.  Each call plans the kernels for the selected backend and
-falls back to the reference path (with a one-time warning naming the reason)
-when the kernels do not cover it; the two sides of a training step may run on
-different paths (aux is the same contract for both).
+them without copies.  ``fwd_kvcache`` (``flash_attn_with_kvcache``) appends to
+a KV cache in place and attends to it.
+
+Their bodies run in the C++ core (:mod:`torch_metal_flash.core`): each op is a
+:class:`~torch_metal_flash.core.CoreOp` (outputs, planner, reference path) and
+a call replays a cached launch template, planning once per problem signature;
+configurations the kernels do not cover fall back to the reference path with a
+one-time warning naming the reason.  The Python bodies below only serve devices
+the core does not (CUDA ...) and hand the first kernel call over to the core.
+
+Schema notes: the kernels take ``alibi_slopes`` as float32 and ``sinks`` as a
+contiguous float32 vector (other dtypes take the reference path; the faces
+convert), and ``bwd`` takes ``dout`` with a contiguous last dim and a
+contiguous ``dlse`` (the autograd formula makes them so).
 """
 from __future__ import annotations
 
@@ -27,9 +38,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import backends, planner, reference
+from . import backends, core, kvcache_reference, planner, reference
 from .layout import empty_in_layout
-from .plan import Unsupported
+from .planner.kvcache import KvCacheProblem, plan_kvcache
 from .spec import AttentionSpec, aux_width, make_spec, stats_dtype
 
 
@@ -43,48 +54,64 @@ def unsupported_reason(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offs
                        softcap) -> Optional[str]:
     """None when the selected backend would run the kernels for this call (and,
     when an input requires grad, for its backward); else why the op would take
-    the reference path.  Plans without launching, warns about nothing."""
+    the reference path.  Answered from the plan cache; warns about nothing."""
     backend, why = backends.select(q.device)
     if backend is None:
         return why or "the reference backend is selected"
-    spec = _spec(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right,
-                 softcap)
-    family = getattr(backend, "family", "apple8")
     grad = needs_grad(q, k, v, attn_mask, sinks)
-    out, lse, aux = _fwd_buffers(q, v, grad)
-    plan = planner.plan_forward(spec, out, lse, aux if grad else None, family=family)
-    if isinstance(plan, Unsupported):
-        return plan.reason
+    args = (q, k, v, attn_mask, alibi_slopes, sinks, float(scale), int(diag_offset), int(window_left),
+            int(window_right), float(softcap), grad)
+    reason = core.probe(FWD, backend.name, args)
+    if reason is not None:
+        return reason
     if grad:
+        out, lse, aux = _fwd_outputs(*args)
         compute_dbias = attn_mask is not None and attn_mask.requires_grad
-        plan = planner.plan_backward(spec, torch.empty_like(out), out, aux, None,
-                                     *_bwd_buffers(spec, compute_dbias), family=family)
-        if isinstance(plan, Unsupported):
-            return f"backward: {plan.reason}"
+        reason = core.probe(BWD, backend.name, (torch.empty_like(out), q, k, v, out, aux, None, *args[3:11],
+                                                compute_dbias))
+        if reason is not None:
+            return f"backward: {reason}"
     return None
 
 
 def needs_grad(*tensors: Optional[Tensor]) -> bool:
-    """Whether autograd will ask for gradients of a call with these inputs:
-    the faces pass it as ``return_aux``."""
+    """Whether autograd will ask for gradients of a call with these inputs (the
+    faces pass it as ``return_aux``)."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def _run_kernels(spec: AttentionSpec, plan_name: str, *plan_args) -> bool:
-    """Plan and run on the selected backend; False means: use the reference path."""
-    backend = backends.resolve(spec.q.device)
-    if backend is not None and spec.q.numel() > 0 and spec.seqlen_k > 0:
-        # The tile tables are per GPU family; the emulator plans like an M2 ("apple8").
-        family = getattr(backend, "family", "apple8")
-        plan = getattr(planner, plan_name)(spec, *plan_args, family=family)
-        if not isinstance(plan, Unsupported):
-            backend.run(plan)
-            backends.record_run(backend.name)
-            return True
-        backends.fallback(plan.reason)
-    # Also empty problems: nothing for a kernel to do, the reference fills zeros / lse.
-    backends.record_run("reference")
-    return False
+# ---------------------------------------------------------------------------
+# fwd
+# ---------------------------------------------------------------------------
+
+def _fwd_buffers(q: Tensor, v: Tensor, return_aux: bool):
+    B, H, Lq, _ = q.shape
+    aux_shape = (B, H, Lq, aux_width(q.dtype, v.shape[-1])) if return_aux else (0,)
+    return (empty_in_layout(q, v.shape[-1]), q.new_empty((B, H, Lq), dtype=stats_dtype(q.dtype)),
+            q.new_empty(aux_shape, dtype=stats_dtype(q.dtype)))
+
+
+def _fwd_outputs(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right, softcap,
+                 return_aux):
+    return _fwd_buffers(q, v, return_aux)
+
+
+def _fwd_plan(backend, args: tuple, outputs: tuple):
+    spec = _spec(*args[:11])
+    if spec.q.numel() == 0 or spec.seqlen_k == 0:
+        return None  # nothing for a kernel to do: the reference fills zeros / lse / aux
+    out, lse, aux = outputs
+    # Launches are checked against the pipelines' limits here, before any is encoded.
+    return planner.plan_forward(spec, out, lse, aux if args[11] else None, family=backend.family,
+                                pipeline_info=backend.pipeline_info)
+
+
+def _fwd_reference(*args):
+    out, lse, aux = _fwd_outputs(*args)
+    ref_out, ref_lse = reference.forward(_spec(*args[:11]), aux if args[11] else None)
+    out.copy_(ref_out)
+    lse.copy_(ref_lse)
+    return out, lse, aux
 
 
 @torch.library.custom_op("metal_flash::fwd", mutates_args=())
@@ -94,27 +121,52 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], alibi_slop
     """Attention forward on (B, H, L, D)-indexed tensors; see :mod:`torch_metal_flash.spec`.
     Returns ``out``, ``lse`` and ``aux`` (the backward's row state when
     ``return_aux``, else empty)."""
-    spec = _spec(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right,
-                 softcap)
-    out, lse, aux = _fwd_buffers(q, v, return_aux)
-    if not _run_kernels(spec, "plan_forward", out, lse, aux if return_aux else None):
-        ref_out, ref_lse = reference.forward(spec, aux if return_aux else None)
-        out.copy_(ref_out)
-        lse.copy_(ref_lse)
-    return out, lse, aux
+    return core.call_slow(FWD, (q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left,
+                                window_right, softcap, return_aux))
 
 
-def _fwd_buffers(q: Tensor, v: Tensor, return_aux: bool):
-    B, H, Lq, _ = q.shape
-    aux_shape = (B, H, Lq, aux_width(q.dtype, v.shape[-1])) if return_aux else (0,)
-    return (empty_in_layout(q, v.shape[-1]), q.new_empty((B, H, Lq), dtype=stats_dtype(q.dtype)),
-            q.new_empty(aux_shape, dtype=stats_dtype(q.dtype)))
+fwd.register_fake(_fwd_outputs)
 
 
-@fwd.register_fake
-def _(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right, softcap,
-      return_aux):
-    return _fwd_buffers(q, v, return_aux)
+# ---------------------------------------------------------------------------
+# bwd
+# ---------------------------------------------------------------------------
+
+def _bwd_buffers(spec: AttentionSpec, compute_dbias: bool):
+    q = spec.q
+    B, H, Lq, Lk = spec.batch, spec.heads, spec.seqlen_q, spec.seqlen_k
+    return (empty_in_layout(q), empty_in_layout(spec.k), empty_in_layout(spec.v),
+            q.new_empty((B, H, Lq, Lk) if compute_dbias else (0,), dtype=stats_dtype(q.dtype)),
+            q.new_empty((H,) if spec.sinks is not None else (0,), dtype=stats_dtype(q.dtype)))
+
+
+def _bwd_outputs(dout, q, k, v, out, aux, dlse, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left,
+                 window_right, softcap, compute_dbias):
+    want = (*q.shape[:3], aux_width(q.dtype, v.shape[-1]))
+    if tuple(aux.shape) != want:
+        raise ValueError(f"metal_flash.bwd: aux must be the forward's aux of shape {want} (fwd with "
+                         f"return_aux=True), got {tuple(aux.shape)}")
+    return _bwd_buffers(_spec(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left,
+                              window_right, softcap), compute_dbias)
+
+
+def _bwd_plan(backend, args: tuple, outputs: tuple):
+    dout, q, k, v, out, aux, dlse = args[:7]
+    spec = _spec(q, k, v, *args[7:15])
+    if q.numel() == 0 or spec.seqlen_k == 0:
+        return None
+    return planner.plan_backward(spec, dout, out, aux, dlse, *outputs, family=backend.family,
+                                 pipeline_info=backend.pipeline_info)
+
+
+def _bwd_reference(*args):
+    dout, q, k, v, out, aux, dlse = args[:7]
+    compute_dbias = args[15]
+    grads = _bwd_outputs(*args)
+    for buf, ref in zip(grads, reference.backward(_spec(q, k, v, *args[7:15]), dout, out, aux, dlse,
+                                                  compute_dbias)):
+        buf.copy_(ref)
+    return grads
 
 
 @torch.library.custom_op("metal_flash::bwd", mutates_args=())
@@ -126,35 +178,16 @@ def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, aux: Tensor,
     ``dq, dk, dv`` in the inputs' dtypes and layouts, ``dbias`` (B, H, Lq, Lk)
     when ``compute_dbias`` else empty, ``dsinks`` (H,) when ``sinks`` is given
     else empty; both float32 (float64 for float64 inputs)."""
-    spec = _spec(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right,
-                 softcap)
-    B, H, Lq, _ = q.shape
-    want = (B, H, Lq, aux_width(q.dtype, v.shape[-1]))
-    if tuple(aux.shape) != want:
-        raise ValueError(f"metal_flash.bwd: aux must be the forward's aux of shape {want} (fwd with "
-                         f"return_aux=True), got {tuple(aux.shape)}")
-    grads = _bwd_buffers(spec, compute_dbias)
-    if not _run_kernels(spec, "plan_backward", dout, out, aux, dlse, *grads):
-        for buf, ref in zip(grads, reference.backward(spec, dout, out, aux, dlse, compute_dbias)):
-            buf.copy_(ref)
-    return grads
+    return core.call_slow(BWD, (dout, q, k, v, out, aux, dlse, attn_mask, alibi_slopes, sinks, scale, diag_offset,
+                                window_left, window_right, softcap, compute_dbias))
 
 
-def _bwd_buffers(spec: AttentionSpec, compute_dbias: bool):
-    q = spec.q
-    B, H, Lq, Lk = spec.batch, spec.heads, spec.seqlen_q, spec.seqlen_k
-    return (empty_in_layout(q), empty_in_layout(spec.k), empty_in_layout(spec.v),
-            q.new_empty((B, H, Lq, Lk) if compute_dbias else (0,), dtype=stats_dtype(q.dtype)),
-            q.new_empty((H,) if spec.sinks is not None else (0,), dtype=stats_dtype(q.dtype)))
+bwd.register_fake(_bwd_outputs)
 
 
-@bwd.register_fake
-def _(dout, q, k, v, out, aux, dlse, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left,
-      window_right, softcap, compute_dbias):
-    spec = _spec(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right,
-                 softcap)
-    return _bwd_buffers(spec, compute_dbias)
-
+# ---------------------------------------------------------------------------
+# autograd
+# ---------------------------------------------------------------------------
 
 _FWD_ARGS = ("q", "k", "v", "attn_mask", "alibi_slopes", "sinks", "scale", "diag_offset", "window_left",
              "window_right", "softcap", "return_aux")
@@ -176,6 +209,10 @@ def _backward(ctx, dout, dlse, _daux):
         raise NotImplementedError("metal_flash.fwd: gradients for alibi_slopes are not supported")
     if dout is None:
         dout = torch.zeros_like(out)
+    elif dout.shape[-1] > 1 and dout.stride(-1) != 1:
+        dout = dout.contiguous()  # e.g. the expanded gradient of a sum(): the kernels read rows
+    if dlse is not None:
+        dlse = dlse.contiguous()
     if aux.dim() == 1:
         # fwd ran with return_aux=False (a direct op call): recompute the row state.
         _, _, aux = torch.ops.metal_flash.fwd(q, k, v, attn_mask, alibi_slopes, sinks, *ctx.scalars, True)
@@ -187,4 +224,68 @@ def _backward(ctx, dout, dlse, _daux):
     return dq, dk, dv, dmask, None, dsinks, None, None, None, None, None, None
 
 
-torch.library.register_autograd("metal_flash::fwd", _backward, setup_context=_setup_context)
+# ---------------------------------------------------------------------------
+# fwd_kvcache
+# ---------------------------------------------------------------------------
+
+def _kvcache_buffers(q: Tensor):
+    B, Lq, Hq, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((B, Hq, Lq), dtype=stats_dtype(q.dtype))
+
+
+def _kvcache_outputs(q, *args):
+    return _kvcache_buffers(q)
+
+
+def _kvcache_plan(backend, args: tuple, outputs: tuple):
+    return plan_kvcache(KvCacheProblem(*args), *outputs, family=backend.family, pipeline_info=backend.pipeline_info)
+
+
+def _kvcache_debug_check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                         cache_leftpad, block_table, alibi_slopes, seqlen, scale, window_left, window_right, softcap,
+                         rotary_interleaved, num_splits):
+    kvcache_reference.host_indices(kvcache_reference.Geometry.of(q, k_cache, k, block_table, window_left, window_right),
+                                   cache_seqlens, seqlen, cache_batch_idx, cache_leftpad, block_table, rotary_cos)
+
+
+def _kvcache_reference(*args):
+    out, lse = _kvcache_buffers(args[0])
+    ref_out, ref_lse = kvcache_reference.forward(*args[:-1])  # all but num_splits
+    out.copy_(ref_out)
+    lse.copy_(ref_lse)
+    return out, lse
+
+
+@torch.library.custom_op("metal_flash::fwd_kvcache", mutates_args=("k_cache", "v_cache"))
+def fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v: Optional[Tensor],
+                rotary_cos: Optional[Tensor], rotary_sin: Optional[Tensor], cache_seqlens: Optional[Tensor],
+                cache_batch_idx: Optional[Tensor], cache_leftpad: Optional[Tensor], block_table: Optional[Tensor],
+                alibi_slopes: Optional[Tensor], seqlen: int, scale: float, window_left: int, window_right: int,
+                softcap: float, rotary_interleaved: bool, num_splits: int) -> tuple[Tensor, Tensor]:
+    """``flash_attn_with_kvcache`` as an op: rotary of q and the new ``k``, ``k``/``v``
+    written into ``k_cache``/``v_cache`` **in place** at ``cache_seqlens`` (``seqlen``
+    for every row when None), then q (B, Lq, Hq, D) attends to keys
+    [cache_leftpad, cache_seqlens + seqlen_new) of its cache row, with the band
+    ``window_left/right`` aligned bottom-right per row (causal: window_right = 0;
+    q is rotated per row when a window side is >= 0).  Index tensors are int32;
+    on the kernel path they are read on the GPU only, and out-of-range values are
+    clamped or ignored (shaders/kvcache_index.h); the reference path, and the
+    kernel path in debug mode (``TORCH_METAL_FLASH_DEBUG=1``), validate them on the
+    host.  Returns ``out`` (B, Lq, Hq, D) and ``lse`` (B, Hq, Lq)."""
+    return core.call_slow(FWD_KVCACHE, (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                        cache_batch_idx, cache_leftpad, block_table, alibi_slopes, seqlen, scale,
+                                        window_left, window_right, softcap, rotary_interleaved, num_splits))
+
+
+fwd_kvcache.register_fake(_kvcache_outputs)
+
+
+# ---------------------------------------------------------------------------
+# The C++ core runs the ops (and fwd's autograd formula when a call needs a graph).
+# ---------------------------------------------------------------------------
+
+FWD = core.register(core.CoreOp("metal_flash::fwd", outputs=_fwd_outputs, plan=_fwd_plan, reference=_fwd_reference,
+                                setup_context=_setup_context, backward=_backward))
+BWD = core.register(core.CoreOp("metal_flash::bwd", outputs=_bwd_outputs, plan=_bwd_plan, reference=_bwd_reference))
+FWD_KVCACHE = core.register(core.CoreOp("metal_flash::fwd_kvcache", outputs=_kvcache_outputs, plan=_kvcache_plan,
+                                        reference=_kvcache_reference, debug_check=_kvcache_debug_check))

@@ -8,6 +8,15 @@ same ``.metal`` sources on the CPU.  Nothing kernel-specific lives in a backend.
 
 When the kernels do not cover a configuration, a planner returns an
 :class:`Unsupported` with a human-readable reason instead of a plan.
+
+Every tensor a launch binds is an argument of the op (or a view of one at the
+same storage offset), an output the op allocated, or scratch the plan allocated
+and lists in :attr:`Plan.scratch` (or a view of it).  That is what lets the C++
+core replay a plan as a template (``csrc/core``): on a plan-cache hit it binds
+the new call's arguments and outputs and allocates fresh scratch like the
+plan's, without calling the planner.  A planner therefore never derives tensors from its inputs (``.to()``,
+``.contiguous()``): the faces convert small vectors before calling the op, and
+the planner returns :class:`Unsupported` for what it cannot bind as given.
 """
 from __future__ import annotations
 
@@ -34,7 +43,9 @@ class Launch:
       ``bytes`` (1..4096 of them, e.g. a packed params struct) are bound by value.
     * ``threadgroup_memory`` lengths are rounded up to a multiple of 16 bytes.
     * Threads per threadgroup must not exceed the pipeline's limit, nor
-      threadgroup memory the device's (32 KiB): both backends raise otherwise.
+      threadgroup memory the device's (32 KiB): planners check both against
+      ``backend.pipeline_info`` before a plan runs (``planner/limits.py``), and
+      both backends raise at launch otherwise.
     """
 
     source: str  # shader file name under shaders/, e.g. "flash_fwd.metal"
@@ -57,6 +68,9 @@ class Launch:
 @dataclasses.dataclass(frozen=True)
 class Plan:
     launches: tuple[Launch, ...]
+    # Tensors the plan allocated for its own use (e.g. partial results), uninitialised:
+    # fresh ones of the same shape, strides and dtype for every run; launches may bind views.
+    scratch: tuple[torch.Tensor, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

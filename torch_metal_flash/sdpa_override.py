@@ -58,7 +58,8 @@ from typing import Iterator, Optional
 
 import torch
 
-from . import backends
+from . import backends, checks, ops
+from .functional import _as_4d, scaled_dot_product_attention
 
 __all__ = ["enable_sdpa", "disable_sdpa", "sdpa_override", "sdpa_stats", "reset_sdpa_stats", "is_sdpa_enabled"]
 
@@ -212,7 +213,33 @@ def _broadcasts(shape, target) -> bool:
 
 
 def _why_not(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> Optional[str]:
-    """The reason a call goes to torch's original, or None when we serve it."""
+    """The reason a call goes to torch's original, or None when we serve it.  The
+    argument checks are memoised per call signature (with the selected backend and
+    the CPU routing mode); whether the kernels take the call is asked every time
+    (the plan cache answers)."""
+    signature = None
+    if not _is_tracing():
+        try:
+            signature = (checks.signature(query), checks.signature(key), checks.signature(value),
+                         checks.signature(attn_mask), checks.scalar(dropout_p), checks.scalar(is_causal),
+                         checks.scalar(scale), checks.scalar(enable_gqa), backends.requested(), _cpu_mode())
+        except (TypeError, RuntimeError):  # non-tensors, nested tensors: no memo
+            signature = None
+    checked = _CHECKED.get(signature)
+    if checked is None:
+        checked = (_argument_reason(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa),)
+        if signature is not None:
+            _CHECKED.put(signature, checked)
+    if checked[0] is not None:
+        return checked[0]
+    return _kernel_reason(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+
+
+_CHECKED = checks.Memo()
+
+
+def _argument_reason(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> Optional[str]:
+    """Why a call goes to torch's original whatever the kernels say, or None."""
     tensors = (query, key, value)
     if not all(isinstance(t, torch.Tensor) for t in tensors):
         return "non-tensor query/key/value"
@@ -256,27 +283,21 @@ def _why_not(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_g
             return f"attn_mask dtype {attn_mask.dtype}"
         if not _broadcasts(tuple(attn_mask.shape), tuple(query.shape[:-2]) + (query.shape[-2], key.shape[-2])):
             return "attn_mask does not broadcast"
-    reason = _kernel_reason(query, key, value, attn_mask, is_causal, scale, enable_gqa)
-    if reason is not None:
-        return reason
     return None
 
 
 def _kernel_reason(query, key, value, attn_mask, is_causal, scale, enable_gqa) -> Optional[str]:
     """Ask the ops layer whether the kernels serve this call (a call they do not serve would run
     on our reference path, which is no better than torch's original)."""
-    from . import ops
-    probe = getattr(ops, "unsupported_reason", None)
-    if probe is None or (query.device.type == "cpu" and _cpu_mode() is True):
+    if query.device.type == "cpu" and _cpu_mode() is True:
         return None
-    from .functional import _as_4d
     q, k, v = _as_4d(query), _as_4d(key), _as_4d(value)
     mask = None
     if attn_mask is not None:
         mask = _as_4d(attn_mask.expand(tuple(query.shape[:-2]) + (query.shape[-2], key.shape[-2])))
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
     try:
-        return probe(q, k, v, mask, None, None, scale, 0, -1, 0 if is_causal else -1, 0.0)
+        return ops.unsupported_reason(q, k, v, mask, None, None, scale, 0, -1, 0 if is_causal else -1, 0.0)
     except Exception as exc:  # noqa: BLE001
         if _is_tracing():
             return None  # e.g. fake tensors have no data pointer: the op decides at run time
@@ -309,6 +330,5 @@ def _kernel(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *
     _record(reason is None, reason, query)
     if reason is not None:
         return _call_original(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    from .functional import scaled_dot_product_attention
     return scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
                                         enable_gqa=enable_gqa)

@@ -18,7 +18,11 @@ without copying tensors:
               and window_right < 0 or j <= i + diag_offset + window_right
 
   Causal is ``window_right = 0``; SDPA aligns it top-left (``diag_offset =
-  0``), flash-attn bottom-right (``diag_offset = Lk - Lq``).
+  0``), flash-attn bottom-right (``diag_offset = Lk - Lq``).  The band here is
+  literal; the flash-attn faces first turn a window side ``>= seqlen_k`` into
+  -1, as upstream's ``mha_fwd``/``mha_varlen_fwd``/``mha_bwd``/``mha_fwd_kvcache``
+  do (``seqlen_k``: the key length, the batch's ``max_seqlen_k`` for varlen,
+  the cache capacity for ``flash_attn_with_kvcache``), so every face agrees.
 * ``sinks`` (Hq,) adds one logit per head to the softmax denominator only.
 * ``lse`` (B, Hq, Lq) float32 (float64 for float64 inputs) is the natural log of the softmax denominator
   (sink included); a row with nothing visible and no sink has ``lse = +inf``

@@ -1,21 +1,23 @@
-// torch_metal_flash._C — the Metal launcher: encodes a planned kernel launch on
-// PyTorch's current MPS stream.
+// torch_metal_flash._C — the Metal launcher: the Metal encoder of the C++ op
+// core (csrc/core), plus shader libraries and pipeline states.
 //
 // NOT COMPILED IN CI. This file builds only on macOS (Apple SDK + Metal
-// framework); our build machines are Linux, so it has never been compiled by
-// us on real hardware. It was written to follow, call for call, the pattern
-// PyTorch itself uses and tests for custom Metal kernels in C++ extensions:
+// framework); our build machines are Linux, where tests/test_launcher_typecheck.py
+// parses it against the real torch headers and stub Apple headers. It follows,
+// call for call, the pattern PyTorch itself uses and tests for custom Metal
+// kernels in C++ extensions:
 //   * pytorch/pytorch test/cpp_extensions/mps_extension.mm (the cpp-extension
 //     MPS test): device from at::mps::MPSDevice::getInstance()->device(),
 //     newLibraryWithSource:options:error:, newComputePipelineStateWithFunction:
 //     error:, then `MPSStream* s = getCurrentMPSStream(); dispatch_sync(
 //     s->queue(), ^{ id<MTLComputeCommandEncoder> e = s->commandEncoder(); ...
-//     dispatch ...; })` — no endEncoding, no commit;
+//     dispatch ...; })` — no endEncoding;
 //   * aten/src/ATen/native/mps/OperationUtils.h (torch 2.13): getMTLBufferStorage
 //     (the tensor's storage data pointer *is* its id<MTLBuffer>) and
 //     mtl_setBuffer (offset = storage_offset() * element_size());
 //   * aten/src/ATen/mps/MPSStream.mm: dispatch_sync_with_rethrow (copied below,
-//     see the note there).
+//     see the note there); MPSStream::synchronize(SyncType::COMMIT) (TORCH_API)
+//     for the commit after large plans.
 // Torch headers relied on (torch 2.13, checked against the installed headers):
 //   <torch/extension.h>          pybind11, at::Tensor, TORCH_CHECK
 //   <ATen/mps/MPSDevice.h>       at::mps::MPSDevice::getInstance()->device(),
@@ -23,6 +25,7 @@
 //   <ATen/mps/MPSStream.h>       at::mps::getCurrentMPSStream()       (TORCH_API)
 //                                MPSStream::queue() -> dispatch_queue_t (inline)
 //                                MPSStream::commandEncoder() -> id<MTLComputeCommandEncoder>
+//                                MPSStream::synchronize(SyncType)
 // We do not include <ATen/native/mps/OperationUtils.h>: it is an internal
 // header (pulls in MPSGraph, fmt, the shader-library machinery) and its
 // helpers are one-liners, reproduced here with a comment each.
@@ -31,21 +34,22 @@
 // Shading Language 3.1), Apple-silicon GPU, torch 2.13 built with MPS.
 // Compiled with ARC (-fobjc-arc); see setup.py.
 //
-// Python API (see torch_metal_flash/backends/metal.py, the only caller):
-//   set_shader_dir(path)             where the .metal/.h sources live
-//   launch(source, kernel, function_constants, buffer_indices, buffers,
-//          threadgroups, threadgroup, threadgroup_memory)
+// Python API (see torch_metal_flash/backends/metal.py and core.py):
+//   core.*                           the C++ op core (csrc/core/bridge.cpp)
+//   set_shader_dir(path)             where the .metal/.h sources (and .metallib files) live
 //   gpu_family() -> "apple7" | "apple8" | "apple9" | ... | "mac2" | "unknown"
 //   pipeline_info(source, kernel, function_constants) -> dict
 //   math_mode() -> the MTLCompileOptions math setting in use (string)
+//   library_info(source) -> dict     where a library came from (metallib or source)
+//   set_commit(enabled, threads) / commit_policy() -> (enabled, threads)
 //
 // Function-constant type convention (Python value -> Metal type):
 //   bool  -> MTLDataTypeBool   (`constant bool  x [[function_constant(i)]]`)
 //   int   -> MTLDataTypeInt    (`constant int   x [[function_constant(i)]]`, 32-bit; range-checked)
 //   float -> MTLDataTypeFloat  (`constant float x [[function_constant(i)]]`, 32-bit)
-// A shader that declares another type (uint, short, half ...) cannot be fed by
-// this launcher; Metal rejects a type mismatch when specializing the function
-// and the error names the constant.
+// A plan's value must match the type the kernel declares (checked, the error
+// names the constant). Constants a kernel does not declare are ignored, and
+// pipelines are cached by the values of the declared ones only.
 
 #include <torch/extension.h>
 
@@ -55,6 +59,11 @@
 #import <Foundation/Foundation.h>
 #import <Metal/Metal.h>
 
+#include "../core/bridge.h"
+#include "../core/core.h"
+
+#include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <cmath>
 #include <cstdint>
@@ -63,6 +72,7 @@
 #include <exception>
 #include <fstream>
 #include <limits>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <set>
@@ -107,22 +117,15 @@ namespace {
 constexpr MTLLanguageVersion kLanguageVersion = (MTLLanguageVersion)((3 << 16) + 1);
 constexpr const char* kLanguageVersionName = "3.1";
 
-// Metal limits checked here so that a bad plan fails with a clear message
-// instead of a Metal validation abort.
-constexpr int64_t kMaxBufferIndex = 30;      // 31 buffer-argument-table entries
-constexpr size_t kMaxSetBytesLength = 4096;  // setBytes:length:atIndex: "smaller than 4 KB"
-constexpr int64_t kMaxFunctionConstantIndex = 65535;
-
 // ---------------------------------------------------------------------------
 // The two torch helpers we use, reproduced.
 // ---------------------------------------------------------------------------
 
 // Same as at::native::mps::getMTLBufferStorage (OperationUtils.h): an MPS
 // tensor's storage data pointer is its id<MTLBuffer>. Written as a __bridge
-// cast because this file uses ARC (torch's __builtin_bit_cast spelling also
-// compiles under ARC; the bridge cast states the intent: no ownership change).
-inline id<MTLBuffer> getMTLBufferStorage(const at::Tensor& tensor) {
-  return (__bridge id<MTLBuffer>)(const_cast<void*>(tensor.storage().data()));
+// cast because this file uses ARC (no ownership change).
+inline id<MTLBuffer> mtl_buffer(const void* storage_data) {
+  return (__bridge id<MTLBuffer>)(const_cast<void*>(storage_data));
 }
 
 // Same as at::mps::dispatch_sync_with_rethrow (MPSStream.mm, torch 2.13): run
@@ -160,82 +163,20 @@ std::string ns_error_text(NSError* error) {
   return text ? std::string(text) : std::string("(unprintable error message from Metal)");
 }
 
-// ---------------------------------------------------------------------------
-// Function constants.
-// ---------------------------------------------------------------------------
-
-struct Constant {
-  NSUInteger index = 0;
-  MTLDataType type = MTLDataTypeBool;
-  bool b = false;
-  int32_t i = 0;
-  float f = 0.0f;
-
-  const void* data() const {
-    switch (type) {
-      case MTLDataTypeBool:
-        return &b;
-      case MTLDataTypeInt:
-        return &i;
-      default:
-        return &f;
-    }
+MTLDataType metal_type(tmf::Constant::Type type) {
+  switch (type) {
+    case tmf::Constant::Type::Bool:
+      return MTLDataTypeBool;
+    case tmf::Constant::Type::Int:
+      return MTLDataTypeInt;
+    case tmf::Constant::Type::Float:
+      return MTLDataTypeFloat;
   }
-
-  // Exact, order-preserving text for the cache key (floats by bit pattern).
-  void append_key(std::string& key) const {
-    key += std::to_string(index);
-    if (type == MTLDataTypeBool) {
-      key += b ? ":b1;" : ":b0;";
-    } else if (type == MTLDataTypeInt) {
-      key += ":i" + std::to_string(i) + ";";
-    } else {
-      uint32_t bits = 0;
-      std::memcpy(&bits, &f, sizeof(bits));
-      key += ":f" + std::to_string(bits) + ";";
-    }
-  }
-};
-
-// Python value -> Constant, per the convention at the top of the file.
-// bool is tested before int because Python's bool is a subclass of int.
-Constant to_constant(int64_t index, const py::handle& value) {
-  TORCH_CHECK(index >= 0 && index <= kMaxFunctionConstantIndex, "torch_metal_flash._C.launch: function constant index ",
-              index, " out of range [0, ", kMaxFunctionConstantIndex, "]");
-  Constant c;
-  c.index = static_cast<NSUInteger>(index);
-  PyObject* obj = value.ptr();
-  if (PyBool_Check(obj)) {
-    c.type = MTLDataTypeBool;
-    c.b = (obj == Py_True);
-  } else if (PyLong_Check(obj)) {
-    int overflow = 0;
-    long long v = PyLong_AsLongLongAndOverflow(obj, &overflow);
-    TORCH_CHECK(overflow == 0 && v >= std::numeric_limits<int32_t>::min() && v <= std::numeric_limits<int32_t>::max(),
-                "torch_metal_flash._C.launch: function constant ", index,
-                " does not fit a 32-bit Metal int (ints are passed as MTLDataTypeInt)");
-    c.type = MTLDataTypeInt;
-    c.i = static_cast<int32_t>(v);
-  } else if (PyFloat_Check(obj)) {
-    c.type = MTLDataTypeFloat;
-    c.f = static_cast<float>(PyFloat_AsDouble(obj));
-  } else {
-    TORCH_CHECK(false, "torch_metal_flash._C.launch: function constant ", index,
-                " must be a Python bool, int or float, got ", py::str(py::type::of(value)).cast<std::string>());
-  }
-  return c;
+  return MTLDataTypeFloat;
 }
 
-std::vector<Constant> to_constants(const std::vector<std::pair<int64_t, py::object>>& items) {
-  std::vector<Constant> out;
-  out.reserve(items.size());
-  std::set<int64_t> seen;
-  for (const auto& item : items) {
-    TORCH_CHECK(seen.insert(item.first).second, "torch_metal_flash._C.launch: function constant ", item.first,
-                " given twice");
-    out.push_back(to_constant(item.first, item.second));
-  }
-  return out;
+const char* type_name(MTLDataType type) {
+  return type == MTLDataTypeBool ? "bool" : type == MTLDataTypeInt ? "int" : type == MTLDataTypeFloat ? "float" : "another type";
 }
 
 // ---------------------------------------------------------------------------
@@ -398,19 +339,48 @@ std::string configure_math(MTLCompileOptions* options) {
 }
 
 // ---------------------------------------------------------------------------
-// Process-wide caches: one MTLLibrary per source file, one pipeline state per
-// (source, kernel, function-constant values). Guarded by one mutex; compiling
-// under the lock keeps it simple (each library/pipeline is built once).
-// The State object is intentionally leaked: no Metal objects are released
-// during interpreter shutdown.
+// Libraries, kernel reflection and pipeline states.
+//
+// Each is a slot in a map that `State::mutex` guards only while a slot is
+// found or inserted, never while compiling. A slot is built once, under its
+// own mutex, so a compile blocks only the calls that need that very library or
+// pipeline; templates hold their pipeline slots, so cache hits take no lock.
+// Nothing here holds the GIL (callers release it). State is leaked on purpose:
+// no Metal objects are released during interpreter shutdown.
 // ---------------------------------------------------------------------------
+
+struct LibrarySlot {
+  std::mutex mutex;
+  bool built = false;
+  id<MTLLibrary> library = nil;
+  std::string origin;  // where it came from (library_info)
+};
+
+struct KernelSlot {  // the function constants a kernel declares
+  struct Declared {
+    NSUInteger index;
+    MTLDataType type;
+    std::string name;
+  };
+  std::mutex mutex;
+  bool built = false;
+  std::vector<Declared> constants;  // by index
+};
+
+struct PipelineSlot {
+  std::mutex mutex;
+  std::atomic<bool> built{false};
+  id<MTLComputePipelineState> pso = nil;
+  NSUInteger max_threads = 0, thread_width = 0, static_tg_memory = 0, tg_memory_limit = 0;
+};
 
 struct State {
   std::mutex mutex;
   std::string shader_dir;
   std::string math_description;
-  std::unordered_map<std::string, id<MTLLibrary>> libraries;
-  std::unordered_map<std::string, id<MTLComputePipelineState>> pipelines;
+  std::unordered_map<std::string, std::shared_ptr<LibrarySlot>> libraries;
+  std::unordered_map<std::string, std::shared_ptr<KernelSlot>> kernels;
+  std::unordered_map<std::string, std::shared_ptr<PipelineSlot>> pipelines;
 };
 
 State& state() {
@@ -418,232 +388,292 @@ State& state() {
   return *s;
 }
 
-id<MTLLibrary> library_locked(State& s, id<MTLDevice> dev, const std::string& source) {
-  auto it = s.libraries.find(source);
-  if (it != s.libraries.end()) {
-    return it->second;
-  }
-  TORCH_CHECK(!s.shader_dir.empty(), "torch_metal_flash._C: set_shader_dir() has not been called");
-  if (@available(macOS 14.0, *)) {
-    // MSL 3.1 is available
-  } else {
-    TORCH_CHECK(false, "torch_metal_flash: the Metal kernels need macOS 14 or newer (Metal Shading Language ",
-                kLanguageVersionName, " for bfloat)");
-  }
-  const std::string text = preprocess_source(s.shader_dir, source);
-  NSString* ns_text = [NSString stringWithUTF8String:text.c_str()];
-  TORCH_CHECK(ns_text != nil, "torch_metal_flash._C: shaders/", source, " (with its headers) is not valid UTF-8");
-
-  MTLCompileOptions* options = [MTLCompileOptions new];
-  options.languageVersion = kLanguageVersion;
-  s.math_description = configure_math(options);
-
-  NSError* error = nil;
-  id<MTLLibrary> lib = [dev newLibraryWithSource:ns_text options:options error:&error];
-  TORCH_CHECK(lib != nil, "torch_metal_flash: compiling shaders/", source, " with the Metal compiler failed (MSL ",
-              kLanguageVersionName, ", math ", s.math_description, "):\n", ns_error_text(error));
-  s.libraries.emplace(source, lib);
-  return lib;
-}
-
-std::string pipeline_key(const std::string& source, const std::string& kernel, const std::vector<Constant>& constants) {
-  std::string key = source;
-  key += '\n';
-  key += kernel;
-  key += '\n';
-  for (const auto& c : constants) {
-    c.append_key(key);
-  }
-  return key;
-}
-
-id<MTLComputePipelineState> pipeline(const std::string& source, const std::string& kernel,
-                                     const std::vector<Constant>& constants) {
-  std::string key = pipeline_key(source, kernel, constants);
+// The slot for `key` (created empty), and the shader directory at that moment.
+template <class Slot>
+std::shared_ptr<Slot> find_slot(std::unordered_map<std::string, std::shared_ptr<Slot>> State::*map,
+                                const std::string& key, std::string* shader_dir = nullptr) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
-  auto it = s.pipelines.find(key);
-  if (it != s.pipelines.end()) {
-    return it->second;
+  if (shader_dir != nullptr) {
+    *shader_dir = s.shader_dir;
   }
-  id<MTLComputePipelineState> result = nil;
+  std::shared_ptr<Slot>& slot = (s.*map)[key];
+  if (slot == nullptr) {
+    slot = std::make_shared<Slot>();
+  }
+  return slot;
+}
+
+bool file_exists(const std::string& path) {
+  std::ifstream f(path, std::ios::in | std::ios::binary);
+  return f.good();
+}
+
+// shaders/<stem>.metallib when present (built by setup.py with the Metal
+// toolchain), else the source compiled once per process.
+std::shared_ptr<LibrarySlot> library(const std::string& source) {
+  std::string dir;
+  std::shared_ptr<LibrarySlot> slot = find_slot(&State::libraries, source, &dir);
+  std::lock_guard<std::mutex> lock(slot->mutex);
+  if (slot->built) {
+    return slot;
+  }
+  TORCH_CHECK(!dir.empty(), "torch_metal_flash._C: set_shader_dir() has not been called");
+  check_shader_name(source);
   @autoreleasepool {
     id<MTLDevice> dev = device();
-    id<MTLLibrary> lib = library_locked(s, dev, source);
-
-    MTLFunctionConstantValues* values = [MTLFunctionConstantValues new];
-    for (const auto& c : constants) {
-      [values setConstantValue:c.data() type:c.type atIndex:c.index];
+    const size_t dot = source.rfind('.');
+    const std::string stem = dot == std::string::npos ? source : source.substr(0, dot);
+    const std::string metallib = dir + "/" + stem + ".metallib";
+    std::string metallib_failure;
+    if (file_exists(metallib)) {
+      NSError* error = nil;
+      NSURL* url = [NSURL fileURLWithPath:[NSString stringWithUTF8String:metallib.c_str()]];
+      id<MTLLibrary> lib = [dev newLibraryWithURL:url error:&error];
+      if (lib != nil) {
+        slot->library = lib;
+        slot->origin = "shaders/" + stem + ".metallib (precompiled)";
+        slot->built = true;
+        return slot;
+      }
+      metallib_failure = "; shaders/" + stem + ".metallib did not load: " + ns_error_text(error);
     }
+    if (@available(macOS 14.0, *)) {
+      // MSL 3.1 is available
+    } else {
+      TORCH_CHECK(false, "torch_metal_flash: the Metal kernels need macOS 14 or newer (Metal Shading Language ",
+                  kLanguageVersionName, " for bfloat)");
+    }
+    const std::string text = preprocess_source(dir, source);
+    NSString* ns_text = [NSString stringWithUTF8String:text.c_str()];
+    TORCH_CHECK(ns_text != nil, "torch_metal_flash._C: shaders/", source, " (with its headers) is not valid UTF-8");
+
+    MTLCompileOptions* options = [MTLCompileOptions new];
+    options.languageVersion = kLanguageVersion;
+    const std::string math = configure_math(options);
+    {
+      std::lock_guard<std::mutex> state_lock(state().mutex);
+      state().math_description = math;
+    }
+    NSError* error = nil;
+    id<MTLLibrary> lib = [dev newLibraryWithSource:ns_text options:options error:&error];
+    TORCH_CHECK(lib != nil, "torch_metal_flash: compiling shaders/", source, " with the Metal compiler failed (MSL ",
+                kLanguageVersionName, ", math ", math, "):\n", ns_error_text(error));
+    slot->library = lib;
+    slot->origin = "shaders/" + source + " compiled at run time (MSL " + kLanguageVersionName + ", math " + math + ")" +
+                   metallib_failure;
+    slot->built = true;
+  }
+  return slot;
+}
+
+// The function constants `kernel` declares, from its unspecialised function.
+std::shared_ptr<KernelSlot> kernel_constants(const std::string& source, const std::string& kernel) {
+  std::shared_ptr<KernelSlot> slot = find_slot(&State::kernels, source + "\n" + kernel);
+  std::lock_guard<std::mutex> lock(slot->mutex);
+  if (slot->built) {
+    return slot;
+  }
+  id<MTLLibrary> lib = library(source)->library;
+  @autoreleasepool {
     NSString* name = [NSString stringWithUTF8String:kernel.c_str()];
     TORCH_CHECK(name != nil, "torch_metal_flash._C: kernel name is not valid UTF-8");
+    id<MTLFunction> fn = [lib newFunctionWithName:name];
+    TORCH_CHECK(fn != nil, "torch_metal_flash: shaders/", source, " has no kernel named '", kernel, "'");
+    NSArray<MTLFunctionConstant*>* declared = fn.functionConstantsDictionary.allValues;
+    for (NSUInteger i = 0; i < declared.count; ++i) {
+      MTLFunctionConstant* c = [declared objectAtIndex:i];
+      const char* cname = c.name.UTF8String;
+      slot->constants.push_back({c.index, c.type, cname ? cname : "?"});
+    }
+  }
+  std::sort(slot->constants.begin(), slot->constants.end(),
+            [](const KernelSlot::Declared& a, const KernelSlot::Declared& b) { return a.index < b.index; });
+  slot->built = true;
+  return slot;
+}
+
+// The pipeline of `kernel` specialised with the values of the constants it
+// declares (others are ignored), built once.
+std::shared_ptr<PipelineSlot> pipeline(const std::string& source, const std::string& kernel,
+                                       const std::vector<tmf::Constant>& given) {
+  std::shared_ptr<KernelSlot> declared = kernel_constants(source, kernel);
+  std::vector<tmf::Constant> values;
+  std::string key = source + "\n" + kernel + "\n";
+  for (const KernelSlot::Declared& d : declared->constants) {
+    const tmf::Constant* value = nullptr;
+    for (const tmf::Constant& c : given) {
+      if (c.index == d.index) {
+        value = &c;
+      }
+    }
+    if (value == nullptr) {
+      key += std::to_string(d.index) + ":unset;";  // Metal names it if it is required
+      continue;
+    }
+    TORCH_CHECK(metal_type(value->type) == d.type, "torch_metal_flash: kernel '", kernel, "' declares function constant ",
+                d.name, " [[function_constant(", d.index, ")]] as ", type_name(d.type), ", the plan passes a ",
+                type_name(metal_type(value->type)));
+    values.push_back(*value);
+    uint32_t bits = 0;
+    std::memcpy(&bits, value->data(), value->type == tmf::Constant::Type::Bool ? 1 : 4);
+    key += std::to_string(d.index) + ":" + std::to_string(bits) + ";";
+  }
+  std::shared_ptr<PipelineSlot> slot = find_slot(&State::pipelines, key);
+  if (slot->built.load(std::memory_order_acquire)) {
+    return slot;
+  }
+  std::lock_guard<std::mutex> lock(slot->mutex);
+  if (slot->built.load(std::memory_order_relaxed)) {
+    return slot;
+  }
+  id<MTLLibrary> lib = library(source)->library;
+  @autoreleasepool {
+    MTLFunctionConstantValues* constant_values = [MTLFunctionConstantValues new];
+    for (const tmf::Constant& c : values) {
+      [constant_values setConstantValue:c.data() type:metal_type(c.type) atIndex:c.index];
+    }
+    NSString* name = [NSString stringWithUTF8String:kernel.c_str()];
     NSError* error = nil;
-    id<MTLFunction> fn = [lib newFunctionWithName:name constantValues:values error:&error];
-    TORCH_CHECK(fn != nil, "torch_metal_flash: cannot make kernel '", kernel, "' of shaders/", source,
-                " with function constants {", key.substr(source.size() + kernel.size() + 2), "}:\n",
-                ns_error_text(error));
+    id<MTLFunction> fn = [lib newFunctionWithName:name constantValues:constant_values error:&error];
+    TORCH_CHECK(fn != nil, "torch_metal_flash: cannot specialise kernel '", kernel, "' of shaders/", source,
+                " ({", key.substr(source.size() + kernel.size() + 2), "}):\n", ns_error_text(error));
     error = nil;
-    id<MTLComputePipelineState> pso = [dev newComputePipelineStateWithFunction:fn error:&error];
+    id<MTLComputePipelineState> pso = [device() newComputePipelineStateWithFunction:fn error:&error];
     TORCH_CHECK(pso != nil, "torch_metal_flash: cannot build the pipeline state of kernel '", kernel, "' (shaders/",
                 source, "):\n", ns_error_text(error));
-    s.pipelines.emplace(std::move(key), pso);
-    result = pso;
+    slot->pso = pso;
+    slot->max_threads = pso.maxTotalThreadsPerThreadgroup;
+    slot->thread_width = pso.threadExecutionWidth;
+    slot->static_tg_memory = pso.staticThreadgroupMemoryLength;
+    slot->tg_memory_limit = pso.device.maxThreadgroupMemoryLength;
   }
-  return result;
+  slot->built.store(true, std::memory_order_release);
+  return slot;
 }
 
 // ---------------------------------------------------------------------------
-// Launch.
+// Commit policy: after a plan of at least `threads` threads, COMMIT (never
+// wait) so the GPU starts on it while the host encodes what follows.
+// TORCH_METAL_FLASH_COMMIT=0 turns it off; TORCH_METAL_FLASH_COMMIT_THREADS
+// sets the threshold (bench/timing.py --commit measures both).
 // ---------------------------------------------------------------------------
 
-struct Binding {
-  NSUInteger index = 0;
-  bool is_bytes = false;
-  at::Tensor tensor;   // when !is_bytes
-  std::string bytes;   // when is_bytes
+struct CommitPolicy {
+  std::atomic<bool> enabled{true};
+  std::atomic<int64_t> threads{1 << 16};
 };
 
-std::vector<Binding> to_bindings(const std::vector<int64_t>& indices, const std::vector<py::object>& buffers) {
-  TORCH_CHECK(indices.size() == buffers.size(), "torch_metal_flash._C.launch: ", indices.size(),
-              " buffer indices for ", buffers.size(), " buffers");
-  std::vector<Binding> out;
-  out.reserve(buffers.size());
-  std::set<int64_t> seen;
-  for (size_t n = 0; n < buffers.size(); ++n) {
-    const int64_t index = indices[n];
-    TORCH_CHECK(index >= 0 && index <= kMaxBufferIndex, "torch_metal_flash._C.launch: buffer index ", index,
-                " out of range [0, ", kMaxBufferIndex, "]");
-    TORCH_CHECK(seen.insert(index).second, "torch_metal_flash._C.launch: buffer index ", index, " bound twice");
-    Binding b;
-    b.index = static_cast<NSUInteger>(index);
-    const py::object& obj = buffers[n];
-    if (py::isinstance<py::bytes>(obj)) {
-      b.is_bytes = true;
-      b.bytes = obj.cast<std::string>();
-      TORCH_CHECK(!b.bytes.empty() && b.bytes.size() <= kMaxSetBytesLength, "torch_metal_flash._C.launch: buffer ",
-                  index, " has ", b.bytes.size(), " bytes; setBytes takes 1 to ", kMaxSetBytesLength,
-                  " bytes (use a tensor for more)");
-    } else {
-      TORCH_CHECK(THPVariable_Check(obj.ptr()), "torch_metal_flash._C.launch: buffer ", index,
-                  " must be a torch.Tensor or bytes, got ", py::str(py::type::of(obj)).cast<std::string>());
-      b.tensor = THPVariable_Unpack(obj.ptr());
-      TORCH_CHECK(b.tensor.defined(), "torch_metal_flash._C.launch: buffer ", index, " is an undefined tensor");
-      TORCH_CHECK(b.tensor.is_mps(), "torch_metal_flash._C.launch: buffer ", index,
-                  " must be an MPS tensor, got device ", b.tensor.device());
+CommitPolicy& commit_policy() {
+  static CommitPolicy* p = [] {
+    auto* c = new CommitPolicy();
+    if (const char* env = std::getenv("TORCH_METAL_FLASH_COMMIT")) {
+      const std::string v = env;
+      c->enabled = !(v == "0" || v == "off" || v == "false" || v == "no");
     }
-    out.push_back(std::move(b));
-  }
-  return out;
+    if (const char* env = std::getenv("TORCH_METAL_FLASH_COMMIT_THREADS")) {
+      c->threads = std::max<int64_t>(0, std::atoll(env));
+    }
+    return c;
+  }();
+  return *p;
 }
 
-MTLSize to_size(const std::vector<int64_t>& v, const char* what) {
-  TORCH_CHECK(v.size() == 3, "torch_metal_flash._C.launch: ", what, " must have 3 entries, got ", v.size());
-  for (int64_t x : v) {
-    TORCH_CHECK(x >= 0 && x <= std::numeric_limits<uint32_t>::max(), "torch_metal_flash._C.launch: ", what,
-                " entries must be in [0, 2^32), got ", x);
-  }
-  return MTLSizeMake(static_cast<NSUInteger>(v[0]), static_cast<NSUInteger>(v[1]), static_cast<NSUInteger>(v[2]));
-}
+// ---------------------------------------------------------------------------
+// The Metal encoder of the C++ op core.
+// ---------------------------------------------------------------------------
 
-void encode(const std::string& source, const std::string& kernel, const std::vector<Constant>& constants,
-            const std::vector<Binding>& bindings, MTLSize groups, MTLSize threads,
-            const std::vector<std::pair<NSUInteger, NSUInteger>>& tg_memory) {
-  @autoreleasepool {
-    id<MTLComputePipelineState> pso = pipeline(source, kernel, constants);
+class MetalEncoder final : public tmf::Encoder {
+ public:
+  const std::string& name() const override { return name_; }
+  c10::DeviceType device_type() const override { return c10::DeviceType::MPS; }
 
-    const NSUInteger per_group = threads.width * threads.height * threads.depth;
-    TORCH_CHECK(per_group <= pso.maxTotalThreadsPerThreadgroup, "torch_metal_flash: kernel '", kernel, "' dispatched with ",
-                per_group, " threads per threadgroup (", threads.width, "x", threads.height, "x", threads.depth,
-                "), but its pipeline allows at most ", pso.maxTotalThreadsPerThreadgroup,
-                " on this GPU (register pressure or [[max_total_threads_per_threadgroup]]); the planner's tile is too large");
-    NSUInteger tg_bytes = pso.staticThreadgroupMemoryLength;
-    for (const auto& m : tg_memory) {
+  // Compile (once) and check the launch against its pipeline's limits here,
+  // before any launch of the plan is encoded.
+  void prepare(tmf::LaunchTemplate& launch) override {
+    std::shared_ptr<PipelineSlot> p = pipeline(launch.source, launch.kernel, launch.constants);
+    const auto& t = launch.threadgroup;
+    const NSUInteger per_group = static_cast<NSUInteger>(t[0]) * t[1] * t[2];
+    TORCH_CHECK(per_group <= p->max_threads, "torch_metal_flash: kernel '", launch.kernel, "' planned with ",
+                per_group, " threads per threadgroup, but its pipeline allows at most ", p->max_threads,
+                " on this GPU (register pressure or [[max_total_threads_per_threadgroup]])");
+    NSUInteger tg_bytes = p->static_tg_memory;
+    for (const auto& m : launch.threadgroup_memory) {
       tg_bytes += m.second;
     }
-    const NSUInteger tg_limit = pso.device.maxThreadgroupMemoryLength;
-    TORCH_CHECK(tg_bytes <= tg_limit, "torch_metal_flash: kernel '", kernel, "' needs ", tg_bytes,
-                " bytes of threadgroup memory (", pso.staticThreadgroupMemoryLength, " static), this GPU allows ", tg_limit);
+    TORCH_CHECK(tg_bytes <= p->tg_memory_limit, "torch_metal_flash: kernel '", launch.kernel, "' needs ", tg_bytes,
+                " bytes of threadgroup memory (", p->static_tg_memory, " static), this GPU allows ", p->tg_memory_limit);
+    launch.prepared = p;
+  }
 
+  // One dispatch_sync per plan: PyTorch's pattern, on its stream's shared
+  // compute encoder (never our own, never ended here).
+  void encode(const tmf::PlanTemplate& plan, const tmf::BoundBuffer* buffers) override {
     at::mps::MPSStream* stream = at::mps::getCurrentMPSStream();
     TORCH_CHECK(stream != nullptr, "torch_metal_flash._C: no current MPS stream");
-    const std::vector<Binding>* binds = &bindings;
-    const std::vector<std::pair<NSUInteger, NSUInteger>>* tgm = &tg_memory;
-
-    // The documented PyTorch pattern: encode on the stream's serial queue into
-    // the stream's shared compute encoder. Never create or end an encoder and
-    // never commit here: PyTorch coalesces kernels into its command buffer and
-    // commits at its own sync points (torch.mps.synchronize(), .cpu(), ...).
+    CommitPolicy& policy = commit_policy();
+    const bool commit = policy.enabled.load(std::memory_order_relaxed) &&
+                        plan.threads >= policy.threads.load(std::memory_order_relaxed);
+    const tmf::PlanTemplate* p = &plan;
+    tmf::bridge::WithoutGil no_gil;
     dispatch_sync_with_rethrow(stream->queue(), ^() {
       @autoreleasepool {
         id<MTLComputeCommandEncoder> enc = stream->commandEncoder();
         TORCH_CHECK(enc != nil, "torch_metal_flash._C: the MPS stream returned no compute encoder");
-        [enc setComputePipelineState:pso];
-        for (const Binding& b : *binds) {
-          if (b.is_bytes) {
-            [enc setBytes:b.bytes.data() length:b.bytes.size() atIndex:b.index];
-          } else {
-            // as at::native::mps::mtl_setBuffer
-            [enc setBuffer:getMTLBufferStorage(b.tensor)
-                    offset:static_cast<NSUInteger>(b.tensor.storage_offset() * b.tensor.element_size())
-                   atIndex:b.index];
+        size_t n = 0;
+        for (const tmf::LaunchTemplate& l : p->launches) {
+          [enc setComputePipelineState:static_cast<const PipelineSlot*>(l.prepared.get())->pso];
+          for (size_t i = 0; i < l.buffers.size(); ++i, ++n) {
+            const tmf::BoundBuffer& b = buffers[n];
+            if (b.bytes != nullptr) {
+              [enc setBytes:b.bytes length:b.nbytes atIndex:b.index];
+            } else {  // as at::native::mps::mtl_setBuffer
+              [enc setBuffer:mtl_buffer(b.storage) offset:b.offset atIndex:b.index];
+            }
+          }
+          for (const auto& m : l.threadgroup_memory) {
+            [enc setThreadgroupMemoryLength:m.second atIndex:m.first];
+          }
+          const auto& g = l.threadgroups;
+          if (g[0] != 0 && g[1] != 0 && g[2] != 0) {
+            [enc dispatchThreadgroups:MTLSizeMake(g[0], g[1], g[2])
+                threadsPerThreadgroup:MTLSizeMake(l.threadgroup[0], l.threadgroup[1], l.threadgroup[2])];
           }
         }
-        for (const auto& m : *tgm) {
-          [enc setThreadgroupMemoryLength:m.second atIndex:m.first];
+        if (commit) {
+          stream->synchronize(at::mps::SyncType::COMMIT);  // ends the encoder, commits, never waits
         }
-        [enc dispatchThreadgroups:groups threadsPerThreadgroup:threads];
       }
     });
   }
-}
+
+ private:
+  std::string name_ = "metal";
+};
 
 // ---------------------------------------------------------------------------
-// Python entry points.
+// Python entry points. Each releases the GIL before taking any lock.
 // ---------------------------------------------------------------------------
 
 void set_shader_dir(const std::string& path) {
   TORCH_CHECK(!path.empty(), "torch_metal_flash._C.set_shader_dir: empty path");
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mutex);
-  if (s.shader_dir != path) {
-    // Different sources: drop what was compiled from the old directory.
-    s.shader_dir = path;
-    s.libraries.clear();
-    s.pipelines.clear();
-  }
-}
-
-void launch(const std::string& source, const std::string& kernel,
-            const std::vector<std::pair<int64_t, py::object>>& function_constants,
-            const std::vector<int64_t>& buffer_indices, const std::vector<py::object>& buffers,
-            const std::vector<int64_t>& threadgroups, const std::vector<int64_t>& threadgroup,
-            const std::vector<std::pair<int64_t, int64_t>>& threadgroup_memory) {
-  // Everything that touches Python objects happens here, with the GIL.
-  std::vector<Constant> constants = to_constants(function_constants);
-  std::vector<Binding> bindings = to_bindings(buffer_indices, buffers);
-  const MTLSize groups = to_size(threadgroups, "threadgroups");
-  const MTLSize threads = to_size(threadgroup, "threadgroup");
-  TORCH_CHECK(threads.width >= 1 && threads.height >= 1 && threads.depth >= 1,
-              "torch_metal_flash._C.launch: threads per threadgroup must be >= 1 in every dimension");
-  std::vector<std::pair<NSUInteger, NSUInteger>> tg_memory;
-  std::set<int64_t> seen;
-  for (const auto& m : threadgroup_memory) {
-    TORCH_CHECK(m.first >= 0 && m.first <= kMaxBufferIndex, "torch_metal_flash._C.launch: threadgroup memory index ",
-                m.first, " out of range");
-    TORCH_CHECK(seen.insert(m.first).second, "torch_metal_flash._C.launch: threadgroup memory index ", m.first,
-                " given twice");
-    TORCH_CHECK(m.second > 0, "torch_metal_flash._C.launch: threadgroup memory ", m.first, " must be > 0 bytes");
-    // setThreadgroupMemoryLength: "needs to be a multiple of 16 bytes".
-    const int64_t rounded = (m.second + 15) / 16 * 16;
-    tg_memory.emplace_back(static_cast<NSUInteger>(m.first), static_cast<NSUInteger>(rounded));
-  }
-  if (groups.width == 0 || groups.height == 0 || groups.depth == 0) {
-    return;  // empty grid: nothing to run
-  }
-  // Compiling (first use) and waiting for the stream's queue can take a while:
-  // let other Python threads run, as torch's own op bindings do.
   py::gil_scoped_release no_gil;
-  encode(source, kernel, constants, bindings, groups, threads, tg_memory);
+  bool changed = false;
+  {
+    State& s = state();
+    std::lock_guard<std::mutex> lock(s.mutex);
+    if (s.shader_dir != path) {
+      // Different sources: forget what was built from the old directory.
+      s.shader_dir = path;
+      s.libraries.clear();
+      s.kernels.clear();
+      s.pipelines.clear();
+      changed = true;
+    }
+  }
+  if (changed) {
+    tmf::clear_plan_cache();  // templates hold pipelines of the old directory
+  }
 }
 
 std::string gpu_family() {
@@ -665,50 +695,72 @@ std::string gpu_family() {
 
 py::dict pipeline_info(const std::string& source, const std::string& kernel,
                        const std::vector<std::pair<int64_t, py::object>>& function_constants) {
-  std::vector<Constant> constants = to_constants(function_constants);
-  NSUInteger max_threads = 0, width = 0, static_tg = 0, tg_limit = 0;
+  std::vector<tmf::Constant> constants;
+  for (const auto& item : function_constants) {
+    constants.push_back(tmf::to_constant(item.first, item.second));
+  }
+  std::shared_ptr<PipelineSlot> p;
   {
     py::gil_scoped_release no_gil;
-    @autoreleasepool {
-      id<MTLComputePipelineState> pso = pipeline(source, kernel, constants);
-      max_threads = pso.maxTotalThreadsPerThreadgroup;
-      width = pso.threadExecutionWidth;
-      static_tg = pso.staticThreadgroupMemoryLength;
-      tg_limit = pso.device.maxThreadgroupMemoryLength;
-    }
+    p = pipeline(source, kernel, constants);
   }
   py::dict info;
-  info["max_total_threads_per_threadgroup"] = static_cast<int64_t>(max_threads);
-  info["thread_execution_width"] = static_cast<int64_t>(width);
-  info["static_threadgroup_memory_length"] = static_cast<int64_t>(static_tg);
-  info["max_threadgroup_memory_length"] = static_cast<int64_t>(tg_limit);
+  info["max_total_threads_per_threadgroup"] = static_cast<int64_t>(p->max_threads);
+  info["thread_execution_width"] = static_cast<int64_t>(p->thread_width);
+  info["static_threadgroup_memory_length"] = static_cast<int64_t>(p->static_tg_memory);
+  info["max_threadgroup_memory_length"] = static_cast<int64_t>(p->tg_memory_limit);
+  return info;
+}
+
+py::dict library_info(const std::string& source) {
+  std::shared_ptr<LibrarySlot> lib;
+  {
+    py::gil_scoped_release no_gil;
+    lib = library(source);
+  }
+  py::dict info;
+  info["origin"] = lib->origin;
   return info;
 }
 
 std::string math_mode() {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.mutex);
-  return s.math_description.empty() ? std::string("(no library compiled yet)") : s.math_description;
+  std::string description;
+  {
+    py::gil_scoped_release no_gil;
+    State& s = state();
+    std::lock_guard<std::mutex> lock(s.mutex);
+    description = s.math_description;
+  }
+  return description.empty() ? std::string("(no library compiled from source yet)") : description;
 }
 
 }  // namespace
 }  // namespace torch_metal_flash
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  namespace tmf = torch_metal_flash;
-  m.doc() = "torch_metal_flash Metal launcher: encodes planned kernels on PyTorch's current MPS stream";
-  m.def("set_shader_dir", &tmf::set_shader_dir, py::arg("path"),
-        "Directory of the .metal/.h shader sources (caches are dropped when it changes).");
-  m.def("launch", &tmf::launch, py::arg("source"), py::arg("kernel"), py::arg("function_constants"),
-        py::arg("buffer_indices"), py::arg("buffers"), py::arg("threadgroups"), py::arg("threadgroup"),
-        py::arg("threadgroup_memory"),
-        "Encode one dispatchThreadgroups on the current MPS stream (no commit). function_constants: "
-        "[(index, bool|int|float)] -> MTLDataTypeBool|Int|Float; buffers: MPS tensors (bound at "
-        "storage_offset*element_size) or bytes (setBytes, <= 4096); threadgroup_memory: [(index, bytes)].");
-  m.def("gpu_family", &tmf::gpu_family, "Highest Apple GPU family the device supports, e.g. 'apple8'.");
-  m.def("pipeline_info", &tmf::pipeline_info, py::arg("source"), py::arg("kernel"),
+  namespace tmfl = torch_metal_flash;
+  m.doc() = "torch_metal_flash Metal launcher: the C++ op core with its Metal encoder";
+  tmf::bind_core(m);
+  if (at::mps::is_available()) {
+    tmf::set_encoder(tmf::Backend::Metal, std::make_shared<tmfl::MetalEncoder>());
+  }
+  m.def("set_shader_dir", &tmfl::set_shader_dir, py::arg("path"),
+        "Directory of the .metal/.h shader sources and .metallib files (caches are dropped when it changes).");
+  m.def("gpu_family", &tmfl::gpu_family, "Highest Apple GPU family the device supports, e.g. 'apple8'.");
+  m.def("pipeline_info", &tmfl::pipeline_info, py::arg("source"), py::arg("kernel"),
         py::arg("function_constants") = std::vector<std::pair<int64_t, py::object>>{},
         "Limits of a kernel's pipeline state (max threads per threadgroup, SIMD width, threadgroup memory).");
-  m.def("math_mode", &tmf::math_mode, "The floating-point math mode the shader libraries are compiled with.");
-  m.attr("LANGUAGE_VERSION") = tmf::kLanguageVersionName;
+  m.def("library_info", &tmfl::library_info, py::arg("source"),
+        "Where the library of a shader file came from (its .metallib or the source compiled at run time).");
+  m.def("math_mode", &tmfl::math_mode, "The floating-point math mode source-compiled libraries use.");
+  m.def("set_commit", [](bool enabled, int64_t threads) {
+    TORCH_CHECK(threads >= 0, "set_commit: threads must be >= 0");
+    tmfl::commit_policy().enabled = enabled;
+    tmfl::commit_policy().threads = threads;
+  }, py::arg("enabled"), py::arg("threads") = int64_t{1 << 16},
+     "Commit (never wait) after plans of at least `threads` threads; TORCH_METAL_FLASH_COMMIT(_THREADS).");
+  m.def("commit_policy", [] {
+    return py::make_tuple(tmfl::commit_policy().enabled.load(), tmfl::commit_policy().threads.load());
+  });
+  m.attr("LANGUAGE_VERSION") = tmfl::kLanguageVersionName;
 }

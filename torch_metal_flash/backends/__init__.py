@@ -9,6 +9,10 @@ When the chosen backend cannot run a call (the planner's reason, a missing
 extension, a device it does not serve), the call falls back to the reference
 path with a one-time warning naming the reason; in strict mode it raises
 :class:`UnsupportedError` instead.
+
+The ops' bodies run in the C++ core (:mod:`torch_metal_flash.core`), which
+mirrors each thread's choice (:func:`backend` tells it) and calls back here for
+the fallback and the reference path.
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ import contextvars
 import os
 import threading
 import warnings
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -26,6 +30,8 @@ BACKENDS = ("auto", "metal", "emulator", "reference")
 
 _choice: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("tmf_backend", default=None)
 _strict: contextvars.ContextVar[Optional[bool]] = contextvars.ContextVar("tmf_strict", default=None)
+# Mirrors this thread's choice into the C++ core once it is loaded (core.load() sets it).
+_mirror: Optional[Callable[[Optional[str]], None]] = None
 
 
 class UnsupportedError(RuntimeError):
@@ -58,6 +64,12 @@ def is_strict() -> bool:
     return strict
 
 
+def is_debug() -> bool:
+    """``TORCH_METAL_FLASH_DEBUG=1``: validate index values on the host (kv-cache calls),
+    at the cost of a GPU synchronisation per call on MPS."""
+    return os.environ.get("TORCH_METAL_FLASH_DEBUG", "0").strip().lower() not in ("", "0", "false", "no")
+
+
 @contextlib.contextmanager
 def backend(name: str, *, strict: Optional[bool] = None) -> Iterator[None]:
     """Run the enclosed calls on backend ``name`` (``auto|metal|emulator|reference``).
@@ -66,12 +78,16 @@ def backend(name: str, *, strict: Optional[bool] = None) -> Iterator[None]:
     """
     token = _choice.set(_check_name(name, "backend()"))
     strict_token = _strict.set(strict) if strict is not None else None
+    if _mirror is not None:
+        _mirror(name)
     try:
         yield
     finally:
         _choice.reset(token)
         if strict_token is not None:
             _strict.reset(strict_token)
+        if _mirror is not None:
+            _mirror(_choice.get())
 
 
 def set_strict(strict: bool) -> None:
@@ -89,10 +105,12 @@ def record_run(name: str) -> None:
 
 def run_counts(reset: bool = False) -> dict[str, int]:
     """How many op calls each backend executed (``reference`` includes fallbacks)."""
-    counts = dict(_runs)
+    from .. import core
+    counts = collections.Counter(_runs)
     if reset:
         _runs.clear()
-    return counts
+    counts.update(core.run_counts(reset))  # plans the C++ core encoded
+    return dict(counts)
 
 
 _warned: set[str] = set()
@@ -124,13 +142,24 @@ def select(device: torch.device):
         from . import metal
         why = metal.unavailable_reason(device)
     else:
-        from . import emulator
         why = None if device.type == "cpu" else f"the emulator backend runs on CPU tensors, got {device.type}"
     if why is not None:
         return None, why
+    return instance(name), None
+
+
+def instance(name: str):
+    """The process's ``metal`` or ``emulator`` backend object."""
     if name not in _instances:
-        _instances[name] = metal.MetalBackend() if name == "metal" else emulator.EmulatorBackend()
-    return _instances[name], None
+        with _instances_lock:
+            if name not in _instances:
+                if name == "metal":
+                    from .metal import MetalBackend
+                    _instances[name] = MetalBackend()
+                else:
+                    from .emulator import EmulatorBackend
+                    _instances[name] = EmulatorBackend()
+    return _instances[name]
 
 
 def resolve(device: torch.device):
@@ -142,3 +171,4 @@ def resolve(device: torch.device):
 
 
 _instances: dict = {}
+_instances_lock = threading.Lock()

@@ -145,6 +145,11 @@ class Library:
             raise KeyError(f"{self._name} has no kernel named {name!r}; kernels: {', '.join(self.kernel_names)}")
         return KernelFunction(self, name)
 
+    def build(self, checked: Optional[bool] = None) -> "Library":
+        """Compile now (for ``checked``, default: the current setting) instead of at the first launch."""
+        self._build(config.default_checked() if checked is None else bool(checked))
+        return self
+
     def _build(self, checked: bool) -> dict:
         """{host name: _Build} for this mode: launch-time function constants when possible."""
         pre_hash = hashlib.sha256(self._pre_text.encode()).hexdigest()

@@ -17,10 +17,10 @@ plan:
 
 No atomics anywhere: every output element has one writer and every
 reduction runs in a fixed order, so results are bitwise reproducible.
-Tensors are bound as they are (no copies of q/k/v/out/mask); ``dout`` is
-copied only when its last dim is not contiguous (autograd may hand over an
-expanded gradient), ``dlse`` is converted to a contiguous float32 vector
-(O(B*H*L)).
+Tensors are bound as they are (no copies of q/k/v/out/mask): ``dout`` must
+have a contiguous last dim and ``dlse`` be contiguous float32 (the autograd
+formula in :mod:`torch_metal_flash.ops` makes them so); delta and stats are
+the plan's scratch.
 """
 from __future__ import annotations
 
@@ -31,9 +31,10 @@ import torch
 
 from ..plan import Launch, Plan, Unsupported
 from ..spec import AttentionSpec
-from .backward_tiles import (DSINKS_THREADS, PRE_ROWS_PER_GROUP, PRE_THREADS, BackwardTiles,
-                             backward_tiles)
+from .backward_tiles import (DSINKS_KERNEL, DSINKS_THREADS, PRE_ROWS_PER_GROUP, PRE_THREADS, BackwardTiles,
+                             backward_candidates, backward_tiles)
 from .forward import MASK_KINDS, _last_dim_contiguous, check_aux, check_problem, effective_band, score_scale
+from .limits import PipelineInfo, first_fitting
 from .params import FlashFwdParams
 
 SOURCE = "flash_bwd.metal"
@@ -48,7 +49,6 @@ FC_HAS_BAND = 5
 FC_DIMS_ALIGNED = 6
 FC_HAS_DBIAS = 7
 FC_HAS_DLSE = 8
-FC_AUX_HAS_OUT = 9
 
 # [[buffer(i)]] indices
 # preprocess
@@ -112,8 +112,11 @@ def _check(spec: AttentionSpec, dout, out, aux, dlse, dq, dk, dv, dbias, dsinks)
     reason = check_aux(spec, aux)
     if reason is not None:
         return reason
-    if dlse is not None and tuple(dlse.shape) != (B, Hq, Lq):
-        return f"dlse must be (B, Hq, Lq), got {tuple(dlse.shape)}"
+    if not _last_dim_contiguous(dout):
+        return f"dout last dim is not contiguous (stride {dout.stride(-1)})"
+    if dlse is not None and (tuple(dlse.shape) != (B, Hq, Lq) or dlse.dtype != torch.float32
+                             or not dlse.is_contiguous()):
+        return f"dlse must be contiguous float32 (B, Hq, Lq), got {dlse.dtype} {tuple(dlse.shape)}"
     if dbias is not None and dbias.numel() > 0:
         if tuple(dbias.shape) != (B, Hq, Lq, Lk) or dbias.dtype != torch.float32 or dbias.stride(-1) != 1:
             return "dbias must be float32 (B, Hq, Lq, Lk) with a contiguous last dim"
@@ -127,25 +130,50 @@ def _check(spec: AttentionSpec, dout, out, aux, dlse, dq, dk, dv, dbias, dsinks)
 def plan_backward(spec: AttentionSpec, dout: torch.Tensor, out: torch.Tensor, aux: torch.Tensor,
                   dlse: Optional[torch.Tensor], dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
                   dbias: Optional[torch.Tensor], dsinks: Optional[torch.Tensor],
-                  family: str = "apple8") -> Union[Plan, Unsupported]:
+                  family: str = "apple8", pipeline_info: Optional[PipelineInfo] = None) -> Union[Plan, Unsupported]:
+    """The backward launches; with ``pipeline_info`` (the backend's) the table's tiles
+    are checked against their pipelines' limits and those of a larger bucket taken
+    when they do not fit (:mod:`.limits`)."""
     reason = _check(spec, dout, out, aux, dlse, dq, dk, dv, dbias, dsinks)
     if reason is not None:
         return Unsupported(reason)
+    try:
+        candidates = backward_candidates(spec.q.dtype, max(spec.head_dim, spec.head_dim_v), family)
+    except (KeyError, ValueError) as e:
+        return Unsupported(str(e))
+    if spec.batch == 0 or spec.heads == 0 or spec.seqlen_q == 0 or spec.seqlen_k == 0:
+        return Unsupported("empty problem (the reference fills the zeros)")
+    return first_fitting((_plan_tiles(spec, dout, out, aux, dlse, dq, dk, dv, dbias, dsinks, tiles)
+                          for tiles in candidates), pipeline_info)
+
+
+def function_constants(mask_kind: int, alibi: bool, sinks: bool, softcap: bool, band: bool, dims_aligned: bool,
+                       dbias: bool, dlse: bool) -> dict:
+    """The ``[[function_constant]]`` values of ``flash_bwd.metal`` for these features."""
+    return {
+        FC_HAS_MASK: mask_kind != 0,
+        FC_MASK_KIND: mask_kind,
+        FC_HAS_ALIBI: alibi,
+        FC_HAS_SINKS: sinks,
+        FC_HAS_SOFTCAP: softcap,
+        FC_HAS_BAND: band,
+        FC_DIMS_ALIGNED: dims_aligned,
+        FC_HAS_DBIAS: dbias,
+        FC_HAS_DLSE: dlse,
+    }
+
+
+# Every value plan_backward can pass to function_constants() (the doctor enumerates the variants from these).
+FEATURE_VALUES = {"mask_kind": (0, *MASK_KINDS.values()), "alibi": (False, True), "sinks": (False, True),
+                  "softcap": (False, True), "band": (False, True), "dims_aligned": (False, True),
+                  "dbias": (False, True), "dlse": (False, True)}
+
+
+def _plan_tiles(spec: AttentionSpec, dout, out, aux, dlse, dq, dk, dv, dbias, dsinks, tiles: BackwardTiles) -> Plan:
     q, k, v = spec.q, spec.k, spec.v
     B, Hq, Lq, D = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
-    try:
-        tiles = backward_tiles(q.dtype, max(D, Dv), family)
-    except (KeyError, ValueError) as e:
-        return Unsupported(str(e))
-    if B == 0 or Hq == 0 or Lq == 0 or Lk == 0:
-        return Unsupported("empty problem (the reference fills the zeros)")
-
     compute_dbias = dbias is not None and dbias.numel() > 0
-    if not _last_dim_contiguous(dout):
-        dout = dout.contiguous()  # e.g. an expanded gradient of a sum(): O(B*H*L*Dv)
-    if dlse is not None:
-        dlse = dlse.to(torch.float32).contiguous()
 
     wl, wr, has_band = effective_band(spec)
     has_softcap = spec.softcap > 0
@@ -177,24 +205,12 @@ def plan_backward(spec: AttentionSpec, dout: torch.Tensor, out: torch.Tensor, au
         shared[BUF_MASK] = m
     if spec.alibi_slopes is not None:
         a = spec.alibi_slopes
-        if a.dtype != torch.float32:
-            a = a.to(torch.float32)
         _set(f, a_stride_b=a.stride(0), a_stride_h=a.stride(1))
         shared[BUF_ALIBI] = a
     params = p.to_bytes()
 
-    constants = {
-        FC_HAS_MASK: mask_kind != 0,
-        FC_MASK_KIND: mask_kind,
-        FC_HAS_ALIBI: spec.alibi_slopes is not None,
-        FC_HAS_SINKS: spec.sinks is not None,
-        FC_HAS_SOFTCAP: has_softcap,
-        FC_HAS_BAND: has_band,
-        FC_DIMS_ALIGNED: D == tiles.dq.bd and Dv == tiles.dq.bd,
-        FC_HAS_DBIAS: compute_dbias,
-        FC_HAS_DLSE: dlse is not None,
-        FC_AUX_HAS_OUT: aux.shape[-1] > 2,
-    }
+    constants = function_constants(mask_kind, spec.alibi_slopes is not None, spec.sinks is not None, has_softcap,
+                                   has_band, D == tiles.dq.bd and Dv == tiles.dq.bd, compute_dbias, dlse is not None)
 
     # The only scratch: delta and (m, 1 / l) per row, float32.
     delta = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
@@ -227,13 +243,12 @@ def plan_backward(spec: AttentionSpec, dout: torch.Tensor, out: torch.Tensor, au
                                threadgroups=(-(-Lk // t.bk), Hkv, B), threadgroup=(t.threads, 1, 1),
                                buffers=bufs, function_constants=dict(constants)))
     if spec.sinks is not None:
-        sinks = spec.sinks.detach().to(torch.float32).contiguous()
-        launches.append(Launch(source=SOURCE, kernel="flash_bwd_dsinks", threadgroups=(Hq, 1, 1),
+        launches.append(Launch(source=SOURCE, kernel=DSINKS_KERNEL, threadgroups=(Hq, 1, 1),
                                threadgroup=(DSINKS_THREADS, 1, 1),
-                               buffers={BUF_S_STATS: stats, BUF_S_DELTA: delta, BUF_S_SINKS: sinks,
+                               buffers={BUF_S_STATS: stats, BUF_S_DELTA: delta, BUF_S_SINKS: spec.sinks,
                                         BUF_S_DSINKS: dsinks, BUF_S_PARAMS: params},
                                function_constants=dict(constants)))
-    return Plan(launches=tuple(launches))
+    return Plan(launches=tuple(launches), scratch=(delta, stats))
 
 
 def backward_tiles_for(spec: AttentionSpec, family: str = "apple8") -> BackwardTiles:
@@ -241,7 +256,6 @@ def backward_tiles_for(spec: AttentionSpec, family: str = "apple8") -> BackwardT
     return backward_tiles(spec.q.dtype, max(spec.head_dim, spec.head_dim_v), family)
 
 
-def scratch_bytes(spec: AttentionSpec, has_dlse: bool = False) -> int:
-    """Bytes the plan allocates beyond the gradients (delta, stats; a float32 dlse copy)."""
-    rows = spec.batch * spec.heads * spec.seqlen_q
-    return 4 * rows * (3 + (1 if has_dlse else 0))
+def scratch_bytes(spec: AttentionSpec) -> int:
+    """Bytes the plan allocates beyond the gradients (the delta and stats scratch)."""
+    return 4 * spec.batch * spec.heads * spec.seqlen_q * 3

@@ -34,6 +34,7 @@ _ELEM_SIZE = {"f32": 4, "f16": 2, "bf16": 2}
 PRE_THREADS = 256
 PRE_ROWS_PER_GROUP = 8
 DSINKS_THREADS = 256
+DSINKS_KERNEL = "flash_bwd_dsinks"
 FUSED_MAX_BD = 64
 
 
@@ -124,6 +125,21 @@ def backward_tiles(dtype: torch.dtype, head_dim: int, family: str = "apple8") ->
     kbk, kbq = table["dkv"][dt][bd]
     modes = (0,) if bd <= FUSED_MAX_BD else (1, 2)
     return BackwardTiles(DQTile(dt, bd, bq, bk), tuple(DKVTile(dt, bd, kbk, kbq, m) for m in modes))
+
+
+def backward_candidates(dtype: torch.dtype, head_dim: int, family: str = "apple8") -> list[BackwardTiles]:
+    """The tiles the planner may use for ``head_dim``, preferred first: the table's,
+    then those of larger buckets (head dim zero-padded) whose dQ or dK/dV kernels
+    need fewer threads or less threadgroup memory, for pipelines whose limits the
+    first exceeds."""
+    first = backward_tiles(dtype, head_dim, family)
+
+    def needs(t: BackwardTiles) -> tuple[int, int, int, int]:
+        return (t.dq.threads, max(x.threads for x in t.dkv), t.dq.threadgroup_memory,
+                max(x.threadgroup_memory for x in t.dkv))
+
+    larger = (backward_tiles(dtype, bd, family) for bd in HEAD_DIM_BUCKETS if bd > first.dq.bd)
+    return [first] + [t for t in larger if any(a < b for a, b in zip(needs(t), needs(first)))]
 
 
 def backward_variants() -> list:

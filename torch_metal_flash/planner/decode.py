@@ -30,11 +30,13 @@ import torch
 
 from ..plan import Launch, Plan, Unsupported
 from ..spec import AttentionSpec
+from .limits import PipelineInfo, first_fitting
 
 SOURCE = "flash_decode.metal"
 
 # [[function_constant(i)]] indices of flash_decode.metal
-FC_PAGED, FC_HAS_LEFTPAD, FC_HAS_BATCH_IDX, FC_HAS_ALIBI, FC_HAS_SOFTCAP, FC_HAS_BAND, FC_USE_SPLITS = range(7)
+(FC_PAGED, FC_HAS_LEFTPAD, FC_HAS_BATCH_IDX, FC_HAS_ALIBI, FC_HAS_SOFTCAP, FC_HAS_BAND, FC_USE_SPLITS,
+ FC_HAS_SEQLENS) = range(8)
 # [[buffer(i)]] indices
 (BUF_Q, BUF_K, BUF_V, BUF_O, BUF_LSE, BUF_PARAMS, BUF_SEQLENS, BUF_LEFTPAD, BUF_BATCH_IDX, BUF_BLOCK_TABLE,
  BUF_ALIBI, BUF_PART_O, BUF_PART_ML) = range(13)
@@ -74,7 +76,8 @@ class DecodeParams(ctypes.Structure):
         "v_stride_b", "v_stride_l", "v_stride_h", "o_stride_b", "o_stride_h", "o_stride_l",
         "bt_stride_b", "a_stride_b", "a_stride_h")] + [(n, ctypes.c_int32) for n in (
             "batch", "heads", "kv_heads", "gqa", "seqlen_q", "head_dim", "page_size", "num_splits",
-            "diag_adjust", "window_left", "window_right", "rows_per_tg", "row_blocks", "num_threads")] + [
+            "diag_adjust", "window_left", "window_right", "rows_per_tg", "row_blocks", "num_threads",
+            "seqlen_fixed", "seqlen_new", "capacity", "cache_rows")] + [
         ("qk_scale", ctypes.c_float), ("softcap", ctypes.c_float)]
 
     def to_bytes(self) -> bytes:
@@ -86,15 +89,18 @@ class DecodeProblem:
     """One decode call.  ``q``/``out`` are (B, Hq, Lq, D)-indexed views (any strides, last
     dim contiguous); caches are (B_cache, L_max, Hkv, D) or, with ``block_table``
     (B, max_blocks) int32, paged (num_blocks, page_size, Hkv, D).  Row ``b`` attends
-    cache positions [leftpad[b], seqlens_k[b]) (int32 device vectors); the band is
-    aligned bottom-right per row (``diag = seqlens_k - leftpad - Lq + diag_adjust``)."""
+    cache positions [leftpad[b], seqlens[b] + seqlen_new) (int32 device vectors, read
+    and clamped on the GPU: shaders/kvcache_index.h; ``seqlen_fixed`` for every row
+    when ``seqlens`` is None); the band is aligned bottom-right per row
+    (``diag = seqlens + seqlen_new - leftpad - Lq + diag_adjust``)."""
 
     q: torch.Tensor
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     out: torch.Tensor
     lse: torch.Tensor
-    seqlens_k: torch.Tensor
+    seqlens: Optional[torch.Tensor]
+    seqlen_fixed: int
     leftpad: Optional[torch.Tensor]
     batch_idx: Optional[torch.Tensor]
     block_table: Optional[torch.Tensor]
@@ -103,8 +109,15 @@ class DecodeProblem:
     window_left: int
     window_right: int
     softcap: float
-    max_seqlen_k: int  # upper bound of seqlens_k - leftpad (for the split heuristic)
+    seqlen_new: int = 0  # rows appended before this call (at seqlens[b])
     diag_adjust: int = 0
+
+    @property
+    def capacity(self) -> int:
+        """Cache positions per row: L_max, or max_blocks * page_size (a host-known bound of the keys)."""
+        if self.block_table is not None:
+            return self.block_table.shape[1] * self.k_cache.shape[1]
+        return self.k_cache.shape[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +129,11 @@ class DecodeTile:
     @property
     def kernel(self) -> str:
         return f"flash_decode_{self.dtype}_d{self.bd}_k{self.bk}"
+
+
+def combine_kernel(dtype: str) -> str:
+    """The kernel that merges the split partials, for dtype name ``f32|f16|bf16``."""
+    return f"flash_decode_combine_{dtype}"
 
 
 def decode_tile(dtype: torch.dtype, head_dim: int) -> DecodeTile:
@@ -130,9 +148,13 @@ def decode_variants() -> list[DecodeTile]:
     return [DecodeTile(dt, bd, bk) for dt, rows in DECODE_TILES.items() for bd, bk in rows.items()]
 
 
-def row_blocking(rows: int, bd: int = 128) -> tuple[int, int]:
-    """(rows_per_tg, row_blocks) for ``rows`` query rows per KV head and head-dim bucket ``bd``."""
-    cap = MAX_ROWS_PER_TG if bd <= 128 else MAX_ROWS_PER_TG_WIDE
+def row_cap(bd: int) -> int:
+    """Query rows per threadgroup at most, for head-dim bucket ``bd``."""
+    return MAX_ROWS_PER_TG if bd <= 128 else MAX_ROWS_PER_TG_WIDE
+
+
+def row_blocking(rows: int, cap: int = MAX_ROWS_PER_TG) -> tuple[int, int]:
+    """(rows_per_tg, row_blocks) for ``rows`` query rows per KV head, at most ``cap`` per threadgroup."""
     blocks = max(1, -(-rows // cap))
     return -(-rows // blocks), blocks
 
@@ -186,49 +208,63 @@ def _check(pb: DecodeProblem) -> Optional[str]:
         return "out must match q"
     if tuple(pb.lse.shape) != (B, Hq, Lq) or pb.lse.dtype != torch.float32 or not pb.lse.is_contiguous():
         return "lse must be contiguous float32 (B, Hq, Lq)"
-    if max(B, Hq, Lq, kc.shape[0], kc.shape[1], pb.max_seqlen_k) > _POS_LIMIT:
+    if max(B, Hq, Lq, kc.shape[0], kc.shape[1], pb.capacity, pb.seqlen_new) > _POS_LIMIT:
         return "sizes beyond 2^30 (32-bit positions in the kernel)"
-    if pb.block_table is not None and pb.block_table.shape[1] * kc.shape[1] > _POS_LIMIT:
-        return "paged cache capacity beyond 2^30"
+    if pb.seqlen_new < 0:
+        return "seqlen_new < 0"
     if max(pb.window_left, pb.window_right, abs(pb.diag_adjust)) > _POS_LIMIT:
         return "window or diagonal beyond 2^30"
     if not (math.isfinite(pb.scale) and math.isfinite(pb.softcap)) or pb.softcap < 0:
         return "scale and softcap must be finite (softcap >= 0)"
-    for name, t in (("seqlens_k", pb.seqlens_k), ("leftpad", pb.leftpad), ("batch_idx", pb.batch_idx)):
+    for name, t in (("cache_seqlens", pb.seqlens), ("leftpad", pb.leftpad), ("batch_idx", pb.batch_idx)):
         if t is not None and (t.dtype != torch.int32 or tuple(t.shape) != (B,) or not t.is_contiguous()):
             return f"{name} must be a contiguous int32 ({B},) tensor"
     if pb.block_table is not None:
         bt = pb.block_table
         if bt.dtype != torch.int32 or bt.dim() != 2 or bt.shape[0] != B or (bt.shape[1] > 1 and bt.stride(1) != 1):
             return "block_table must be int32 (B, max_blocks) with contiguous rows"
-    if pb.alibi_slopes is not None and tuple(pb.alibi_slopes.shape) != (B, Hq):
-        return "alibi_slopes must be a (B, Hq) view"
+    if pb.alibi_slopes is not None and (tuple(pb.alibi_slopes.shape) != (B, Hq)
+                                        or pb.alibi_slopes.dtype != torch.float32):
+        return "alibi_slopes must be a float32 (B, Hq) view"
     return None
 
 
-def plan_decode(pb: DecodeProblem, num_splits: int = 0,
-                gpu_cores: int = DEFAULT_GPU_CORES) -> Union[Plan, Unsupported]:
-    """Launches for ``pb``; ``num_splits`` 0 = heuristic, n > 0 forces n (capped at MAX_SPLITS)."""
+def plan_decode(pb: DecodeProblem, num_splits: int = 0, gpu_cores: int = DEFAULT_GPU_CORES,
+                pipeline_info: Optional[PipelineInfo] = None) -> Union[Plan, Unsupported]:
+    """Launches for ``pb``; ``num_splits`` 0 = heuristic, n > 0 forces n (capped at MAX_SPLITS).
+
+    With ``pipeline_info`` (the backend's), a decode pipeline that allows fewer
+    threads than planned gets fewer query rows (simdgroups) per threadgroup and
+    more row blocks (:mod:`.limits`)."""
     reason = _check(pb)
     if reason is not None:
         return Unsupported(reason)
+    B, Hq, Lq, D = pb.q.shape
+    if B == 0 or Hq == 0 or Lq == 0:
+        return Plan(launches=())
+    tile = decode_tile(pb.q.dtype, D)
+    widest = row_cap(tile.bd)
+    caps = [widest >> i for i in range(widest.bit_length()) if widest >> i >= 8]  # halved down to one simdgroup
+    return first_fitting((_plan_rows(pb, tile, cap, num_splits, gpu_cores) for cap in caps), pipeline_info)
+
+
+def _plan_rows(pb: DecodeProblem, tile: DecodeTile, cap: int, num_splits: int, gpu_cores: int) -> Plan:
+    """The launches with at most ``cap`` query rows (``cap / 8`` simdgroups) per threadgroup."""
     q, kc, vc = pb.q, pb.k_cache, pb.v_cache
     B, Hq, Lq, D = q.shape
     Hkv = kc.shape[2]
     G = Hq // Hkv
-    if B == 0 or Hq == 0 or Lq == 0:
-        return Plan(launches=())
-    tile = decode_tile(q.dtype, D)
-    rows_per_tg, row_blocks = row_blocking(G * Lq, tile.bd)
+    rows_per_tg, row_blocks = row_blocking(G * Lq, cap)
     if num_splits and num_splits > 0:
         splits = min(int(num_splits), MAX_SPLITS)
     else:
-        splits = choose_splits(B, Hkv, row_blocks, pb.max_seqlen_k, tile.bk, gpu_cores, head_dim=D,
+        # The capacity bounds the keys without reading the lengths from the device (as flash-attn).
+        splits = choose_splits(B, Hkv, row_blocks, pb.capacity, tile.bk, gpu_cores, head_dim=D,
                                elem_size=q.element_size(), group_rows=G * Lq)
 
     paged = pb.block_table is not None
     # Window sides wider than any (i, j) distance constrain nothing.
-    reach = Lq + max(pb.max_seqlen_k, 0) + abs(pb.diag_adjust) + 1
+    reach = Lq + pb.capacity + abs(pb.diag_adjust) + 1
     wl = -1 if pb.window_left < 0 or pb.window_left >= reach else pb.window_left
     wr = -1 if pb.window_right < 0 or pb.window_right >= reach else pb.window_right
     has_softcap = pb.softcap > 0
@@ -244,7 +280,10 @@ def plan_decode(pb: DecodeProblem, num_splits: int = 0,
     p.page_size = kc.shape[1] if paged else 0
     p.diag_adjust, p.window_left, p.window_right = pb.diag_adjust, wl, wr
     p.rows_per_tg, p.row_blocks = rows_per_tg, row_blocks
-    simdgroups = max(-(-rows_per_tg // 8), MIN_SIMDGROUPS)
+    # seqlen_fixed clamped as the kernel clamps cache_seqlens (kvcache_index.h), so it fits int32.
+    p.seqlen_fixed = min(max(pb.seqlen_fixed, 0), pb.capacity)
+    p.seqlen_new, p.capacity, p.cache_rows = pb.seqlen_new, pb.capacity, kc.shape[0]
+    simdgroups = max(-(-rows_per_tg // 8), min(MIN_SIMDGROUPS, cap // 8))
     p.num_threads = 32 * simdgroups
     if has_softcap:
         p.qk_scale = pb.scale / pb.softcap
@@ -253,7 +292,9 @@ def plan_decode(pb: DecodeProblem, num_splits: int = 0,
         p.qk_scale = pb.scale
         p.softcap = 0.0
 
-    buffers: dict = {BUF_Q: q, BUF_K: kc, BUF_V: vc, BUF_O: out, BUF_LSE: pb.lse, BUF_SEQLENS: pb.seqlens_k}
+    buffers: dict = {BUF_Q: q, BUF_K: kc, BUF_V: vc, BUF_O: out, BUF_LSE: pb.lse}
+    if pb.seqlens is not None:
+        buffers[BUF_SEQLENS] = pb.seqlens
     if pb.leftpad is not None:
         buffers[BUF_LEFTPAD] = pb.leftpad
     if pb.batch_idx is not None and not paged:
@@ -262,44 +303,56 @@ def plan_decode(pb: DecodeProblem, num_splits: int = 0,
         buffers[BUF_BLOCK_TABLE] = pb.block_table
         p.bt_stride_b = pb.block_table.stride(0)
     if pb.alibi_slopes is not None:
-        a = pb.alibi_slopes if pb.alibi_slopes.dtype == torch.float32 else pb.alibi_slopes.float()
-        p.a_stride_b, p.a_stride_h = a.stride()
-        buffers[BUF_ALIBI] = a
+        p.a_stride_b, p.a_stride_h = pb.alibi_slopes.stride()
+        buffers[BUF_ALIBI] = pb.alibi_slopes
     use_splits = splits > 1
+    scratch: tuple = ()
     if use_splits:
         dev = q.device
         buffers[BUF_PART_O] = torch.empty(B * Hq * Lq * splits * D, dtype=torch.float32, device=dev)
         buffers[BUF_PART_ML] = torch.empty(B * Hq * Lq * splits * 2, dtype=torch.float32, device=dev)
+        scratch = (buffers[BUF_PART_O], buffers[BUF_PART_ML])
     params = p.to_bytes()
     buffers[BUF_PARAMS] = params
-    constants = {
-        FC_PAGED: paged,
-        FC_HAS_LEFTPAD: pb.leftpad is not None,
-        FC_HAS_BATCH_IDX: pb.batch_idx is not None and not paged,
-        FC_HAS_ALIBI: pb.alibi_slopes is not None,
-        FC_HAS_SOFTCAP: has_softcap,
-        FC_HAS_BAND: wl >= 0 or wr >= 0,
-        FC_USE_SPLITS: use_splits,
-    }
+    constants = function_constants(paged, pb.leftpad is not None, pb.batch_idx is not None and not paged,
+                                   pb.alibi_slopes is not None, has_softcap, wl >= 0 or wr >= 0, use_splits,
+                                   pb.seqlens is not None)
     launches = [Launch(source=SOURCE, kernel=tile.kernel, threadgroups=(splits, Hkv * row_blocks, B),
                        threadgroup=(32 * simdgroups, 1, 1), buffers=buffers, function_constants=constants)]
     if use_splits:
         launches.append(Launch(
-            source=SOURCE, kernel=f"flash_decode_combine_{tile.dtype}",
+            source=SOURCE, kernel=combine_kernel(tile.dtype),
             threadgroups=(-(-B * Hq * Lq // COMBINE_ROWS), 1, 1), threadgroup=(32 * COMBINE_ROWS, 1, 1),
             buffers={BUF_O: out, BUF_LSE: pb.lse, BUF_PARAMS: params, BUF_PART_O: buffers[BUF_PART_O],
                      BUF_PART_ML: buffers[BUF_PART_ML]},
             function_constants=constants))
-    return Plan(launches=tuple(launches))
+    return Plan(launches=tuple(launches), scratch=scratch)
+
+
+def function_constants(paged: bool, leftpad: bool, batch_idx: bool, alibi: bool, softcap: bool, band: bool,
+                       splits: bool, seqlens: bool) -> dict:
+    """The ``[[function_constant]]`` values of ``flash_decode.metal`` for these features
+    (``seqlens``: a lengths tensor is bound, else every row has ``seqlen_fixed``)."""
+    return {FC_PAGED: paged, FC_HAS_LEFTPAD: leftpad, FC_HAS_BATCH_IDX: batch_idx, FC_HAS_ALIBI: alibi,
+            FC_HAS_SOFTCAP: softcap, FC_HAS_BAND: band, FC_USE_SPLITS: splits, FC_HAS_SEQLENS: seqlens}
+
+
+# Every value plan_decode can pass to function_constants() (the doctor enumerates the variants from these).
+FEATURE_VALUES = {name: (False, True) for name in ("paged", "leftpad", "batch_idx", "alibi", "softcap", "band",
+                                                  "splits", "seqlens")}
 
 
 def compulsory_bytes(pb: DecodeProblem) -> int:
-    """Bytes a decode call must move: q, the visible K and V rows, out, lse (for the bench)."""
+    """Bytes a decode call must move: q, the visible K and V rows, out, lse (for the bench; reads
+    the lengths on the host)."""
     q = pb.q
     B, Hq, Lq, D = q.shape
     Hkv = pb.k_cache.shape[2]
     es = q.element_size()
-    keys = int((pb.seqlens_k.long() - (pb.leftpad.long() if pb.leftpad is not None else 0)).clamp(min=0).sum())
+    seqlens = pb.seqlens.long() if pb.seqlens is not None else torch.full((B,), pb.seqlen_fixed)
+    ends = (seqlens.clamp(0, pb.capacity) + pb.seqlen_new).clamp(max=pb.capacity)
+    starts = torch.minimum(pb.leftpad.long().clamp(min=0), ends) if pb.leftpad is not None else 0
+    keys = int((ends - starts).sum())
     return 2 * keys * Hkv * D * es + 2 * B * Hq * Lq * D * es + B * Hq * Lq * 4
 
 
@@ -332,17 +385,16 @@ def route_reason(spec: AttentionSpec) -> Optional[str]:
     return None
 
 
-def plan_decode_spec(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor,
-                     num_splits: int = 0) -> Union[Plan, Unsupported]:
+def plan_decode_spec(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor, num_splits: int = 0,
+                     pipeline_info: Optional[PipelineInfo] = None) -> Union[Plan, Unsupported]:
     """The decode launches for the op's general problem: the (B, H, L, D) K/V views
     are a contiguous cache of full length seen as (B, L, H, D) (no copy), and
-    the op's band offset becomes the per-row bottom-right adjustment."""
-    B, Hq, Lq, _ = spec.q.shape
-    Lk = spec.seqlen_k
+    the op's band offset becomes the per-row bottom-right adjustment.  Every row has
+    all Lk keys: a uniform length in the params, no lengths tensor."""
+    Lq, Lk = spec.seqlen_q, spec.seqlen_k
     problem = DecodeProblem(
         q=spec.q, k_cache=spec.k.transpose(1, 2), v_cache=spec.v.transpose(1, 2), out=out, lse=lse,
-        seqlens_k=torch.full((B,), Lk, dtype=torch.int32, device=spec.q.device), leftpad=None, batch_idx=None,
+        seqlens=None, seqlen_fixed=Lk, leftpad=None, batch_idx=None,
         block_table=None, alibi_slopes=spec.alibi_slopes, scale=spec.scale, window_left=spec.window_left,
-        window_right=spec.window_right, softcap=spec.softcap, max_seqlen_k=Lk,
-        diag_adjust=spec.diag_offset - (Lk - Lq))
-    return plan_decode(problem, num_splits=num_splits)
+        window_right=spec.window_right, softcap=spec.softcap, diag_adjust=spec.diag_offset - (Lk - Lq))
+    return plan_decode(problem, num_splits=num_splits, pipeline_info=pipeline_info)

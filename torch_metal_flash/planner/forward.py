@@ -8,8 +8,9 @@ query heads of a GQA group share a threadgroup when their rows are short),
 the function constants that switch features on, and the params struct with
 every stride.  Tensors are
 bound as they are (no copies of q/k/v/mask; a broadcast mask is read through
-its 0 strides).  Only the tiny per-head vectors (ALiBi slopes, sinks) are
-converted to float32 when they arrive in another dtype.
+its 0 strides).  The per-head vectors (ALiBi slopes, sinks) must arrive as
+float32 (the faces convert them); the planner derives no tensors (see
+:mod:`torch_metal_flash.plan`).
 """
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ import torch
 
 from ..plan import Launch, Plan, Unsupported
 from ..spec import AttentionSpec, aux_width
+from .limits import PipelineInfo, first_fitting
 from .params import FlashFwdParams
-from .tiles import DTYPE_NAMES, MAX_HEAD_DIM, ForwardTile, forward_tile
+from .tiles import DTYPE_NAMES, MAX_HEAD_DIM, ForwardTile, forward_candidates, forward_tile
 
 SOURCE = "flash_fwd.metal"
 
@@ -35,7 +37,6 @@ FC_HAS_BAND = 5
 FC_DIMS_ALIGNED = 6
 FC_KV_VEC_ALIGNED = 7
 FC_HAS_AUX = 8
-FC_AUX_HAS_OUT = 9
 
 MASK_KINDS = {torch.bool: 1, torch.float32: 2, torch.float16: 3, torch.bfloat16: 4}
 
@@ -88,10 +89,17 @@ def check_problem(spec: AttentionSpec) -> Optional[str]:
             return f"mask dtype {m.dtype} not supported (bool, float32, float16, bfloat16)"
         if tuple(m.shape) != (B, Hq, Lq, Lk):
             return f"mask must be a (B, Hq, Lq, Lk) broadcast view, got {tuple(m.shape)}"
-    if spec.alibi_slopes is not None and tuple(spec.alibi_slopes.shape) != (B, Hq):
-        return f"alibi_slopes must be a (B, Hq) view, got {tuple(spec.alibi_slopes.shape)}"
-    if spec.sinks is not None and tuple(spec.sinks.shape) != (Hq,):
-        return f"sinks must be (Hq,), got {tuple(spec.sinks.shape)}"
+    if spec.alibi_slopes is not None:
+        if tuple(spec.alibi_slopes.shape) != (B, Hq):
+            return f"alibi_slopes must be a (B, Hq) view, got {tuple(spec.alibi_slopes.shape)}"
+        if spec.alibi_slopes.dtype != torch.float32:
+            return f"alibi_slopes must be float32 for the kernels, got {spec.alibi_slopes.dtype}"
+    if spec.sinks is not None:
+        s = spec.sinks
+        if tuple(s.shape) != (Hq,):
+            return f"sinks must be (Hq,), got {tuple(s.shape)}"
+        if s.dtype != torch.float32 or not s.is_contiguous():
+            return f"sinks must be a contiguous float32 vector for the kernels, got {s.dtype}, strides {s.stride()}"
     if not (math.isfinite(spec.scale) and math.isfinite(spec.softcap)) or spec.softcap < 0:
         return "scale and softcap must be finite (softcap >= 0)"
     return None
@@ -159,27 +167,55 @@ def effective_band(spec: AttentionSpec) -> tuple[int, int, bool]:
 
 
 def plan_forward(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor, aux: Optional[torch.Tensor] = None,
-                 family: str = "apple8") -> Union[Plan, Unsupported]:
+                 family: str = "apple8", pipeline_info: Optional[PipelineInfo] = None) -> Union[Plan, Unsupported]:
     """The ``flash_fwd.metal`` launch for the op's forward (the prefill kernel).
 
     ``aux`` (see :mod:`torch_metal_flash.spec`), when given, receives the row
     state the backward kernels need.  ``torch_metal_flash.planner.plan_forward``
     sends decode-shaped problems without ``aux`` to the split-K decode kernels
-    first and everything else here.
+    first and everything else here.  With ``pipeline_info`` (the backend's),
+    the table's tile is checked against its pipeline's limits and a fitting
+    one of larger buckets taken when it does not fit (:mod:`.limits`).
     """
     reason = _check(spec, out, lse, aux)
     if reason is not None:
         return Unsupported(reason)
+    try:
+        tiles = forward_candidates(spec.q.dtype, max(spec.head_dim, spec.head_dim_v), family)
+    except (KeyError, ValueError) as e:
+        return Unsupported(str(e))
+    if spec.batch == 0 or spec.heads == 0 or spec.seqlen_q == 0:
+        return Plan(launches=())
+    return first_fitting((_plan_tile(spec, out, lse, aux, tile) for tile in tiles), pipeline_info)
+
+
+def function_constants(mask_kind: int, alibi: bool, sinks: bool, softcap: bool, band: bool, dims_aligned: bool,
+                       kv_vec_aligned: bool, aux: bool) -> dict:
+    """The ``[[function_constant]]`` values of ``flash_fwd.metal`` for these features."""
+    return {
+        FC_HAS_MASK: mask_kind != 0,
+        FC_MASK_KIND: mask_kind,
+        FC_HAS_ALIBI: alibi,
+        FC_HAS_SINKS: sinks,
+        FC_HAS_SOFTCAP: softcap,
+        FC_HAS_BAND: band,
+        FC_DIMS_ALIGNED: dims_aligned,
+        FC_KV_VEC_ALIGNED: dims_aligned and kv_vec_aligned,
+        FC_HAS_AUX: aux,
+    }
+
+
+# Every value plan_forward can pass to function_constants() (the doctor enumerates the variants from these).
+FEATURE_VALUES = {"mask_kind": (0, *MASK_KINDS.values()), "alibi": (False, True), "sinks": (False, True),
+                  "softcap": (False, True), "band": (False, True), "dims_aligned": (False, True),
+                  "kv_vec_aligned": (False, True), "aux": (False, True)}
+
+
+def _plan_tile(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor, aux: Optional[torch.Tensor],
+               tile: ForwardTile) -> Plan:
     q, k, v = spec.q, spec.k, spec.v
     B, Hq, Lq, D = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
-    try:
-        tile = forward_tile(q.dtype, max(D, Dv), family)
-    except (KeyError, ValueError) as e:
-        return Unsupported(str(e))
-    if B == 0 or Hq == 0 or Lq == 0:
-        return Plan(launches=())
-
     wl, wr, has_band = effective_band(spec)
     has_softcap = spec.softcap > 0
 
@@ -206,28 +242,16 @@ def plan_forward(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor, aux:
         p.m_stride_b, p.m_stride_h, p.m_stride_q, p.m_stride_k = m.stride()
         buffers[BUF_MASK] = m
     if spec.alibi_slopes is not None:
-        a = spec.alibi_slopes
-        if a.dtype != torch.float32:
-            a = a.to(torch.float32)  # (B, Hq) at most: negligible
-        p.a_stride_b, p.a_stride_h = a.stride()
-        buffers[BUF_ALIBI] = a
+        p.a_stride_b, p.a_stride_h = spec.alibi_slopes.stride()
+        buffers[BUF_ALIBI] = spec.alibi_slopes
     if spec.sinks is not None:
-        buffers[BUF_SINKS] = spec.sinks.to(torch.float32).contiguous()
+        buffers[BUF_SINKS] = spec.sinks
     buffers[BUF_PARAMS] = p.to_bytes()
 
     dims_aligned = D == tile.bd and Dv == tile.bd
-    constants = {
-        FC_HAS_MASK: mask_kind != 0,
-        FC_MASK_KIND: mask_kind,
-        FC_HAS_ALIBI: spec.alibi_slopes is not None,
-        FC_HAS_SINKS: spec.sinks is not None,
-        FC_HAS_SOFTCAP: has_softcap,
-        FC_HAS_BAND: has_band,
-        FC_DIMS_ALIGNED: dims_aligned,
-        FC_KV_VEC_ALIGNED: dims_aligned and _vec4_aligned(k) and _vec4_aligned(v),
-        FC_HAS_AUX: aux is not None,
-        FC_AUX_HAS_OUT: aux is not None and aux.shape[-1] > 2,
-    }
+    constants = function_constants(mask_kind, spec.alibi_slopes is not None, spec.sinks is not None, has_softcap,
+                                   has_band, dims_aligned, dims_aligned and _vec4_aligned(k) and _vec4_aligned(v),
+                                   aux is not None)
     launch = Launch(
         source=SOURCE,
         kernel=tile.kernel,

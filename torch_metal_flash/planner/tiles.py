@@ -112,6 +112,16 @@ def forward_tile(dtype: torch.dtype, head_dim: int, family: str = "apple8") -> F
     return ForwardTile(dt, bd, bq, bk, shared)
 
 
+def forward_candidates(dtype: torch.dtype, head_dim: int, family: str = "apple8") -> list[ForwardTile]:
+    """The tiles the planner may use for ``head_dim``, preferred first: the table's,
+    then those of larger buckets (head dim zero-padded) that need fewer threads or
+    less threadgroup memory, for pipelines whose limits the first exceeds."""
+    first = forward_tile(dtype, head_dim, family)
+    larger = (forward_tile(dtype, bd, family) for bd in HEAD_DIM_BUCKETS if bd > first.bd)
+    return [first] + [t for t in larger
+                      if t.threads < first.threads or t.threadgroup_memory < first.threadgroup_memory]
+
+
 def forward_variants() -> list[ForwardTile]:
     """Every distinct instantiation the table can select."""
     seen = {}

@@ -8,5 +8,13 @@
 @interface NSError : NSObject
 @property(readonly, copy) NSString* localizedDescription;
 @end
+@interface NSArray<ObjectType> : NSObject
+@property(readonly) NSUInteger count;
+- (ObjectType)objectAtIndex:(NSUInteger)index;
+@end
 @interface NSDictionary<KeyType, ObjectType> : NSObject
+@property(readonly, copy) NSArray<ObjectType>* allValues;
+@end
+@interface NSURL : NSObject
++ (NSURL*)fileURLWithPath:(NSString*)path;
 @end

@@ -35,9 +35,17 @@ typedef NS_ENUM(NSInteger, MTLMathFloatingPointFunctions) { MTLMathFloatingPoint
 @interface MTLFunctionConstantValues : NSObject <NSCopying>
 - (void)setConstantValue:(const void *)value type:(MTLDataType)type atIndex:(NSUInteger)index;
 @end
+@interface MTLFunctionConstant : NSObject
+@property (readonly) NSString *name;
+@property (readonly) MTLDataType type;
+@property (readonly) NSUInteger index;
+@property (readonly) BOOL required;
+@end
 @protocol MTLFunction <NSObject>
+@property (readonly) NSDictionary<NSString *, MTLFunctionConstant *> *functionConstantsDictionary;
 @end
 @protocol MTLLibrary <NSObject>
+- (id <MTLFunction>)newFunctionWithName:(NSString *)functionName;
 - (id <MTLFunction>)newFunctionWithName:(NSString *)name constantValues:(MTLFunctionConstantValues *)constantValues error:(__autoreleasing NSError **)error;
 @end
 @protocol MTLComputePipelineState <NSObject>
@@ -48,6 +56,7 @@ typedef NS_ENUM(NSInteger, MTLMathFloatingPointFunctions) { MTLMathFloatingPoint
 @end
 @protocol MTLDevice <NSObject>
 - (id <MTLLibrary>)newLibraryWithSource:(NSString *)source options:(MTLCompileOptions *)options error:(__autoreleasing NSError **)error;
+- (id <MTLLibrary>)newLibraryWithURL:(NSURL *)url error:(__autoreleasing NSError **)error;
 - (id <MTLComputePipelineState>)newComputePipelineStateWithFunction:(id <MTLFunction>)computeFunction error:(__autoreleasing NSError **)error;
 - (BOOL)supportsFamily:(MTLGPUFamily)gpuFamily;
 @property (readonly) NSUInteger maxThreadgroupMemoryLength;
