@@ -177,7 +177,8 @@ template <typename T>
     // constant in q and k), passes no gradient (reference.SATURATED_LSE is
     // the same rule).  Both are finite here: the forward writes m = 0 for l = 0.
     const bool live = l > 0.0f && m > flash_bwd::kSaturated;
-    stats[row] = live ? float2(m, 1.0f / l) : float2(0.0f, 0.0f);
+    const float inv_l = 1.0f / (live ? l : 1.0f);  // never 1 / 0
+    stats[row] = live ? float2(m, inv_l) : float2(0.0f, 0.0f);
   }
 }
 
