@@ -10,6 +10,14 @@ kernels attend to all L keys); their compulsory bytes add the new k/v rows read
 and written once and the rotary table row.
 Target (issue 7): <= 1.1 at B=1, H=32, H_kv=8, D=128, L=4096, one query row.
 
+Quantized caches (issue 14: affine 4/8-bit, symmetric int8): compulsory counts the
+packed values, scales and biases of the visible rows once; target <= 1.1 at the same
+shape.  Their rows also give the cache's bytes per token (K and V of every KV head)
+against float16, and a second table reports the quantization error itself -- kept out
+of the kernels' accuracy budget, which the tests judge on the dequantized cache:
+max |x - x_hat| over the cache, and how far the attention output on the quantized
+cache is from the output on the float16 cache (float64 math, one decode step).
+
     python bench/decode_bytes.py                 # L = 512 ... 8192 (fp16)
     python bench/decode_bytes.py --lengths 512,1024,2048,4096,8192,16384,32768
     python bench/decode_bytes.py --quick         # the target row only
@@ -33,10 +41,19 @@ from torch_metal_flash import emulator  # noqa: E402
 from torch_metal_flash.backends.emulator import EmulatorBackend  # noqa: E402
 from torch_metal_flash.planner.decode import DecodeProblem, compulsory_bytes, plan_decode  # noqa: E402
 from torch_metal_flash.planner.kvcache import KvCacheProblem, plan_kvcache  # noqa: E402
+from torch_metal_flash.planner.kvformat import row_bytes  # noqa: E402
+from torch_metal_flash.quant import quantize  # noqa: E402
+
+FORMATS = {"affine4 g64": dict(bits=4, group_size=64), "affine8 g64": dict(bits=8, group_size=64),
+           "int8 g32": dict(bits=8, group_size=32, mode="symmetric"), "affine4 g32": dict(bits=4, group_size=32)}
+
+
+def _fmt_name(quant):
+    return next((n for n, f in FORMATS.items() if f == quant), str(quant)) if quant else None
 
 
 def measure(B=1, H=32, Hkv=8, D=128, L=4096, Lq=1, dtype=torch.float16, num_splits=0, paged=None, append=False,
-            seed=0):
+            seed=0, quant=None):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, Lq, H, D, generator=g).to(dtype)
     if paged:
@@ -48,6 +65,10 @@ def measure(B=1, H=32, Hkv=8, D=128, L=4096, Lq=1, dtype=torch.float16, num_spli
         kc = torch.randn(B, L, Hkv, D, generator=g).to(dtype)
         vc = torch.randn(B, L, Hkv, D, generator=g).to(dtype)
         bt = None
+    dense_token = 2 * Hkv * D * 2  # K and V of one token in float16
+    if quant is not None:
+        kc, vc = quantize(kc, **quant), quantize(vc, **quant)
+    token_bytes = Hkv * (row_bytes(kc) + row_bytes(vc))
     out = torch.empty_like(q)
     lse = torch.empty(B, H, Lq, dtype=torch.float32)
     pb = DecodeProblem(q=q.transpose(1, 2), k_cache=kc, v_cache=vc, out=out.transpose(1, 2), lse=lse,
@@ -62,7 +83,7 @@ def measure(B=1, H=32, Hkv=8, D=128, L=4096, Lq=1, dtype=torch.float16, num_spli
         plan = plan_kvcache(KvCacheProblem(q, kc, vc, k, v, cos, sin, torch.full((B,), L - 1, dtype=torch.int32),
                                            None, None, bt, None, 0, D ** -0.5, -1, 0, 0.0, False, num_splits),
                             out, lse)
-        need += 2 * k.nbytes + 2 * v.nbytes + B * D * cos.element_size()
+        need += k.nbytes + v.nbytes + B * token_bytes + B * D * cos.element_size()
     backend = EmulatorBackend()
     t = time.time()
     with emulator.settings(checked=True):
@@ -71,9 +92,27 @@ def measure(B=1, H=32, Hkv=8, D=128, L=4096, Lq=1, dtype=torch.float16, num_spli
     moved = sum(s.device_bytes for s in backend.last_stats)
     splits = next(la for la in plan.launches if la.source == "flash_decode.metal").threadgroups[0]
     return dict(B=B, H=H, Hkv=Hkv, D=D, L=L, Lq=Lq, dtype=str(dtype).replace("torch.", ""), paged=paged or "-",
-                append="1 + rotary" if append else "-",
+                append="1 + rotary" if append else "-", kv=_fmt_name(quant) or "plain",
+                token=f"{token_bytes} ({token_bytes / dense_token:.3f}x)",
                 splits=splits, launches=len(plan.launches), moved=moved, compulsory=need, ratio=moved / need,
                 seconds=secs)
+
+
+def quantization_error(quant, B=1, H=32, Hkv=8, D=128, L=4096, seed=0) -> dict:
+    """The error quantization itself adds (no kernel involved): on a float16 cache of
+    standard-normal rows, max |x - x_hat|, and the attention output of one decode
+    query row over the dequantized cache against the float16 cache (float64 math)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, 1, D, generator=g).double()
+    kc, vc = (torch.randn(B, Hkv, L, D, generator=g).half() for _ in range(2))
+    kq, vq = quantize(kc, **quant).dequantize(), quantize(vc, **quant).dequantize()
+
+    def attend(k, v):
+        k, v = (t.double().repeat_interleave(H // Hkv, 1) for t in (k, v))
+        return torch.softmax(q @ k.transpose(-1, -2) * D ** -0.5, -1) @ v
+    ref = attend(kc, vc)
+    return dict(kv=_fmt_name(quant), x_err=float((kq.float() - kc.float()).abs().max()),
+                out_err=float((attend(kq, vq) - ref).abs().max()), out_scale=float(ref.abs().max()))
 
 
 def time_mps(lengths, B=1, H=32, Hkv=8, D=128, dtype=torch.float16, iters=200) -> list[str]:
@@ -132,22 +171,29 @@ def main() -> None:
         print(f"\nwritten to {out}")
         return
     rows = []
-    configs = [dict(L=4096)] if args.quick else [dict(L=int(x)) for x in args.lengths.split(",")]
+    quant_targets = [dict(L=4096, quant=FORMATS[n]) for n in ("affine4 g64", "affine8 g64", "int8 g32")]
+    configs = [dict(L=4096)] + quant_targets if args.quick else [dict(L=int(x)) for x in args.lengths.split(",")]
     if not args.quick:
         configs += [dict(L=4096, Lq=5), dict(L=4096, num_splits=1), dict(L=4096, num_splits=16),
                     dict(L=4096, paged=256), dict(L=4096, dtype=torch.float32), dict(L=4096, dtype=torch.bfloat16),
                     dict(L=4096, H=32, Hkv=32), dict(L=4096, H=32, Hkv=1), dict(L=2048, B=4),
                     dict(L=4096, append=True), dict(L=4096, append=True, paged=256)]
-    header = ("| B | H | H_kv | D | L | q rows | dtype | paged | append | splits | launches | device bytes | "
-              "compulsory | ratio | emulator s |")
-    lines = [header, "|" + "---|" * 15]
+        configs += quant_targets + [dict(L=4096, quant=FORMATS["affine4 g32"]),
+                                    dict(L=4096, quant=FORMATS["affine4 g64"], dtype=torch.bfloat16),
+                                    dict(L=4096, quant=FORMATS["affine4 g64"], paged=256),
+                                    dict(L=4096, quant=FORMATS["affine4 g64"], Lq=5),
+                                    dict(L=4096, quant=FORMATS["affine4 g64"], append=True),
+                                    dict(L=4096, quant=FORMATS["int8 g32"], append=True, paged=256)]
+    header = ("| B | H | H_kv | D | L | q rows | dtype | K/V | bytes/token (vs fp16) | paged | append | splits | "
+              "launches | device bytes | compulsory | ratio | emulator s |")
+    lines = [header, "|" + "---|" * 17]
     print(header)
     for cfg in configs:
         r = measure(**cfg)
         rows.append(r)
-        line = (f"| {r['B']} | {r['H']} | {r['Hkv']} | {r['D']} | {r['L']} | {r['Lq']} | {r['dtype']} | {r['paged']} | "
-                f"{r['append']} | {r['splits']} | {r['launches']} | {r['moved']:,} | {r['compulsory']:,} | "
-                f"**{r['ratio']:.4f}** | {r['seconds']:.1f} |")
+        line = (f"| {r['B']} | {r['H']} | {r['Hkv']} | {r['D']} | {r['L']} | {r['Lq']} | {r['dtype']} | {r['kv']} | "
+                f"{r['token']} | {r['paged']} | {r['append']} | {r['splits']} | {r['launches']} | {r['moved']:,} | "
+                f"{r['compulsory']:,} | **{r['ratio']:.4f}** | {r['seconds']:.1f} |")
         lines.append(line)
         print(line, flush=True)
     text = ("# Decode kernels: device bytes / compulsory bytes\n\n"
@@ -158,9 +204,21 @@ def main() -> None:
             "Rows with an append are a whole decode step: the append kernel (one new token, rotary over the "
             "head dim, q rotated into scratch) then the decode kernels; compulsory adds the new k/v rows "
             "read and written once and one rotary table row.  Causal, one batch row per cache row, "
-            "`num_splits=0` (heuristic, 10 GPU cores) unless a splits value is forced.  "
+            "`num_splits=0` (heuristic, 10 GPU cores) unless a splits value is forced.  Quantized K/V "
+            "(issue 14): compulsory counts the packed values, scales and biases of every visible row once "
+            "(and, with an append, the new rows read in float16 and written quantized once); "
+            "bytes/token: K and V of one token over all KV heads, against float16 (4096 bytes here).  "
             "Command: `python bench/decode_bytes.py " +
             ("--quick" if args.quick else f"--lengths {args.lengths}") + "`.\n\n" + "\n".join(lines) + "\n")
+    errors = [quantization_error(FORMATS[n]) for n in FORMATS]
+    text += ("\n## Quantization error (separate from the kernels' accuracy)\n\n"
+             "Standard-normal float16 K/V, B=1, H=32, H_kv=8, D=128, L=4096; one decode query row; "
+             "float64 attention on the dequantized cache against the float16 cache.  The kernels are tested "
+             "against the float64 oracle on the dequantized cache (tests/test_quantized_kernels.py); this is "
+             "what quantizing costs on top.\n\n| K/V | max abs(x - x_hat) | max abs(out error) | max abs(out) |\n"
+             "|---|---|---|---|\n" + "".join(f"| {e['kv']} | {e['x_err']:.4f} | {e['out_err']:.2e} | "
+                                               f"{e['out_scale']:.3f} |\n" for e in errors))
+    print(text[text.index("## Quantization error"):])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)
     print(f"\nwritten to {args.out}")

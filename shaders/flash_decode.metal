@@ -1,6 +1,6 @@
 // Split-K flash-decoding: a few query rows against a long (optionally paged) KV cache.
 //
-// flash_decode_<dtype>_d<BD>_k<BK>  (the partial / single-pass kernel)
+// flash_decode_<dtype>[_kv<kv dtype>]_d<BD>_k<BK>  (the partial / single-pass kernel)
 //   Grid: (num_splits, kv_heads * row_blocks, batch) threadgroups.  A threadgroup
 //   owns ONE KV head of one batch row and the query rows of its whole GQA group:
 //   rows r = g * seqlen_q + i (g = head within the group, i = query row), up to
@@ -16,7 +16,17 @@
 //   q element and of lse, which shows at large scores).
 //   num_splits == 1 (use_splits false): writes out / lse directly.
 //   Otherwise: writes a partial per (row, split): unnormalised O (float, only
-//   when the split saw something, l > 0) and (m, l).
+//   when the split saw something, l > 0) and (m, l).  A sink is one extra
+//   logit with no value: split 0 starts its rows at m = sink, l = 1.
+//   Query rows of a threadgroup whose band misses a tile skip its multiplies.
+//
+// Types: TQ is q's and out's (the name's dtype), TK the K/V tiles' (the
+// caches' dtype; "_kv<dtype>" when it differs from q's: float32 q over a
+// float16/bfloat16 cache).  The caches are stored as TK (kv_affine and
+// kv_symmetric false) or quantized (kv_quant.h): buffers 1 and 2 then hold
+// the packed uint words, their strides count rows, and each word is
+// dequantized in registers into the TK tile as it is loaded (its scale and
+// bias read once per tile row), so a packed row is read once per GQA group.
 //
 // flash_decode_combine_<dtype>
 //   Grid: ceil(batch * heads * seqlen_q / 8) threadgroups of 8 simdgroups, one
@@ -32,10 +42,17 @@
 // pos of row b lives in block block_table[b, pos / page_size], row pos % page_size
 // (read through the table: no gather copy).
 //
+// Masks (the general op's): bool or float (kind in the params) read through
+// strides at (b, h, i, j) with j = position - start; float masks are added to
+// the scores after softcap and ALiBi.
+//
 // Buffers: 0 q, 1 k_cache, 2 v_cache, 3 out, 4 lse (float, contiguous (B, Hq, Lq)),
 // 5 DecodeParams, 6 cache_seqlens (int, (B,)), 7 leftpad (int), 8 batch_idx (int),
-// 9 block_table (int), 10 alibi slopes (float), 11 partial O (float), 12 partial (m, l) (float).
+// 9 block_table (int), 10 alibi slopes (float), 11 partial O (float), 12 partial (m, l) (float),
+// 13 mask (bytes), 14 sinks (float, (Hq,)), 15 k scales, 16 k biases, 17 v scales,
+// 18 v biases (TK, affine), 19 k scales, 20 v scales (half, symmetric).
 #include "flash_common.h"
+#include "kv_quant.h"
 #include "kvcache_index.h"
 
 // Host mirror: torch_metal_flash/planner/decode.py (DecodeParams, ctypes).
@@ -48,6 +65,7 @@ struct DecodeParams {
   long o_stride_b, o_stride_h, o_stride_l;
   long bt_stride_b;            // block_table row stride
   long a_stride_b, a_stride_h;  // alibi slopes (B, Hq)
+  long m_stride_b, m_stride_h, m_stride_q, m_stride_k;  // mask (B, Hq, Lq, Lk)
   int batch, heads, kv_heads, gqa;
   int seqlen_q, head_dim, page_size, num_splits;
   int diag_adjust, window_left, window_right, rows_per_tg;
@@ -55,6 +73,9 @@ struct DecodeParams {
   // kvcache_index.h: cache_seqlens when buffer 6 is not bound, rows appended
   // before this call, L_max or max_blocks * page_size, the caches' first dim
   int seqlen_fixed, seqlen_new, capacity, cache_rows;
+  int mask_kind;                // flash::MaskKind of buffer 13
+  int kv_bits, kv_group_size;   // quantized caches (kv_quant.h)
+  int pad_i;
   // q is multiplied by qk_scale when loaded: scale without softcap, scale /
   // softcap with softcap (then the score is softcap * tanh(q.k)).
   float qk_scale, softcap;
@@ -68,10 +89,14 @@ constant bool has_softcap [[function_constant(4)]];
 constant bool has_band [[function_constant(5)]];
 constant bool use_splits [[function_constant(6)]];
 constant bool has_seqlens [[function_constant(7)]];
+constant bool has_mask [[function_constant(8)]];
+constant bool has_sinks [[function_constant(9)]];
+constant bool kv_affine [[function_constant(10)]];
+constant bool kv_symmetric [[function_constant(11)]];
 
-#define FLASH_DECODE_ARGS(T)                                                          \
-  const device T* q [[buffer(0)]], const device T* kc [[buffer(1)]],                  \
-      const device T* vc [[buffer(2)]], device T* o [[buffer(3)]],                    \
+#define FLASH_DECODE_ARGS(TQ, TK)                                                      \
+  const device TQ* q [[buffer(0)]], const device TK* kc [[buffer(1)]],                \
+      const device TK* vc [[buffer(2)]], device TQ* o [[buffer(3)]],                  \
       device float* lse [[buffer(4)]], constant DecodeParams& p [[buffer(5)]],         \
       const device int* cache_seqlens [[buffer(6), function_constant(has_seqlens)]],  \
       const device int* leftpad [[buffer(7), function_constant(has_leftpad)]],        \
@@ -80,6 +105,14 @@ constant bool has_seqlens [[function_constant(7)]];
       const device float* alibi [[buffer(10), function_constant(has_alibi)]],         \
       device float* part_o [[buffer(11), function_constant(use_splits)]],             \
       device float* part_ml [[buffer(12), function_constant(use_splits)]],            \
+      const device uchar* mask [[buffer(13), function_constant(has_mask)]],           \
+      const device float* sinks [[buffer(14), function_constant(has_sinks)]],        \
+      const device TK* k_scales [[buffer(15), function_constant(kv_affine)]],         \
+      const device TK* k_biases [[buffer(16), function_constant(kv_affine)]],         \
+      const device TK* v_scales [[buffer(17), function_constant(kv_affine)]],         \
+      const device TK* v_biases [[buffer(18), function_constant(kv_affine)]],         \
+      const device half* k_scales_sym [[buffer(19), function_constant(kv_symmetric)]], \
+      const device half* v_scales_sym [[buffer(20), function_constant(kv_symmetric)]], \
       uint3 tgid [[threadgroup_position_in_grid]],                                    \
       ushort tid [[thread_index_in_threadgroup]],                                     \
       ushort sg [[simdgroup_index_in_threadgroup]],                                   \
@@ -99,16 +132,16 @@ inline void copy_params(threadgroup long* dst, constant DecodeParams& p, ushort 
 
 // At most 16 simdgroups (planner/decode.py: MAX_ROWS_PER_TG); the attribute makes the
 // compiler keep the pipeline's maxTotalThreadsPerThreadgroup at 512.
-template <typename T, int BD, int BK>
-[[kernel, max_total_threads_per_threadgroup(512)]] void flash_decode(FLASH_DECODE_ARGS(T)) {
-  constexpr int LD = BD + flash::TilePad<T>::value;
+template <typename TQ, typename TK, int BD, int BK>
+[[kernel, max_total_threads_per_threadgroup(512)]] void flash_decode(FLASH_DECODE_ARGS(TQ, TK)) {
+  constexpr int LD = BD + flash::TilePad<TK>::value;
   constexpr int NF = BD / 8;  // fragments along the head dim
   constexpr int NK = BK / 8;  // fragments along the keys
   static_assert(BD % 8 == 0 && BK % 8 == 0, "tile sizes");
 
-  threadgroup T k_tile[BK * LD];
-  threadgroup T v_tile[BK * LD];
-  threadgroup long k_row[BK];  // element offset of each tile row in kc (-1: not a key)
+  threadgroup TK k_tile[BK * LD];
+  threadgroup TK v_tile[BK * LD];
+  threadgroup long k_row[BK];  // element (quantized: row) offset of each tile row in kc (-1: not a key)
   threadgroup long v_row[BK];
   threadgroup long params_words[kParamWords];
   threadgroup int row_meta[4];  // end, start, cache row of batch row b
@@ -126,7 +159,9 @@ template <typename T, int BD, int BK>
   threadgroup_barrier(mem_flags::mem_threadgroup);
   const threadgroup DecodeParams& P = *reinterpret_cast<const threadgroup DecodeParams*>(params_words);
 
-  const float kNeg = -1.0e38f;  // finite "minus infinity" (fast math)
+  // Masked scores and the running max of a row that has seen nothing are -inf;
+  // the only test on an infinity is a bit comparison (fast math cannot fold it).
+  const float kNegInf = as_type<float>(0xff800000u);
   const int nthreads = P.num_threads;
   const int split = int(tgid.x);
   const int kvh = int(tgid.y) % P.kv_heads;
@@ -151,11 +186,19 @@ template <typename T, int BD, int BK>
   const int lk = end - start;
   const int diag = lk - Lq + P.diag_adjust;
   const flash::Band band{diag, P.window_left, P.window_right};
-  int lo = 0;
-  int hi = lk;
-  if (has_band) band.key_range(0, Lq - 1, lk, lo, hi);
+  // Keys the rows of this threadgroup (and of this simdgroup) can see.
+  int i0, i1, lo = 0, hi = lk;
+  flash::packed_row_span(row0, row0 + rows_here - 1, Lq, i0, i1);
+  if (has_band) band.key_range(i0, i1, lk, lo, hi);
   const int key_lo = start + lo;  // absolute cache positions [key_lo, key_hi)
   const int key_hi = start + hi;
+  int sg_key_lo = key_lo, sg_key_hi = key_hi;
+  if (has_band && sg_active) {
+    flash::packed_row_span(row0 + int(sg) * 8, min(row0 + int(sg) * 8 + 7, row0 + rows_here - 1), Lq, i0, i1);
+    band.key_range(i0, i1, lk, lo, hi);
+    sg_key_lo = start + lo;
+    sg_key_hi = start + hi;
+  }
   int t_begin = 0;
   int t_end = 0;
   if (key_hi > key_lo) {
@@ -187,10 +230,26 @@ template <typename T, int BD, int BK>
     Qf[dd].thread_elements()[1] = e1;
     Of[dd] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
   }
-  float m_i = kNeg;
+  float m_i = kNegInf;
   float l_i = 0.0f;
+  if (has_sinks && split == 0 && row_ok) {  // the sink counts once per row: in split 0
+    m_i = sinks[h];
+    l_i = 1.0f;
+  }
   float slope = 0.0f;
   if (has_alibi && row_ok) slope = alibi[long(b) * P.a_stride_b + long(h) * P.a_stride_h];
+  long mask_row = 0;
+  if (has_mask && row_ok) mask_row = long(b) * P.m_stride_b + long(h) * P.m_stride_h + long(i) * P.m_stride_q;
+
+  const bool quantized = kv_affine || kv_symmetric;
+  if (quantized) {  // the dequantizing loads fill columns < D only: zero the rest once
+    for (int idx = int(tid); idx < BK * (BD - D); idx += nthreads) {
+      const int r = idx / (BD - D);
+      const int c = D + idx - r * (BD - D);
+      k_tile[r * LD + c] = TK(0.0f);
+      v_tile[r * LD + c] = TK(0.0f);
+    }
+  }
 
   for (int t = t_begin; t < t_end; ++t) {
     const int kb = t * BK;
@@ -217,22 +276,41 @@ template <typename T, int BD, int BK>
       v_row[r] = vo;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    // K and V tiles: every element read once, zero outside the keys / head dim.
-    for (int idx = int(tid); idx < BK * BD; idx += nthreads) {
-      const int r = idx / BD;
-      const int c = idx - r * BD;
-      const long ko = k_row[r];
-      const long vo = v_row[r];
-      T kx = T(0);
-      T vx = T(0);
-      if (ko >= 0 && c < D) kx = kc[ko + c];
-      if (vo >= 0 && c < D) vx = vc[vo + c];
-      k_tile[r * LD + c] = kx;
-      v_tile[r * LD + c] = vx;
+    // K and V tiles: every element (packed word) read once, zero outside the keys / head dim.
+    if (quantized) {
+      const kvq::Format fmt = kvq::Format::make(kv_symmetric, P.kv_bits, P.kv_group_size, D);
+      const device uint* kw = reinterpret_cast<const device uint*>(kc);
+      const device uint* vw = reinterpret_cast<const device uint*>(vc);
+      // Each format's scale buffers are referenced only under its own constant.
+      if (kv_symmetric) {
+        kvq::load_quantized_rows<TK>(k_tile, LD, k_row, BK, fmt, kw, nullptr, nullptr, k_scales_sym, nthreads, sg,
+                                     lane);
+        kvq::load_quantized_rows<TK>(v_tile, LD, v_row, BK, fmt, vw, nullptr, nullptr, v_scales_sym, nthreads, sg,
+                                     lane);
+      } else {
+        kvq::load_quantized_rows<TK>(k_tile, LD, k_row, BK, fmt, kw, k_scales, k_biases, nullptr, nthreads, sg,
+                                     lane);
+        kvq::load_quantized_rows<TK>(v_tile, LD, v_row, BK, fmt, vw, v_scales, v_biases, nullptr, nthreads, sg,
+                                     lane);
+      }
+    } else {
+      for (int idx = int(tid); idx < BK * BD; idx += nthreads) {
+        const int r = idx / BD;
+        const int c = idx - r * BD;
+        const long ko = k_row[r];
+        const long vo = v_row[r];
+        TK kx = TK(0);
+        TK vx = TK(0);
+        if (ko >= 0 && c < D) kx = kc[ko + c];
+        if (vo >= 0 && c < D) vx = vc[vo + c];
+        k_tile[r * LD + c] = kx;
+        v_tile[r * LD + c] = vx;
+      }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
-    if (sg_active) {
+    // Simdgroup-uniform: rows whose band misses this tile do no multiplies.
+    if (sg_active && kb < sg_key_hi && kb + BK > sg_key_lo) {
       simdgroup_float8x8 S[NK];
       for (int kk = 0; kk < NK; ++kk) {
         S[kk] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
@@ -243,7 +321,7 @@ template <typename T, int BD, int BK>
         }
       }
       const bool need_bounds = paged || kb < key_lo || kb + BK > key_hi;
-      if (has_softcap || has_alibi || has_band || need_bounds) {
+      if (has_softcap || has_alibi || has_band || has_mask || need_bounds) {
         for (int kk = 0; kk < NK; ++kk) {
           for (int e = 0; e < 2; ++e) {
             float s = S[kk].thread_elements()[e];
@@ -254,18 +332,27 @@ template <typename T, int BD, int BK>
             bool vis = pos >= key_lo && pos < key_hi;
             if (paged) vis = vis && k_row[kk * 8 + fc.col + e] >= 0;
             if (has_band) vis = vis && band.visible(i, j);
-            S[kk].thread_elements()[e] = vis ? s : kNeg;
+            if (has_mask && vis && row_ok) {
+              const long off = mask_row + long(j) * P.m_stride_k;
+              if (P.mask_kind == flash::kMaskBool) {
+                vis = mask[off] != 0;
+              } else {
+                s += flash::read_float_mask(mask, off, P.mask_kind);
+              }
+            }
+            S[kk].thread_elements()[e] = vis ? s : kNegInf;
           }
         }
       }
       // Online softmax; the 4 lanes of a fragment row differ in lane bits 0 and 3.
-      float mx = kNeg;
+      float mx = kNegInf;
       for (int kk = 0; kk < NK; ++kk) {
         mx = max(mx, max(S[kk].thread_elements()[0], S[kk].thread_elements()[1]));
       }
       mx = flash::row_max(mx);
       const float m_new = max(m_i, mx);
-      const float m_use = (m_new <= kNeg) ? 0.0f : m_new;
+      // Still nothing visible: subtract 0, so masked scores give exp2(-inf) = 0.
+      const float m_use = flash::is_neg_inf(m_new) ? 0.0f : m_new;
       const float factor = exp2((m_i - m_use) * flash::kLog2e);
       float rs = 0.0f;
       for (int kk = 0; kk < NK; ++kk) {
@@ -297,8 +384,8 @@ template <typename T, int BD, int BK>
     const long o_off = long(b) * P.o_stride_b + long(h) * P.o_stride_h + long(i) * P.o_stride_l;
     for (int dd = 0; dd < NF; ++dd) {
       const int c = dd * 8 + fc.col;
-      if (c < D) o[o_off + c] = T(Of[dd].thread_elements()[0] * inv_l);
-      if (c + 1 < D) o[o_off + c + 1] = T(Of[dd].thread_elements()[1] * inv_l);
+      if (c < D) o[o_off + c] = TQ(Of[dd].thread_elements()[0] * inv_l);
+      if (c + 1 < D) o[o_off + c + 1] = TQ(Of[dd].thread_elements()[1] * inv_l);
     }
     if (fc.col == 0) {
       const float pos_inf = as_type<float>(0x7f800000u);
@@ -342,7 +429,7 @@ template <typename T>
   threadgroup_barrier(mem_flags::mem_threadgroup);
   const threadgroup DecodeParams& P = *reinterpret_cast<const threadgroup DecodeParams*>(params_words);
 
-  const float kNeg = -1.0e38f;
+  const float kNegInf = as_type<float>(0xff800000u);
   const int S = P.num_splits;
   const int D = P.head_dim;
   const int Lq = P.seqlen_q;
@@ -355,10 +442,10 @@ template <typename T>
 
   float m[kMaxSplitChunks];
   float l[kMaxSplitChunks];
-  float mx = kNeg;
+  float mx = kNegInf;  // the max over splits that saw something (l > 0), whose m is finite
   for (int c = 0; c < kMaxSplitChunks; ++c) {
     const int s = c * 32 + int(lane);
-    m[c] = kNeg;
+    m[c] = 0.0f;
     l[c] = 0.0f;
     if (s < S) {
       m[c] = part_ml[(base + s) * 2];
@@ -411,39 +498,56 @@ template <typename T>
   out_l[6] = p.v_stride_b; out_l[7] = p.v_stride_l; out_l[8] = p.v_stride_h;
   out_l[9] = p.o_stride_b; out_l[10] = p.o_stride_h; out_l[11] = p.o_stride_l;
   out_l[12] = p.bt_stride_b; out_l[13] = p.a_stride_b; out_l[14] = p.a_stride_h;
+  out_l[15] = p.m_stride_b; out_l[16] = p.m_stride_h; out_l[17] = p.m_stride_q; out_l[18] = p.m_stride_k;
   out_i[0] = p.batch; out_i[1] = p.heads; out_i[2] = p.kv_heads; out_i[3] = p.gqa;
   out_i[4] = p.seqlen_q; out_i[5] = p.head_dim; out_i[6] = p.page_size; out_i[7] = p.num_splits;
   out_i[8] = p.diag_adjust; out_i[9] = p.window_left; out_i[10] = p.window_right; out_i[11] = p.rows_per_tg;
   out_i[12] = p.row_blocks; out_i[13] = p.num_threads;
   out_i[14] = p.seqlen_fixed; out_i[15] = p.seqlen_new; out_i[16] = p.capacity; out_i[17] = p.cache_rows;
+  out_i[18] = p.mask_kind; out_i[19] = p.kv_bits; out_i[20] = p.kv_group_size; out_i[21] = p.pad_i;
   out_f[0] = p.qk_scale; out_f[1] = p.softcap;
 }
 
 // ---------------------------------------------------------------------------
 // Instantiations (the planner's table, torch_metal_flash/planner/decode.py).
 // ---------------------------------------------------------------------------
-#define FLASH_DECODE_INSTANTIATE(tname, T, BD, BK)                                  \
-  template [[host_name("flash_decode_" #tname "_d" #BD "_k" #BK)]] [[kernel]] void \
-  flash_decode<T, BD, BK>(FLASH_DECODE_ARGS(T));
+// q and the caches in one dtype ("flash_decode_<dtype>_d<BD>_k<BK>"), and
+// float32 q over a float16 / bfloat16 cache ("flash_decode_f32_kv<dtype>_...",
+// the cache dtype's tiles).
+#define FLASH_DECODE_INSTANTIATE(name, TQ, TK, BD, BK)                            \
+  template [[host_name("flash_decode_" #name "_d" #BD "_k" #BK)]] [[kernel]] void \
+  flash_decode<TQ, TK, BD, BK>(FLASH_DECODE_ARGS(TQ, TK));
 
-FLASH_DECODE_INSTANTIATE(f32, float, 32, 32)
-FLASH_DECODE_INSTANTIATE(f32, float, 64, 32)
-FLASH_DECODE_INSTANTIATE(f32, float, 96, 16)
-FLASH_DECODE_INSTANTIATE(f32, float, 128, 16)
-FLASH_DECODE_INSTANTIATE(f32, float, 192, 8)
-FLASH_DECODE_INSTANTIATE(f32, float, 256, 8)
-FLASH_DECODE_INSTANTIATE(f16, half, 32, 64)
-FLASH_DECODE_INSTANTIATE(f16, half, 64, 64)
-FLASH_DECODE_INSTANTIATE(f16, half, 96, 32)
-FLASH_DECODE_INSTANTIATE(f16, half, 128, 32)
-FLASH_DECODE_INSTANTIATE(f16, half, 192, 16)
-FLASH_DECODE_INSTANTIATE(f16, half, 256, 16)
-FLASH_DECODE_INSTANTIATE(bf16, bfloat, 32, 64)
-FLASH_DECODE_INSTANTIATE(bf16, bfloat, 64, 64)
-FLASH_DECODE_INSTANTIATE(bf16, bfloat, 96, 32)
-FLASH_DECODE_INSTANTIATE(bf16, bfloat, 128, 32)
-FLASH_DECODE_INSTANTIATE(bf16, bfloat, 192, 16)
-FLASH_DECODE_INSTANTIATE(bf16, bfloat, 256, 16)
+FLASH_DECODE_INSTANTIATE(f32, float, float, 32, 32)
+FLASH_DECODE_INSTANTIATE(f32, float, float, 64, 32)
+FLASH_DECODE_INSTANTIATE(f32, float, float, 96, 16)
+FLASH_DECODE_INSTANTIATE(f32, float, float, 128, 16)
+FLASH_DECODE_INSTANTIATE(f32, float, float, 192, 8)
+FLASH_DECODE_INSTANTIATE(f32, float, float, 256, 8)
+FLASH_DECODE_INSTANTIATE(f16, half, half, 32, 64)
+FLASH_DECODE_INSTANTIATE(f16, half, half, 64, 64)
+FLASH_DECODE_INSTANTIATE(f16, half, half, 96, 32)
+FLASH_DECODE_INSTANTIATE(f16, half, half, 128, 32)
+FLASH_DECODE_INSTANTIATE(f16, half, half, 192, 16)
+FLASH_DECODE_INSTANTIATE(f16, half, half, 256, 16)
+FLASH_DECODE_INSTANTIATE(bf16, bfloat, bfloat, 32, 64)
+FLASH_DECODE_INSTANTIATE(bf16, bfloat, bfloat, 64, 64)
+FLASH_DECODE_INSTANTIATE(bf16, bfloat, bfloat, 96, 32)
+FLASH_DECODE_INSTANTIATE(bf16, bfloat, bfloat, 128, 32)
+FLASH_DECODE_INSTANTIATE(bf16, bfloat, bfloat, 192, 16)
+FLASH_DECODE_INSTANTIATE(bf16, bfloat, bfloat, 256, 16)
+FLASH_DECODE_INSTANTIATE(f32_kvf16, float, half, 32, 64)
+FLASH_DECODE_INSTANTIATE(f32_kvf16, float, half, 64, 64)
+FLASH_DECODE_INSTANTIATE(f32_kvf16, float, half, 96, 32)
+FLASH_DECODE_INSTANTIATE(f32_kvf16, float, half, 128, 32)
+FLASH_DECODE_INSTANTIATE(f32_kvf16, float, half, 192, 16)
+FLASH_DECODE_INSTANTIATE(f32_kvf16, float, half, 256, 16)
+FLASH_DECODE_INSTANTIATE(f32_kvbf16, float, bfloat, 32, 64)
+FLASH_DECODE_INSTANTIATE(f32_kvbf16, float, bfloat, 64, 64)
+FLASH_DECODE_INSTANTIATE(f32_kvbf16, float, bfloat, 96, 32)
+FLASH_DECODE_INSTANTIATE(f32_kvbf16, float, bfloat, 128, 32)
+FLASH_DECODE_INSTANTIATE(f32_kvbf16, float, bfloat, 192, 16)
+FLASH_DECODE_INSTANTIATE(f32_kvbf16, float, bfloat, 256, 16)
 
 #define FLASH_DECODE_COMBINE_INSTANTIATE(tname, T)                                     \
   template [[host_name("flash_decode_combine_" #tname)]] [[kernel]] void                \

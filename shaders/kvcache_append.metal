@@ -2,7 +2,7 @@
 // (and of q), and the write of the new k/v rows into the cache, contiguous or
 // paged, at the positions read on the GPU (kvcache_index.h).
 //
-// kvcache_append_<dtype>_r<rotary dtype>
+// kvcache_append_<dtype>_r<rotary dtype>[_q<q dtype>]
 //   One threadgroup per row, 32 * ceil(head_dim / 32) threads (head_dim <= 256):
 //   rows [0, kv_rows) are the (b, t, h) rows of the new k/v (b-major), written
 //   to cache position base_b + t; the rest, when rotary is on, are the
@@ -14,11 +14,22 @@
 // interleaved, else (f, f + rotary_dim / 2), by the angle of table row
 // min(pos, seqlen_ro - 1); in float32, stored as T.  The rest are copied.
 //
+// Types: T is the caches' (and the new k/v's) dtype, R the rotary table's, TQ
+// q's (float32 over a float16 / bfloat16 cache: "_q<dtype>").
+// Quantized caches (kv_affine / kv_symmetric, kv_quant.h): buffers 2 and 3 hold
+// the packed words and the cache strides count rows; the k row (rotated,
+// rounded to T) is staged in threadgroup memory, then the k and v rows are
+// quantized in registers (group min/max or max|x| by simdgroup reductions)
+// and written as words, scales and biases -- what tmf.quantize() gives for
+// them, bit for bit.
+//
 // Buffers: 0 k, 1 v (B, Lnew, Hkv, D), 2 k_cache, 3 v_cache, 4 AppendParams,
 // 5 cache_seqlens (int, (B,)), 6 cache_batch_idx (int), 7 block_table (int),
 // 8 rotary_cos, 9 rotary_sin (R, (seqlen_ro, rotary_dim / 2)), 10 q (B, Lq, Hq, D),
-// 11 rotated q.
+// 11 rotated q, 12 k scales, 13 k biases, 14 v scales, 15 v biases (T, affine),
+// 16 k scales, 17 v scales (half, symmetric).
 #include <metal_stdlib>
+#include "kv_quant.h"
 #include "kvcache_index.h"
 
 using namespace metal;
@@ -37,6 +48,7 @@ struct AppendParams {
   int kv_heads, head_dim, rotary_dim, seqlen_ro;
   int page_size, capacity, cache_rows, seqlen_fixed;  // seqlen_fixed: cache_seqlens when no tensor is given
   int kv_rows, q_local;                        // kv_rows = B * Lnew * Hkv
+  int kv_bits, kv_group_size;                  // quantized caches
 };
 
 constant bool paged [[function_constant(0)]];
@@ -44,8 +56,10 @@ constant bool has_seqlens [[function_constant(1)]];
 constant bool has_batch_idx [[function_constant(2)]];
 constant bool has_rotary [[function_constant(3)]];
 constant bool rotary_interleaved [[function_constant(4)]];
+constant bool kv_affine [[function_constant(5)]];
+constant bool kv_symmetric [[function_constant(6)]];
 
-#define KVCACHE_APPEND_ARGS(T, R)                                                      \
+#define KVCACHE_APPEND_ARGS(T, R, TQ)                                                  \
   const device T* k [[buffer(0)]], const device T* v [[buffer(1)]],                     \
       device T* kc [[buffer(2)]], device T* vc [[buffer(3)]],                           \
       constant AppendParams& p [[buffer(4)]],                                           \
@@ -54,9 +68,17 @@ constant bool rotary_interleaved [[function_constant(4)]];
       const device int* block_table [[buffer(7), function_constant(paged)]],            \
       const device R* rcos [[buffer(8), function_constant(has_rotary)]],                \
       const device R* rsin [[buffer(9), function_constant(has_rotary)]],                \
-      const device T* q [[buffer(10), function_constant(has_rotary)]],                  \
-      device T* q_rot [[buffer(11), function_constant(has_rotary)]],                    \
-      uint tgid [[threadgroup_position_in_grid]], ushort tid [[thread_index_in_threadgroup]]
+      const device TQ* q [[buffer(10), function_constant(has_rotary)]],                 \
+      device TQ* q_rot [[buffer(11), function_constant(has_rotary)]],                   \
+      device T* k_scales [[buffer(12), function_constant(kv_affine)]],                  \
+      device T* k_biases [[buffer(13), function_constant(kv_affine)]],                  \
+      device T* v_scales [[buffer(14), function_constant(kv_affine)]],                  \
+      device T* v_biases [[buffer(15), function_constant(kv_affine)]],                  \
+      device half* k_scales_sym [[buffer(16), function_constant(kv_symmetric)]],        \
+      device half* v_scales_sym [[buffer(17), function_constant(kv_symmetric)]],        \
+      uint tgid [[threadgroup_position_in_grid]], ushort tid [[thread_index_in_threadgroup]], \
+      ushort sg [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]],  \
+      ushort nthreads [[threads_per_threadgroup]]
 
 // Params are read once per threadgroup and shared through threadgroup memory, as
 // in flash_decode.metal (one read per threadgroup, not one per thread).
@@ -107,10 +129,13 @@ inline void locate_row(const threadgroup AppendParams& P, long row, const device
   meta[4] = pos;
 }
 
-template <typename T, typename R>
-[[kernel, max_total_threads_per_threadgroup(256)]] void kvcache_append(KVCACHE_APPEND_ARGS(T, R)) {
+template <typename T, typename R, typename TQ>
+[[kernel, max_total_threads_per_threadgroup(256)]] void kvcache_append(KVCACHE_APPEND_ARGS(T, R, TQ)) {
   threadgroup long params_words[kAppendParamWords];
   threadgroup long meta[5];
+  threadgroup float k_stage[256];  // quantized caches: the rotated k row
+  threadgroup float red_k[32];     // and the group reductions of k and v
+  threadgroup float red_v[32];
   if (tid < kAppendParamWords) params_words[tid] = reinterpret_cast<const constant long*>(&p)[tid];
   threadgroup_barrier(mem_flags::mem_threadgroup);
   const threadgroup AppendParams& P = *reinterpret_cast<const threadgroup AppendParams*>(params_words);
@@ -120,28 +145,57 @@ template <typename T, typename R>
   const long dst = meta[1];
   if (dst < 0) return;
   const bool is_kv = !has_rotary || long(tgid) < long(P.kv_rows);
+  const bool quantized = kv_affine || kv_symmetric;
   const int D = P.head_dim;
   const int c = int(tid);
-  if (is_kv && c < D) vc[meta[3] + c] = v[meta[2] + c];
+  if (is_kv && !quantized && c < D) vc[meta[3] + c] = v[meta[2] + c];
   // Work item c: the rotary pair c (each element, cos and sin read once), then
-  // the features past rotary_dim, copied.
-  const device T* x = (is_kv ? k : q) + meta[0];
-  device T* y = (is_kv ? kc : q_rot) + dst;
+  // the features past rotary_dim, copied: up to two outputs (index e, value y).
   const int rd = has_rotary ? P.rotary_dim : 0;
   const int half_rd = rd / 2;
+  int e0 = -1, e1 = -1;
+  float y0 = 0.0f, y1 = 0.0f;
   if (c < half_rd) {
-    const int a = rotary_interleaved ? 2 * c : c;
-    const int b = rotary_interleaved ? 2 * c + 1 : c + half_rd;
+    e0 = rotary_interleaved ? 2 * c : c;
+    e1 = rotary_interleaved ? 2 * c + 1 : c + half_rd;
     const long row = long(min(int(meta[4]), P.seqlen_ro - 1));
     const float cs = float(rcos[row * P.cos_stride + c]);
     const float sn = float(rsin[row * P.sin_stride + c]);
-    const float x0 = float(x[a]);
-    const float x1 = float(x[b]);
-    y[a] = T(x0 * cs - x1 * sn);
-    y[b] = T(x0 * sn + x1 * cs);
+    const float x0 = is_kv ? float(k[meta[0] + e0]) : float(q[meta[0] + e0]);
+    const float x1 = is_kv ? float(k[meta[0] + e1]) : float(q[meta[0] + e1]);
+    y0 = x0 * cs - x1 * sn;
+    y1 = x0 * sn + x1 * cs;
   } else if (rd + c - half_rd < D) {
-    const int e = rd + c - half_rd;
-    y[e] = x[e];
+    e0 = rd + c - half_rd;
+    y0 = is_kv ? float(k[meta[0] + e0]) : float(q[meta[0] + e0]);
+  }
+  if (!is_kv) {  // a row of q (rotary on), into the rotated q
+    if (e0 >= 0) q_rot[dst + e0] = TQ(y0);
+    if (e1 >= 0) q_rot[dst + e1] = TQ(y1);
+    return;
+  }
+  if (!quantized) {
+    if (e0 >= 0) kc[dst + e0] = T(y0);
+    if (e1 >= 0) kc[dst + e1] = T(y1);
+    return;
+  }
+  // Quantized caches: stage the k row as stored values (rounded to T), then quantize both rows.
+  if (e0 >= 0) k_stage[e0] = float(T(y0));
+  if (e1 >= 0) k_stage[e1] = float(T(y1));
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  const kvq::Format f = kvq::Format::make(kv_symmetric, P.kv_bits, P.kv_group_size, D);
+  const int nsg = (int(nthreads) + 31) / 32;
+  const float kx = c < D ? k_stage[c] : 0.0f;
+  const float vx = c < D ? float(v[meta[2] + c]) : 0.0f;
+  device uint* kw = reinterpret_cast<device uint*>(kc);
+  device uint* vw = reinterpret_cast<device uint*>(vc);
+  // Each format's scale buffers are referenced only under its own constant.
+  if (kv_symmetric) {
+    kvq::quantize_row<T>(kx, c, f, dst, kw, nullptr, nullptr, k_scales_sym, red_k, sg, lane, nsg);
+    kvq::quantize_row<T>(vx, c, f, meta[3], vw, nullptr, nullptr, v_scales_sym, red_v, sg, lane, nsg);
+  } else {
+    kvq::quantize_row<T>(kx, c, f, dst, kw, k_scales, k_biases, nullptr, red_k, sg, lane, nsg);
+    kvq::quantize_row<T>(vx, c, f, meta[3], vw, v_scales, v_biases, nullptr, red_v, sg, lane, nsg);
   }
 }
 
@@ -156,19 +210,22 @@ template <typename T, typename R>
   out_i[0] = p.batch; out_i[1] = p.seqlen_new; out_i[2] = p.seqlen_q; out_i[3] = p.heads;
   out_i[4] = p.kv_heads; out_i[5] = p.head_dim; out_i[6] = p.rotary_dim; out_i[7] = p.seqlen_ro;
   out_i[8] = p.page_size; out_i[9] = p.capacity; out_i[10] = p.cache_rows; out_i[11] = p.seqlen_fixed;
-  out_i[12] = p.kv_rows; out_i[13] = p.q_local;
+  out_i[12] = p.kv_rows; out_i[13] = p.q_local; out_i[14] = p.kv_bits; out_i[15] = p.kv_group_size;
 }
 
 // ---------------------------------------------------------------------------
 // Instantiations (the planner's table, torch_metal_flash/planner/kvcache.py):
-// the rotary table in the cache dtype or in float32.
+// the rotary table in the cache dtype or in float32; q in the cache dtype, or
+// float32 over a float16 / bfloat16 cache (whose rotary table is then float32).
 // ---------------------------------------------------------------------------
-#define KVCACHE_APPEND_INSTANTIATE(tname, T, rname, R)                                     \
-  template [[host_name("kvcache_append_" #tname "_r" #rname)]] [[kernel]] void             \
-  kvcache_append<T, R>(KVCACHE_APPEND_ARGS(T, R));
+#define KVCACHE_APPEND_INSTANTIATE(name, T, R, TQ)                              \
+  template [[host_name("kvcache_append_" #name)]] [[kernel]] void               \
+  kvcache_append<T, R, TQ>(KVCACHE_APPEND_ARGS(T, R, TQ));
 
-KVCACHE_APPEND_INSTANTIATE(f32, float, f32, float)
-KVCACHE_APPEND_INSTANTIATE(f16, half, f16, half)
-KVCACHE_APPEND_INSTANTIATE(f16, half, f32, float)
-KVCACHE_APPEND_INSTANTIATE(bf16, bfloat, bf16, bfloat)
-KVCACHE_APPEND_INSTANTIATE(bf16, bfloat, f32, float)
+KVCACHE_APPEND_INSTANTIATE(f32_rf32, float, float, float)
+KVCACHE_APPEND_INSTANTIATE(f16_rf16, half, half, half)
+KVCACHE_APPEND_INSTANTIATE(f16_rf32, half, float, half)
+KVCACHE_APPEND_INSTANTIATE(bf16_rbf16, bfloat, bfloat, bfloat)
+KVCACHE_APPEND_INSTANTIATE(bf16_rf32, bfloat, float, bfloat)
+KVCACHE_APPEND_INSTANTIATE(f16_rf32_qf32, half, float, float)
+KVCACHE_APPEND_INSTANTIATE(bf16_rf32_qf32, bfloat, float, float)

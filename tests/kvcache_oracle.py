@@ -42,9 +42,12 @@ def rotate(x, cos, sin, pos, interleaved):
 
 def _rows(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
           cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
-          window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, dtype=torch.float64):
+          window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, dtype=torch.float64,
+          append=True):
     """``(rows, new k_cache, new v_cache)`` in ``dtype``, the caches updated (copies); ``rows`` has,
-    per batch row b, ``(b, qb (Lq, Hq, D), keys (Lk, Hkv, D), vals, vis (Lq, Lk) bool, slopes (Hq,) or None)``."""
+    per batch row b, ``(b, qb (Lq, Hq, D), keys (Lk, Hkv, D), vals, vis (Lq, Lk) bool, slopes (Hq,) or None)``.
+    ``append=False``: the caches already hold the new rows (as a quantized cache stores
+    them); ``k``/``v`` only give their count (and rotary of q its positions)."""
     cast = (lambda t: None if t is None else t.detach().cpu().to(dtype))
     q, kc, vc, k, v = cast(q), cast(k_cache), cast(v_cache), cast(k), cast(v)
     cos, sin = cast(rotary_cos), cast(rotary_sin)
@@ -87,7 +90,7 @@ def _rows(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                 kb = rotate(kb, cos, sin, [s0 + t for t in range(lnew)], rotary_interleaved)
                 qpos = [s0 + i for i in range(Lq)] if local else [s0] * Lq
                 qb = rotate(qb, cos, sin, qpos, rotary_interleaved)
-            for t in range(end - s0):
+            for t in range(end - s0 if append else 0):
                 sl = slot(b, s0 + t)
                 if sl is not None:
                     kc[sl] = kb[t]

@@ -197,7 +197,7 @@ def test_params_layout():
         setattr(p, n, -(k + 1) * 13)
     p.qk_scale, p.softcap = 0.5, -2.25
     lib = emulator.compile_shader(shaders_dir() / "flash_decode.metal",
-                                  function_constants={i: False for i in range(8)})
+                                  function_constants={i: False for i in range(12)})
     out_l, out_i, out_f = torch.zeros(len(longs), dtype=torch.int64), torch.zeros(len(ints), dtype=torch.int32), \
         torch.zeros(2)
     lib.flash_decode_params_echo(buffers={0: out_l, 1: out_i, 2: out_f, 5: p.to_bytes()}, grid=(1,),

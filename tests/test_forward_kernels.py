@@ -378,6 +378,6 @@ def test_decode_shapes_route_to_the_decode_planner():
     assert isinstance(routed, Plan) and routed.launches[0].source != "flash_fwd.metal"
     assert plan_forward(spec, out, lse).launches[0].source == "flash_fwd.metal"
     masked = make_spec(q, k, v, mask=torch.ones(300, dtype=torch.bool), scale=0.125)
-    assert planner.plan_forward(masked, out, lse).launches[0].source == "flash_fwd.metal"
+    assert planner.plan_forward(masked, out, lse).launches[0].source == "flash_decode.metal"  # reads masks too
     small = make_spec(q, k[:, :, :40], v[:, :, :40], scale=0.125)
     assert planner.plan_forward(small, out, lse).launches[0].source == "flash_fwd.metal"

@@ -74,7 +74,7 @@ def make_case(seed=0, dtype="f16", B=3, Lq=1, Hq=4, Hkv=2, D=32, cap=40, lnew=0,
     return kw
 
 
-def check_against_oracle(kw, out, lse):
+def check_against_oracle(kw, out, lse=None):
     """The rule of torch_metal_flash.testing on (out, lse) of a flash_attn_with_kvcache
     call: the oracle in float64, the budget from the plain math of each batch row's
     problem in the inputs' dtype.  Returns the oracle's (out, lse, k_cache, v_cache)."""
@@ -87,7 +87,8 @@ def check_against_oracle(kw, out, lse):
     plain_lse = torch.cat([p.lse for p, _ in rows])
     mag_out = torch.cat([m["out"] for _, m in rows]).transpose(1, 2)
     assert_matches_oracle("out", out.cpu(), ref[0], plain_out, mag_out, dtype)
-    assert_matches_oracle("lse", lse.cpu(), ref[1], plain_lse, torch.cat([m["lse"] for _, m in rows]), dtype)
+    if lse is not None:
+        assert_matches_oracle("lse", lse.cpu(), ref[1], plain_lse, torch.cat([m["lse"] for _, m in rows]), dtype)
     return ref
 
 
@@ -252,6 +253,6 @@ def test_decode_route_reason():
     def reason(q, k, mask=None):
         return route_reason(make_spec(q, k, k, mask, scale=0.1))
     assert reason(q, k) is None
-    assert "mask" in reason(q, k, mask=torch.ones(1, dtype=torch.bool))
+    assert reason(q, k, mask=torch.ones(1, dtype=torch.bool)) is None  # the decode kernels read masks
     assert "key length" in reason(q, k[:, :, :10])
     assert "query rows per KV head" in reason(torch.randn(1, 32, 100, 128), k)

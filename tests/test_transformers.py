@@ -258,3 +258,38 @@ def test_registered_in_both_interfaces():
                                    num_attention_heads=4, num_key_value_heads=2)
     model = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation=tmf_hf.NAME)
     assert model.config._attn_implementation == tmf_hf.NAME
+
+
+# ---------------------------------------------------------------------------
+# QuantizedKVCache: K/V stay quantized and reach the kernels as they are
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind,fmt", [("llama", dict(bits=4, group_size=32)),
+                                      ("gpt_oss", dict(bits=8, group_size=32, mode="symmetric"))])
+def test_quantized_cache_generate_matches_dequantized_caches(kind, fmt, spy):
+    """generate(past_key_values=QuantizedKVCache) on metal_sdpa runs every step on the kernels
+    (emulator, strict) with quantized K/V, and gives the same tokens as the same model fed the
+    dequantize()d cache through sdpa (eager for GPT-OSS's sinks); the cache memory is reported."""
+    from torch_metal_flash import backends, emulator
+    from torch_metal_flash.quant import QuantizedTensor
+
+    model, reference = _build(kind)
+    ids, mask = _batch()
+    backends.run_counts(reset=True)
+    with torch.no_grad(), backends.backend("emulator", strict=True), emulator.settings(checked=True), \
+            warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "`past_key_values` is deprecated", FutureWarning)
+        _use(model, tmf_hf.NAME)
+        cache = tmf_hf.QuantizedKVCache(**fmt)
+        got = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=5, do_sample=False)
+        assert backends.run_counts() == {"emulator": 2 * len(spy)}  # each layer and step: append + attention
+        assert all(isinstance(args[1], QuantizedTensor) and isinstance(args[2], QuantizedTensor) for args in spy)
+        model.set_attn_implementation(reference)
+        want = model.generate(ids, attention_mask=mask, past_key_values=tmf_hf.QuantizedKVCache(**fmt, dequantize=True),
+                              max_new_tokens=5, do_sample=False)
+    assert torch.equal(got, want), (got, want)
+    memory = cache.memory()
+    print(f"\n{kind} {fmt}: QuantizedKVCache memory {memory}")
+    layers, heads, head_dim = model.config.num_hidden_layers, model.config.num_key_value_heads, 8
+    assert memory["dense"] == 2 * layers * ids.shape[0] * heads * cache.get_seq_length() * head_dim * 4
+    assert memory["used"] < memory["dense"] / 2

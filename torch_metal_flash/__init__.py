@@ -11,6 +11,7 @@ from .flash_attn_shim import install_flash_attn_shim, is_flash_attn_shim_install
 from .functional import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
                          flash_attn_varlen_func, scaled_dot_product_attention)
 from .kvcache import flash_attn_with_kvcache
+from .quant import QuantizedTensor, quantize, quantized_zeros
 from .sdpa_override import (disable_sdpa, enable_sdpa, is_sdpa_enabled, reset_sdpa_stats, sdpa_override,
                             sdpa_stats)
 
@@ -18,6 +19,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "FallbackWarning",
+    "QuantizedTensor",
     "UnsupportedError",
     "backend",
     "disable_sdpa",
@@ -33,6 +35,8 @@ __all__ = [
     "nn",
     "plan_cache_clear",
     "plan_cache_info",
+    "quantize",
+    "quantized_zeros",
     "reset_sdpa_stats",
     "run_counts",
     "scaled_dot_product_attention",

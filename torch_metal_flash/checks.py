@@ -118,6 +118,9 @@ def signature(t) -> Any:
     shape, dtype, device and whether its last dim is contiguous."""
     if t is None:
         return None
+    from .quant import QuantizedTensor
+    if isinstance(t, QuantizedTensor):  # its last dim is contiguous by construction
+        return t.shape, t.dtype, t.device, t.bits, t.group_size, t.mode
     if not isinstance(t, torch.Tensor):
         raise TypeError  # not memoisable: the checks explain
     return t.shape, t.dtype, t.device, t.dim() > 0 and (t.shape[-1] <= 1 or t.stride(-1) == 1)
@@ -148,3 +151,47 @@ class Memo:
             self._results[key] = result
         except TypeError:
             pass
+
+
+def kv_tensor(name: str, t, ndim: Optional[Sequence[int]] = None):
+    """A K/V argument: a tensor, or a :class:`~torch_metal_flash.quant.QuantizedTensor`."""
+    from .quant import QuantizedTensor
+    if isinstance(t, QuantizedTensor):
+        if ndim is not None and t.dim() not in ndim:
+            want = " or ".join(f"{n}-D" for n in ndim)
+            raise ValueError(f"{name}: expected a {want} tensor, got a QuantizedTensor of shape {tuple(t.shape)}")
+        return t
+    tensor(name, t, ndim)
+    float_dtype(name, t)
+    return t
+
+
+def kv_dtypes(q_name: str, q: torch.Tensor, names: Sequence[str], k, v) -> bool:
+    """K and V alike (dtype; the same format when quantized) and readable for ``q``: in q's
+    dtype, or float16 / bfloat16 (plain or quantized) under a float32 q (mixed precision).
+    Returns whether K/V are quantized."""
+    from .quant import QuantizedTensor
+    quantized = isinstance(k, QuantizedTensor)
+    if quantized != isinstance(v, QuantizedTensor):
+        raise TypeError(f"{', '.join(names)}: pass both quantized (QuantizedTensor) or neither, got "
+                        f"{type(k).__name__} and {type(v).__name__}")
+    if quantized and not k.same_format(v):
+        raise ValueError(f"{', '.join(names)}: expected the same quantization format and dtype, got {k!r} and {v!r}")
+    mixed = q.dtype == torch.float32 and k.dtype in (torch.float16, torch.bfloat16)
+    if k.dtype != v.dtype or (k.dtype != q.dtype and not mixed):
+        raise ValueError(f"{q_name}, {', '.join(names)}: expected the same dtype (or {'/'.join(names)} in float16 / "
+                         f"bfloat16 under a float32 {q_name}: mixed precision), got {q_name}={q.dtype}, "
+                         f"{names[0]}={k.dtype}, {names[1]}={v.dtype}")
+    for name, t in zip(names, (k, v)):
+        if t.device != q.device:
+            raise ValueError(f"{name}: expected device {q.device}, got {t.device}")
+    return quantized
+
+
+def inference_only(what: str, tensors) -> None:
+    """Quantized K/V have no backward: a clear error when autograd would need one."""
+    if torch.is_grad_enabled():
+        for name, t in tensors:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                raise RuntimeError(f"{name}: requires grad, but {what} are inference-only (no gradient through "
+                                   f"quantized K/V); run under torch.no_grad(), or attend to dequantize()d K/V")

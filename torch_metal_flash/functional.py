@@ -1,6 +1,9 @@
 """The public faces: ``scaled_dot_product_attention`` (torch semantics) and the
 ``flash_attn`` package API.  Both check their arguments here and map onto the
-one ``metal_flash.fwd`` op without copying or transposing memory."""
+one ``metal_flash.fwd`` op without copying or transposing memory -- or, for
+quantized K/V (:class:`~torch_metal_flash.quant.QuantizedTensor`, inference
+only), onto ``metal_flash.fwd_quantized``.  K/V may also be float16 / bfloat16
+under a float32 query (mixed precision)."""
 from __future__ import annotations
 
 import math
@@ -8,6 +11,7 @@ import warnings
 import torch
 
 from . import checks, ops, reference  # noqa: F401  (ops registers torch.ops.metal_flash)
+from .quant import QuantizedTensor, flat_format
 from .spec import make_spec, stats_dtype
 
 _dropout_warned = False
@@ -23,14 +27,21 @@ def _warn_dropout() -> None:
 
 def _attention(q, k, v, mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right, softcap,
                dropout_p):
-    """(out, lse) for (B, H, L, D)-indexed views."""
+    """(out, lse) for (B, H, L, D)-indexed views (K/V tensors or QuantizedTensors)."""
+    quantized = isinstance(k, QuantizedTensor)
     if sinks is not None and (sinks.dtype != stats_dtype(q.dtype) or not sinks.is_contiguous()):
         sinks = sinks.to(stats_dtype(q.dtype)).contiguous()  # the kernels read float32 sinks
     if dropout_p > 0:
         _warn_dropout()
+        if quantized:
+            k, v = k.dequantize(), v.dequantize()
         spec = make_spec(q, k, v, mask, alibi_slopes, sinks, scale=scale, diag_offset=diag_offset,
                          window_left=window_left, window_right=window_right, softcap=softcap)
         return reference.dropout_attention(spec, dropout_p)
+    if quantized:
+        return torch.ops.metal_flash.fwd_quantized(q, k.data, v.data, mask, alibi_slopes, sinks, scale, diag_offset,
+                                                   window_left, window_right, softcap, k.scales, k.biases, v.scales,
+                                                   v.biases, *flat_format(k))
     out, lse, _ = torch.ops.metal_flash.fwd(q, k, v, mask, alibi_slopes, sinks, scale, diag_offset, window_left,
                                             window_right, softcap, ops.needs_grad(q, k, v, mask, sinks))
     return out, lse
@@ -56,6 +67,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     ``is_causal`` when both are given (as torch 2.13 does).  ``enable_gqa`` lets
     Hq be a multiple of Hkv (K/V are never repeated in memory).  Rows with no
     visible key return zeros.  Returns (..., Hq, L, Ev) in the query's dtype.
+    ``key``/``value`` may be quantized (:class:`~torch_metal_flash.quant.QuantizedTensor`,
+    inference only), or float16 / bfloat16 under a float32 ``query``.
     """
     signature = _signature(_sdpa_signature, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     checked = _SDPA_CHECKED.get(signature)
@@ -64,6 +77,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         if signature is not None:
             _SDPA_CHECKED.put(signature, checked)
     scale, window_right, dropout_p, mask_shape = checked
+    if isinstance(key, QuantizedTensor):
+        checks.inference_only("quantized key/value", (("query", query), ("attn_mask", attn_mask)))
     mask = None if attn_mask is None else _as_4d(attn_mask.expand(mask_shape))
     out, _ = _attention(_as_4d(query), _as_4d(key), _as_4d(value), mask, None, None, scale, 0, -1, window_right, 0.0,
                         dropout_p)
@@ -90,14 +105,15 @@ def _sdpa_signature(query, key, value, attn_mask, dropout_p, is_causal, scale, e
 
 def _sdpa_checks(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
     """Check the SDPA face's arguments; (scale, window_right, dropout_p, mask shape) for the op."""
+    checks.tensor("query", query)
+    checks.float_dtype("query", query)
     for name, t in (("query", query), ("key", key), ("value", value)):
-        checks.tensor(name, t)
+        checks.kv_tensor(name, t)
         if t.dim() < 2:
             raise ValueError(f"{name}: expected at least 2 dims (..., L, E), got shape {tuple(t.shape)}")
-        checks.float_dtype(name, t)
-        checks.last_dim_contiguous(name, t)
-    checks.same(("query", "key", "value"), (query, key, value), "dtype")
-    checks.same(("query", "key", "value"), (query, key, value), "device")
+        if isinstance(t, torch.Tensor):
+            checks.last_dim_contiguous(name, t)
+    checks.kv_dtypes("query", query, ("key", "value"), key, value)
     checks.same(("query", "key", "value"), (query, key, value), "ndim")
     checks.dim_equal("key", key.shape[-1], query.shape[-1], "embedding size (last dim) equal to query's")
     checks.dim_equal("value", value.shape[-2], key.shape[-2], "sequence length (dim -2) equal to key's")
@@ -128,12 +144,13 @@ def _sdpa_checks(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
 
 
 def _flash_checks(q, k, v):
+    checks.tensor("q", q, ndim=(4,))
+    checks.float_dtype("q", q)
     for name, t in (("q", q), ("k", k), ("v", v)):
-        checks.tensor(name, t, ndim=(4,))
-        checks.float_dtype(name, t)
-        checks.last_dim_contiguous(name, t)
-    checks.same(("q", "k", "v"), (q, k, v), "dtype")
-    checks.same(("q", "k", "v"), (q, k, v), "device")
+        checks.kv_tensor(name, t, ndim=(4,))
+        if isinstance(t, torch.Tensor):
+            checks.last_dim_contiguous(name, t)
+    checks.kv_dtypes("q", q, ("k", "v"), k, v)
     checks.dim_equal("k", k.shape[0], q.shape[0], "batch size equal to q's")
     checks.dim_equal("v", v.shape[0], q.shape[0], "batch size equal to q's")
     checks.dim_equal("k", k.shape[3], q.shape[3], "head dim equal to q's")
@@ -163,7 +180,12 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     Returns:
         out (batch, seqlen_q, nheads, headdim); with ``return_attn_probs``,
         ``(out, softmax_lse (batch, nheads, seqlen_q) float32, None)``.
+
+    ``k``/``v`` may be quantized (:class:`~torch_metal_flash.quant.QuantizedTensor`,
+    inference only), or float16 / bfloat16 under a float32 ``q`` (mixed precision).
     """
+    if isinstance(k, QuantizedTensor):
+        checks.inference_only("quantized k/v", (("q", q), ("alibi_slopes", alibi_slopes)))
     signature = _signature(_flash_signature, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                            alibi_slopes)
     checked = _FLASH_CHECKED.get(signature)
@@ -209,7 +231,7 @@ def _flash_attn(q, k, v, alibi_slopes, return_attn_probs, dropout_p, scale, left
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """``flash_attn.flash_attn_kvpacked_func``: ``kv`` is (batch, seqlen_k, 2, nheads_k, headdim)."""
-    checks.tensor("kv", kv, ndim=(5,))
+    checks.kv_tensor("kv", kv, ndim=(5,))
     checks.dim_equal("kv", kv.shape[2], 2, "size of dim 2 (k and v)")
     return flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
                            alibi_slopes, deterministic, return_attn_probs)
@@ -244,8 +266,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """
     if block_table is not None:
         raise NotImplementedError("flash_attn_varlen_func: paged KV (block_table) is not supported yet")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        checks.tensor(name, t, ndim=(3,))
+    checks.tensor("q", q, ndim=(3,))
+    for name, t in (("k", k), ("v", v)):
+        checks.kv_tensor(name, t, ndim=(3,))
+    if checks.kv_dtypes("q", q, ("k", "v"), k, v):
+        checks.inference_only("quantized k/v", (("q", q),))
     bounds = []
     for name, cu, total, longest in (("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q),
                                      ("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)):

@@ -16,6 +16,8 @@ or ignore out-of-range values (``shaders/kvcache_index.h``).  With
 ``TORCH_METAL_FLASH_DEBUG=1`` the op validates the values on the host first,
 with clear errors; the reference path (other backends, or what the kernels do
 not cover) validates them always (:mod:`torch_metal_flash.kvcache_reference`).
+Quantized caches (:mod:`torch_metal_flash.quant`) go to the op
+``metal_flash::fwd_kvcache_quantized`` (:meth:`KvCacheProblem.op_call`).
 """
 from __future__ import annotations
 
@@ -60,13 +62,11 @@ def _op_args(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
     checks.float_dtype("q", q)
     checks.last_dim_contiguous("q", q)
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        checks.tensor(name, t, ndim=(4,))
-        checks.float_dtype(name, t)
-        if t.shape[-1] > 1 and t.stride(-1) != 1:
+        checks.kv_tensor(name, t, ndim=(4,))
+        if isinstance(t, torch.Tensor) and t.shape[-1] > 1 and t.stride(-1) != 1:
             raise ValueError(f"{name}: expected a contiguous last dimension (stride 1), got strides "
                              f"{t.stride()}; the cache is updated in place, so it cannot be copied")
-    checks.same(("q", "k_cache", "v_cache"), (q, k_cache, v_cache), "dtype")
-    checks.same(("q", "k_cache", "v_cache"), (q, k_cache, v_cache), "device")
+    checks.kv_dtypes("q", q, ("k_cache", "v_cache"), k_cache, v_cache)
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"v_cache: expected the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
     B, Lq, Hq, D = q.shape
@@ -93,8 +93,8 @@ def _op_args(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
         for name, t in (("k", k), ("v", v)):
             checks.tensor(name, t, ndim=(4,))
             checks.float_dtype(name, t)
-            if t.dtype != q.dtype:
-                raise TypeError(f"{name}: expected dtype {q.dtype} (the cache's), got {t.dtype}")
+            if t.dtype not in (k_cache.dtype, q.dtype):
+                raise TypeError(f"{name}: expected dtype {k_cache.dtype} (the cache's) or q's, got {t.dtype}")
             if t.device != dev:
                 raise ValueError(f"{name}: expected device {dev}, got {t.device}")
             if tuple(t.shape[:1]) != (B,) or tuple(t.shape[2:]) != (Hkv, D):
@@ -103,8 +103,10 @@ def _op_args(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
             raise ValueError(f"v: expected the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
         if cache_seqlens is None:
             raise ValueError("cache_seqlens: required when new k/v are given (where to append them)")
+        # The new rows only (small): in the cache's dtype, last dim contiguous.
+        k, v = k.to(k_cache.dtype), v.to(k_cache.dtype)
         if D > 1 and k.stride(-1) != 1:
-            k = k.contiguous()  # the new rows only: small
+            k = k.contiguous()
         if D > 1 and v.stride(-1) != 1:
             v = v.contiguous()
     g = Geometry.of(q, k_cache, k, block_table, -1, -1)
@@ -189,8 +191,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         k_cache, v_cache: (batch_cache, seqlen_cache, nheads_k, headdim) without
             ``block_table``; (num_blocks, page_block_size, nheads_k, headdim) with
             it (paged cache; any page size).  nheads a multiple of nheads_k (MQA/GQA).
-            Same dtype as q (float16, bfloat16, float32; float64 on the reference path).
-        k, v: optional (batch, seqlen_new, nheads_k, headdim) new keys/values to append.
+            Same dtype as q (float16, bfloat16, float32; float64 on the reference path),
+            float16 / bfloat16 under a float32 q, or quantized (:class:`~torch_metal_flash.quant.QuantizedTensor`,
+            e.g. from :func:`~torch_metal_flash.quant.quantized_zeros`: the new rows are
+            quantized by the append kernel, and this call attends to them as stored).
+        k, v: optional (batch, seqlen_new, nheads_k, headdim) new keys/values to append,
+            in the caches' dtype or q's.
         rotary_cos, rotary_sin: optional (seqlen_ro, rotary_dim / 2); rotate the first
             rotary_dim features of k at positions cache_seqlens + t, and of q at
             cache_seqlens + i when causal or local (window), else all q rows at
@@ -220,9 +226,20 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         out (batch, seqlen_q, nheads, headdim), and ``softmax_lse`` if asked.
         A row with no visible key gets zeros (lse = +inf).
     """
-    args = _op_args(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-                    block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
-                    num_splits)
+    op, args = _op_args(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                        cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
+                        alibi_slopes, num_splits).op_call()
     with torch.no_grad():
-        out, lse = torch.ops.metal_flash.fwd_kvcache(*args)
+        out, lse = op(*args)
     return (out, lse) if return_softmax_lse else out
+
+
+def append_kv(k_cache, v_cache, k: torch.Tensor, v: torch.Tensor,
+              cache_seqlens: Union[int, torch.Tensor], block_table: Optional[torch.Tensor] = None) -> None:
+    """Write ``k``/``v`` (batch, seqlen_new, nheads_k, headdim) into the caches at
+    ``cache_seqlens`` in place, without attending: :func:`flash_attn_with_kvcache` with
+    no query rows (the append kernel alone; quantized caches get the rows quantized)."""
+    B, _, H, D = k.shape
+    q = torch.empty((B, 0, H, D), dtype=k_cache.dtype, device=k.device)
+    flash_attn_with_kvcache(q, k_cache, v_cache, k.to(k_cache.dtype), v.to(v_cache.dtype),
+                            cache_seqlens=cache_seqlens, block_table=block_table)

@@ -5,6 +5,9 @@ backend, or a configuration they do not cover) and by
 ``flash_attn_with_kvcache``'s debug mode (``TORCH_METAL_FLASH_DEBUG=1``).
 Both read the index tensors on the host, which on MPS is a GPU
 synchronisation; the kernel path never does (shaders/kvcache_index.h).
+Quantized caches (:class:`~torch_metal_flash.quant.QuantizedTensor`) get the new
+rows quantized with :func:`~torch_metal_flash.quant.quantize` (the kernels' rule)
+and the attended rows dequantized.
 """
 from __future__ import annotations
 
@@ -12,6 +15,8 @@ import dataclasses
 from typing import Optional
 
 import torch
+
+from .quant import QuantizedTensor, quantize
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
@@ -169,9 +174,20 @@ def _append(g: Geometry, ix: HostIndices, q, k_cache, v_cache, k, v, rotary_cos,
     else:
         crow = ix.batch_idx if ix.batch_idx is not None else torch.arange(B)
         rows, cols = crow[:, None].expand(B, Ln).flatten().to(dev), pos.flatten().to(dev)
-    k_cache[rows, cols] = k.flatten(0, 1)
-    v_cache[rows, cols] = v.flatten(0, 1)
+    k_cache[rows, cols] = _stored(k.flatten(0, 1), k_cache)
+    v_cache[rows, cols] = _stored(v.flatten(0, 1), v_cache)
     return q
+
+
+def _stored(rows: torch.Tensor, cache):
+    """``rows`` as ``cache`` stores them (quantized for a QuantizedTensor cache)."""
+    if isinstance(cache, QuantizedTensor):
+        return quantize(rows, **cache.format())
+    return rows
+
+
+def _plain(t):
+    return t.dequantize() if isinstance(t, QuantizedTensor) else t
 
 
 def _attend(g: Geometry, ix: HostIndices, q, k_cache, v_cache, alibi, scale, left, right, softcap):
@@ -187,8 +203,8 @@ def _attend(g: Geometry, ix: HostIndices, q, k_cache, v_cache, alibi, scale, lef
     qt = q.transpose(1, 2)  # (B, Hq, Lq, D) view
     if contiguous and (uniform or alibi is None):
         s0, e0 = int(starts.min()), int(ends.max())
-        kt = k_cache[:B, s0:e0].transpose(1, 2)
-        vt = v_cache[:B, s0:e0].transpose(1, 2)
+        kt = _plain(k_cache[:B, s0:e0]).transpose(1, 2)
+        vt = _plain(v_cache[:B, s0:e0]).transpose(1, 2)
         if uniform:
             out, lse, _ = torch.ops.metal_flash.fwd(qt, kt, vt, None, alibi, None, scale, (e0 - s0) - Lq, left,
                                                     right, softcap, False)
@@ -214,10 +230,10 @@ def _attend(g: Geometry, ix: HostIndices, q, k_cache, v_cache, alibi, scale, lef
             pos = torch.arange(s, e)
             blk = ix.block_table[b][pos // g.page_size].to(dev)
             off = (pos % g.page_size).to(dev)
-            kb, vb = k_cache[blk, off][None], v_cache[blk, off][None]
+            kb, vb = _plain(k_cache[blk, off])[None], _plain(v_cache[blk, off])[None]
         else:
             row = int(ix.batch_idx[b]) if ix.batch_idx is not None else b
-            kb, vb = k_cache[row:row + 1, s:e], v_cache[row:row + 1, s:e]
+            kb, vb = _plain(k_cache[row:row + 1, s:e]), _plain(v_cache[row:row + 1, s:e])
         al = alibi[b:b + 1] if alibi is not None else None
         out, lse, _ = torch.ops.metal_flash.fwd(qt[b:b + 1], kb.transpose(1, 2), vb.transpose(1, 2), None, al,
                                                 None, scale, (e - s) - Lq, left, right, softcap, False)

@@ -29,10 +29,27 @@ the core does not (CUDA ...) and hand the first kernel call over to the core.
 Schema notes: the kernels take ``alibi_slopes`` as float32 and ``sinks`` as a
 contiguous float32 vector (other dtypes take the reference path; the faces
 convert), and ``bwd`` takes ``dout`` with a contiguous last dim and a
-contiguous ``dlse`` (the autograd formula makes them so).
+contiguous ``dlse`` (the autograd formula makes them so).  ``fwd`` and
+``fwd_kvcache`` also take K/V (caches) in float16 / bfloat16 under a float32 q
+(mixed precision, on the decode kernels).
+
+Quantized K/V (:mod:`torch_metal_flash.quant`, inference only) have their own
+ops, each the plain op's arguments with ``k``/``v`` (``k_cache``/``v_cache``)
+the packed data, followed by the scales, the biases (None: symmetric int8) and
+the format ``kv_bits, kv_group_size, kv_dtype`` (dtype code of
+:data:`~torch_metal_flash.quant.DTYPE_CODES`):
+
+* ``fwd_quantized(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset,
+  window_left, window_right, softcap, k_scales, k_biases, v_scales, v_biases,
+  kv_bits, kv_group_size, kv_dtype) -> (out, lse)``; its backward raises.
+* ``fwd_kvcache_quantized(<fwd_kvcache's arguments>, k_cache_scales,
+  k_cache_biases, v_cache_scales, v_cache_biases, kv_bits, kv_group_size,
+  kv_dtype) -> (out, lse)``, mutating the caches' data, scales and biases (the
+  new rows are quantized by the append kernel).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -41,6 +58,7 @@ from torch import Tensor
 from . import backends, core, kvcache_reference, planner, reference
 from .layout import empty_in_layout
 from .planner.kvcache import KvCacheProblem, plan_kvcache
+from .quant import from_flat
 from .spec import AttentionSpec, aux_width, make_spec, stats_dtype
 
 
@@ -238,7 +256,11 @@ def _kvcache_outputs(q, *args):
 
 
 def _kvcache_plan(backend, args: tuple, outputs: tuple):
-    return plan_kvcache(KvCacheProblem(*args), *outputs, family=backend.family, pipeline_info=backend.pipeline_info)
+    return _kvcache_problem_plan(KvCacheProblem(*args), backend, outputs)
+
+
+def _kvcache_problem_plan(problem: KvCacheProblem, backend, outputs: tuple):
+    return plan_kvcache(problem, *outputs, family=backend.family, pipeline_info=backend.pipeline_info)
 
 
 def _kvcache_debug_check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
@@ -249,8 +271,12 @@ def _kvcache_debug_check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cach
 
 
 def _kvcache_reference(*args):
-    out, lse = _kvcache_buffers(args[0])
-    ref_out, ref_lse = kvcache_reference.forward(*args[:-1])  # all but num_splits
+    return _kvcache_problem_reference(KvCacheProblem(*args))
+
+
+def _kvcache_problem_reference(problem: KvCacheProblem):
+    out, lse = _kvcache_buffers(problem.q)
+    ref_out, ref_lse = kvcache_reference.forward(*problem[:-1])  # all but num_splits
     out.copy_(ref_out)
     lse.copy_(ref_lse)
     return out, lse
@@ -281,6 +307,91 @@ fwd_kvcache.register_fake(_kvcache_outputs)
 
 
 # ---------------------------------------------------------------------------
+# Quantized K/V (inference only): each quantized tensor enters flat, as its data,
+# scales and biases, then the format (the schemas know no dtype type).
+# ---------------------------------------------------------------------------
+
+def _quantized_spec(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right, softcap,
+                    k_scales, k_biases, v_scales, v_biases, kv_bits, kv_group_size, kv_dtype) -> AttentionSpec:
+    return _spec(q, from_flat(k, k_scales, k_biases, kv_bits, kv_group_size, kv_dtype),
+                 from_flat(v, v_scales, v_biases, kv_bits, kv_group_size, kv_dtype), attn_mask, alibi_slopes, sinks,
+                 scale, diag_offset, window_left, window_right, softcap)
+
+
+def _quantized_outputs(*args):
+    spec = _quantized_spec(*args)
+    return _fwd_buffers(spec.q, spec.v, False)[:2]
+
+
+def _quantized_plan(backend, args: tuple, outputs: tuple):
+    spec = _quantized_spec(*args)
+    if spec.q.numel() == 0 or spec.seqlen_k == 0:
+        return None
+    return planner.plan_forward(spec, *outputs, family=backend.family, pipeline_info=backend.pipeline_info)
+
+
+def _quantized_reference(*args):
+    spec = _quantized_spec(*args)
+    out, lse = _fwd_buffers(spec.q, spec.v, False)[:2]
+    ref_out, ref_lse = reference.forward(dataclasses.replace(spec, k=spec.k.dequantize(), v=spec.v.dequantize()))
+    out.copy_(ref_out)
+    lse.copy_(ref_lse)
+    return out, lse
+
+
+def _quantized_no_backward(ctx, *grads):
+    raise RuntimeError("metal_flash::fwd_quantized is inference-only: quantized K/V have no gradient (run under "
+                       "torch.no_grad(), or attend to dequantize()d tensors to train)")
+
+
+@torch.library.custom_op("metal_flash::fwd_quantized", mutates_args=())
+def fwd_quantized(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], alibi_slopes: Optional[Tensor],
+                  sinks: Optional[Tensor], scale: float, diag_offset: int, window_left: int, window_right: int,
+                  softcap: float, k_scales: Tensor, k_biases: Optional[Tensor], v_scales: Tensor,
+                  v_biases: Optional[Tensor], kv_bits: int, kv_group_size: int,
+                  kv_dtype: int) -> tuple[Tensor, Tensor]:
+    """:func:`fwd` over quantized K/V: ``k``/``v`` are the packed data of (B, Hkv, Lk, D)
+    QuantizedTensors (see the module doc).  The kernels dequantize in registers (every
+    query length takes the decode kernels); the reference path dequantizes first."""
+    return core.call_slow(FWD_QUANTIZED, (q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left,
+                                          window_right, softcap, k_scales, k_biases, v_scales, v_biases, kv_bits,
+                                          kv_group_size, kv_dtype))
+
+
+fwd_quantized.register_fake(_quantized_outputs)
+
+
+def _kvcache_quantized_problem(*args) -> KvCacheProblem:
+    *plain, k_scales, k_biases, v_scales, v_biases, kv_bits, kv_group_size, kv_dtype = args
+    problem = KvCacheProblem(*plain)
+    return problem._replace(k_cache=from_flat(problem.k_cache, k_scales, k_biases, kv_bits, kv_group_size, kv_dtype),
+                            v_cache=from_flat(problem.v_cache, v_scales, v_biases, kv_bits, kv_group_size, kv_dtype))
+
+
+@torch.library.custom_op("metal_flash::fwd_kvcache_quantized",
+                         mutates_args=("k_cache", "v_cache", "k_cache_scales", "k_cache_biases", "v_cache_scales",
+                                       "v_cache_biases"))
+def fwd_kvcache_quantized(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v: Optional[Tensor],
+                          rotary_cos: Optional[Tensor], rotary_sin: Optional[Tensor], cache_seqlens: Optional[Tensor],
+                          cache_batch_idx: Optional[Tensor], cache_leftpad: Optional[Tensor],
+                          block_table: Optional[Tensor], alibi_slopes: Optional[Tensor], seqlen: int, scale: float,
+                          window_left: int, window_right: int, softcap: float, rotary_interleaved: bool,
+                          num_splits: int, k_cache_scales: Tensor, k_cache_biases: Optional[Tensor],
+                          v_cache_scales: Tensor, v_cache_biases: Optional[Tensor], kv_bits: int, kv_group_size: int,
+                          kv_dtype: int) -> tuple[Tensor, Tensor]:
+    """:func:`fwd_kvcache` over quantized caches (``k_cache``/``v_cache`` their packed
+    data): the new ``k``/``v`` rows (in the caches' dtype) are quantized by the append
+    kernel into the caches in place, and the attention reads the stored values."""
+    return core.call_slow(FWD_KVCACHE_QUANTIZED, (
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+        alibi_slopes, seqlen, scale, window_left, window_right, softcap, rotary_interleaved, num_splits,
+        k_cache_scales, k_cache_biases, v_cache_scales, v_cache_biases, kv_bits, kv_group_size, kv_dtype))
+
+
+fwd_kvcache_quantized.register_fake(_kvcache_outputs)
+
+
+# ---------------------------------------------------------------------------
 # The C++ core runs the ops (and fwd's autograd formula when a call needs a graph).
 # ---------------------------------------------------------------------------
 
@@ -289,3 +400,11 @@ FWD = core.register(core.CoreOp("metal_flash::fwd", outputs=_fwd_outputs, plan=_
 BWD = core.register(core.CoreOp("metal_flash::bwd", outputs=_bwd_outputs, plan=_bwd_plan, reference=_bwd_reference))
 FWD_KVCACHE = core.register(core.CoreOp("metal_flash::fwd_kvcache", outputs=_kvcache_outputs, plan=_kvcache_plan,
                                         reference=_kvcache_reference, debug_check=_kvcache_debug_check))
+FWD_QUANTIZED = core.register(core.CoreOp(
+    "metal_flash::fwd_quantized", outputs=_quantized_outputs, plan=_quantized_plan, reference=_quantized_reference,
+    setup_context=lambda ctx, inputs, output: None, backward=_quantized_no_backward))
+FWD_KVCACHE_QUANTIZED = core.register(core.CoreOp(
+    "metal_flash::fwd_kvcache_quantized", outputs=_kvcache_outputs,
+    plan=lambda backend, args, outputs: _kvcache_problem_plan(_kvcache_quantized_problem(*args), backend, outputs),
+    reference=lambda *args: _kvcache_problem_reference(_kvcache_quantized_problem(*args)),
+    debug_check=lambda *args: _kvcache_debug_check(*args[:19])))

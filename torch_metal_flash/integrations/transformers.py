@@ -28,6 +28,11 @@ until there is a dropout kernel), bool and additive float masks,
 ``position_bias``, ``softcap``, ``s_aux`` (attention sinks), ``sliding_window``,
 ``is_causal``, and ``attention_mask=None`` meaning top-left causal when the
 module is causal and Lq > 1 (exactly as transformers' ``sdpa``).
+
+:class:`QuantizedKVCache` (``past_key_values=QuantizedKVCache(bits=4)``) keeps
+K/V quantized; its layers hand QuantizedTensor views to this attention
+function, which passes them to the kernels as they are (see
+``torch_metal_flash/integrations/quantized_cache.py``).
 """
 from __future__ import annotations
 
@@ -36,9 +41,10 @@ from typing import Optional
 
 import torch
 
-from .. import functional
+from .. import checks, functional
+from ..quant import QuantizedTensor
 
-__all__ = ["NAME", "register", "set_attention", "metal_sdpa_attention_forward"]
+__all__ = ["NAME", "register", "set_attention", "metal_sdpa_attention_forward", "QuantizedKVCache"]
 
 NAME = "metal_sdpa"
 log = logging.getLogger("torch_metal_flash.transformers")
@@ -62,7 +68,8 @@ def metal_sdpa_attention_forward(module: torch.nn.Module, query: torch.Tensor, k
     """transformers ``AttentionInterface`` function on torch_metal_flash.
 
     ``query`` (B, Hq, Lq, D), ``key``/``value`` (B, Hkv, Lk, D) with Hq a
-    multiple of Hkv; ``attention_mask`` None, bool (True = attend) or additive
+    multiple of Hkv (tensors, or QuantizedTensors from :class:`QuantizedKVCache`);
+    ``attention_mask`` None, bool (True = attend) or additive
     float, broadcastable to (B, Hq, Lq, Lk) (a longer last dim is cut to Lk).
     Returns ``(out (B, Lq, Hq, Dv) contiguous, None)``.
     """
@@ -71,11 +78,14 @@ def metal_sdpa_attention_forward(module: torch.nn.Module, query: torch.Tensor, k
         _warned_output_attentions = True
         log.warning("metal_sdpa does not return attention weights (output_attentions=True); use 'eager' for them")
     for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+        tensor_like = isinstance(t, (torch.Tensor, QuantizedTensor))
+        if not tensor_like or t.dim() != 4:
             raise ValueError(f"{name}: expected a 4-D tensor (batch, heads, seq_len, head_dim), got "
-                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+                             f"{tuple(t.shape) if tensor_like else type(t).__name__}")
     B, Hq, Lq, D = query.shape
     Hkv, Lk = key.shape[1], key.shape[2]
+    if isinstance(key, QuantizedTensor):
+        checks.inference_only("quantized key/value (QuantizedKVCache)", (("query", query),))
     if Hkv == 0 or Hq % Hkv != 0:
         raise ValueError(f"key: {Hkv} key/value heads do not divide the {Hq} query heads")
 
@@ -178,3 +188,11 @@ def set_attention(model, name: str = NAME):
             if isinstance(module, PreTrainedModel):
                 module.config._attn_implementation = name
     return model
+
+
+def __getattr__(name: str):
+    # The cache class subclasses transformers' Cache: imported on first use only.
+    if name in ("QuantizedKVCache", "QuantizedKVLayer"):
+        from . import quantized_cache
+        return getattr(quantized_cache, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

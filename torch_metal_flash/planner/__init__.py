@@ -28,12 +28,15 @@ def plan_forward(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor, aux:
                  family: str = "apple8", pipeline_info: Optional[PipelineInfo] = None) -> Union[Plan, Unsupported]:
     """Decode-shaped problems (few query rows per KV head, long keys) take the
     split-K decode kernels, which read each K/V row once per GQA group; all
-    others, whatever those decline, and every call that keeps ``aux`` for a
-    backward (the backward kernels recompute the prefill kernel's scores bit
-    for bit), the prefill kernels.  ``pipeline_info``: the backend's pipeline
-    limits (:mod:`.limits`)."""
-    if aux is None and decode.route_reason(spec) is None:
+    others, and whatever those decline, the prefill kernels -- but for K/V only
+    the decode kernels read (quantized, or float16/bfloat16 under a float32 q),
+    whatever the shape.  A call that keeps ``aux`` for a backward takes the
+    prefill kernels (the backward kernels recompute their scores bit for bit;
+    a problem they decline falls back to the reference path, which writes aux).
+    ``pipeline_info``: the backend's pipeline limits (:mod:`.limits`)."""
+    only_decode = aux is None and decode.only_decode_kernels(spec)
+    if only_decode or (aux is None and decode.route_reason(spec) is None):
         plan = decode.plan_decode_spec(spec, out, lse, pipeline_info=pipeline_info)
-        if not isinstance(plan, Unsupported):
+        if only_decode or not isinstance(plan, Unsupported):
             return plan
     return plan_prefill(spec, out, lse, aux, family, pipeline_info)

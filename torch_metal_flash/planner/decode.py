@@ -4,7 +4,7 @@
 contiguous or paged K/V cache, per-row key ranges, the band/softcap/ALiBi
 parameters, preallocated out/lse) into one or two launches:
 
-1. ``flash_decode_<dtype>_d<BD>_k<BK>``, grid ``(splits, Hkv * row_blocks, B)``:
+1. ``flash_decode_<dtype>[_kv<dtype>]_d<BD>_k<BK>``, grid ``(splits, Hkv * row_blocks, B)``:
    one threadgroup per (split, KV head, batch row) holding all
    ``Hq / Hkv * Lq`` query rows of the GQA group (up to :data:`MAX_ROWS_PER_TG`;
    beyond that the group is cut into ``row_blocks``), so every K/V row is read
@@ -17,6 +17,12 @@ parameters, preallocated out/lse) into one or two launches:
 (:func:`choose_splits`); ``num_splits > 0`` forces it (capped at
 :data:`MAX_SPLITS`).  Configurations the kernels do not cover come back as
 :class:`~torch_metal_flash.plan.Unsupported` with the reason.
+
+The caches are in q's dtype, in float16 / bfloat16 under a float32 q (mixed
+precision), or :class:`~torch_metal_flash.quant.QuantizedTensor` (affine 4/8-bit,
+symmetric int8; the kernel dequantizes each packed word in registers as it
+loads a tile): the planner binds the packed words where a plain cache goes,
+with strides counted in rows, and the scales (and biases) next to them.
 """
 from __future__ import annotations
 
@@ -29,19 +35,25 @@ from typing import Optional, Union
 import torch
 
 from ..plan import Launch, Plan, Unsupported
+from ..quant import QuantizedTensor
 from ..spec import AttentionSpec
+from . import kvformat
+from .kvformat import MIXED_KV_DTYPES
 from .limits import PipelineInfo, first_fitting
 
 SOURCE = "flash_decode.metal"
 
 # [[function_constant(i)]] indices of flash_decode.metal
 (FC_PAGED, FC_HAS_LEFTPAD, FC_HAS_BATCH_IDX, FC_HAS_ALIBI, FC_HAS_SOFTCAP, FC_HAS_BAND, FC_USE_SPLITS,
- FC_HAS_SEQLENS) = range(8)
+ FC_HAS_SEQLENS, FC_HAS_MASK, FC_HAS_SINKS, FC_KV_AFFINE, FC_KV_SYMMETRIC) = range(12)
 # [[buffer(i)]] indices
 (BUF_Q, BUF_K, BUF_V, BUF_O, BUF_LSE, BUF_PARAMS, BUF_SEQLENS, BUF_LEFTPAD, BUF_BATCH_IDX, BUF_BLOCK_TABLE,
- BUF_ALIBI, BUF_PART_O, BUF_PART_ML) = range(13)
+ BUF_ALIBI, BUF_PART_O, BUF_PART_ML, BUF_MASK, BUF_SINKS, BUF_K_SCALES, BUF_K_BIASES, BUF_V_SCALES, BUF_V_BIASES,
+ BUF_K_SCALES_SYM, BUF_V_SCALES_SYM) = range(21)
 
 DTYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+# flash::MaskKind of flash_common.h
+MASK_KINDS = {torch.bool: 1, torch.float32: 2, torch.float16: 3, torch.bfloat16: 4}
 HEAD_DIM_BUCKETS = (32, 64, 96, 128, 192, 256)
 MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
 # (dtype, bucket) -> BK (key rows per tile); K+V tiles stay under ~17.5 KiB of threadgroup memory.
@@ -74,10 +86,12 @@ class DecodeParams(ctypes.Structure):
     _fields_ = [(n, ctypes.c_int64) for n in (
         "q_stride_b", "q_stride_h", "q_stride_l", "k_stride_b", "k_stride_l", "k_stride_h",
         "v_stride_b", "v_stride_l", "v_stride_h", "o_stride_b", "o_stride_h", "o_stride_l",
-        "bt_stride_b", "a_stride_b", "a_stride_h")] + [(n, ctypes.c_int32) for n in (
+        "bt_stride_b", "a_stride_b", "a_stride_h", "m_stride_b", "m_stride_h", "m_stride_q", "m_stride_k")] + [
+            (n, ctypes.c_int32) for n in (
             "batch", "heads", "kv_heads", "gqa", "seqlen_q", "head_dim", "page_size", "num_splits",
             "diag_adjust", "window_left", "window_right", "rows_per_tg", "row_blocks", "num_threads",
-            "seqlen_fixed", "seqlen_new", "capacity", "cache_rows")] + [
+            "seqlen_fixed", "seqlen_new", "capacity", "cache_rows", "mask_kind", "kv_bits", "kv_group_size",
+            "pad_i")] + [
         ("qk_scale", ctypes.c_float), ("softcap", ctypes.c_float)]
 
     def to_bytes(self) -> bytes:
@@ -88,15 +102,18 @@ class DecodeParams(ctypes.Structure):
 class DecodeProblem:
     """One decode call.  ``q``/``out`` are (B, Hq, Lq, D)-indexed views (any strides, last
     dim contiguous); caches are (B_cache, L_max, Hkv, D) or, with ``block_table``
-    (B, max_blocks) int32, paged (num_blocks, page_size, Hkv, D).  Row ``b`` attends
+    (B, max_blocks) int32, paged (num_blocks, page_size, Hkv, D), tensors in q's dtype
+    (or float16 / bfloat16 under a float32 q) or QuantizedTensors.  Row ``b`` attends
     cache positions [leftpad[b], seqlens[b] + seqlen_new) (int32 device vectors, read
     and clamped on the GPU: shaders/kvcache_index.h; ``seqlen_fixed`` for every row
     when ``seqlens`` is None); the band is aligned bottom-right per row
-    (``diag = seqlens + seqlen_new - leftpad - Lq + diag_adjust``)."""
+    (``diag = seqlens + seqlen_new - leftpad - Lq + diag_adjust``).  ``mask`` (bool or
+    float, a (B, Hq, Lq, Lk) view with Lk = the row's key count, any strides) and
+    ``sinks`` (float32 (Hq,)) are the general op's."""
 
     q: torch.Tensor
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
+    k_cache: Union[torch.Tensor, QuantizedTensor]
+    v_cache: Union[torch.Tensor, QuantizedTensor]
     out: torch.Tensor
     lse: torch.Tensor
     seqlens: Optional[torch.Tensor]
@@ -111,6 +128,8 @@ class DecodeProblem:
     softcap: float
     seqlen_new: int = 0  # rows appended before this call (at seqlens[b])
     diag_adjust: int = 0
+    mask: Optional[torch.Tensor] = None
+    sinks: Optional[torch.Tensor] = None
 
     @property
     def capacity(self) -> int:
@@ -122,13 +141,15 @@ class DecodeProblem:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeTile:
-    dtype: str
+    dtype: str  # q's (and out's)
     bd: int
     bk: int
+    kv_dtype: str = ""  # the caches' (logical) dtype when it differs from q's
 
     @property
     def kernel(self) -> str:
-        return f"flash_decode_{self.dtype}_d{self.bd}_k{self.bk}"
+        kv = f"_kv{self.kv_dtype}" if self.kv_dtype else ""
+        return f"flash_decode_{self.dtype}{kv}_d{self.bd}_k{self.bk}"
 
 
 def combine_kernel(dtype: str) -> str:
@@ -136,16 +157,21 @@ def combine_kernel(dtype: str) -> str:
     return f"flash_decode_combine_{dtype}"
 
 
-def decode_tile(dtype: torch.dtype, head_dim: int) -> DecodeTile:
+def decode_tile(dtype: torch.dtype, head_dim: int, kv_dtype: Optional[torch.dtype] = None) -> DecodeTile:
+    """The tile for q of ``dtype`` over caches of (logical) ``kv_dtype`` (default: the same);
+    the K/V tiles are in the cache dtype, so its table sets BK."""
     dt = DTYPE_NAMES[dtype]
+    kv = DTYPE_NAMES[kv_dtype or dtype]
     for bd in HEAD_DIM_BUCKETS:
         if head_dim <= bd:
-            return DecodeTile(dt, bd, DECODE_TILES[dt][bd])
+            return DecodeTile(dt, bd, DECODE_TILES[kv][bd], "" if kv == dt else kv)
     raise ValueError(f"head dim {head_dim} > {MAX_HEAD_DIM}")
 
 
 def decode_variants() -> list[DecodeTile]:
-    return [DecodeTile(dt, bd, bk) for dt, rows in DECODE_TILES.items() for bd, bk in rows.items()]
+    same = [DecodeTile(dt, bd, bk) for dt, rows in DECODE_TILES.items() for bd, bk in rows.items()]
+    mixed = [decode_tile(torch.float32, bd, kv) for kv in MIXED_KV_DTYPES for bd in HEAD_DIM_BUCKETS]
+    return same + mixed
 
 
 def row_cap(bd: int) -> int:
@@ -189,8 +215,9 @@ def _check(pb: DecodeProblem) -> Optional[str]:
     q, kc, vc = pb.q, pb.k_cache, pb.v_cache
     if q.dtype not in DTYPE_NAMES:
         return f"dtype {q.dtype} is not supported by the decode kernels (float32, float16, bfloat16)"
-    if kc.dtype != q.dtype or vc.dtype != q.dtype:
-        return f"q and cache dtypes differ ({q.dtype}, {kc.dtype}, {vc.dtype})"
+    reason = kvformat.dtype_reason(q.dtype, kc, vc)
+    if reason is not None:
+        return reason
     if q.dim() != 4 or kc.dim() != 4 or vc.dim() != 4:
         return "q and the caches must be 4-D"
     B, Hq, Lq, D = q.shape
@@ -201,9 +228,13 @@ def _check(pb: DecodeProblem) -> Optional[str]:
         return f"query heads {Hq} not a multiple of KV heads {Hkv}"
     if D < 1 or D > MAX_HEAD_DIM:
         return f"head dim {D} outside 1..{MAX_HEAD_DIM}"
-    for name, t in (("q", q), ("k_cache", kc), ("v_cache", vc), ("out", pb.out)):
+    for name, t in (("q", q), ("out", pb.out)):
         if t.shape[-1] > 1 and t.stride(-1) != 1:
             return f"{name} last dim is not contiguous"
+    for name, t in (("k_cache", kc), ("v_cache", vc)):
+        reason = kvformat.layout_reason(name, t)
+        if reason is not None:
+            return reason
     if tuple(pb.out.shape) != (B, Hq, Lq, D) or pb.out.dtype != q.dtype:
         return "out must match q"
     if tuple(pb.lse.shape) != (B, Hq, Lq) or pb.lse.dtype != torch.float32 or not pb.lse.is_contiguous():
@@ -226,6 +257,16 @@ def _check(pb: DecodeProblem) -> Optional[str]:
     if pb.alibi_slopes is not None and (tuple(pb.alibi_slopes.shape) != (B, Hq)
                                         or pb.alibi_slopes.dtype != torch.float32):
         return "alibi_slopes must be a float32 (B, Hq) view"
+    if pb.mask is not None:
+        if pb.mask.dtype not in MASK_KINDS:
+            return f"mask dtype {pb.mask.dtype} not supported (bool, float32, float16, bfloat16)"
+        if pb.seqlens is not None or pb.leftpad is not None or pb.seqlen_new:
+            return "a mask needs the same keys in every row (no cache_seqlens / leftpad tensor, no append)"
+        if tuple(pb.mask.shape) != (B, Hq, Lq, min(max(pb.seqlen_fixed, 0), pb.capacity)):
+            return f"mask must be a (B, Hq, Lq, Lk) view, got {tuple(pb.mask.shape)}"
+    if pb.sinks is not None and (pb.sinks.dtype != torch.float32 or tuple(pb.sinks.shape) != (Hq,)
+                                 or not pb.sinks.is_contiguous()):
+        return "sinks must be a contiguous float32 (Hq,) tensor"
     return None
 
 
@@ -242,7 +283,7 @@ def plan_decode(pb: DecodeProblem, num_splits: int = 0, gpu_cores: int = DEFAULT
     B, Hq, Lq, D = pb.q.shape
     if B == 0 or Hq == 0 or Lq == 0:
         return Plan(launches=())
-    tile = decode_tile(pb.q.dtype, D)
+    tile = decode_tile(pb.q.dtype, D, pb.k_cache.dtype)
     widest = row_cap(tile.bd)
     caps = [widest >> i for i in range(widest.bit_length()) if widest >> i >= 8]  # halved down to one simdgroup
     return first_fitting((_plan_rows(pb, tile, cap, num_splits, gpu_cores) for cap in caps), pipeline_info)
@@ -260,7 +301,7 @@ def _plan_rows(pb: DecodeProblem, tile: DecodeTile, cap: int, num_splits: int, g
     else:
         # The capacity bounds the keys without reading the lengths from the device (as flash-attn).
         splits = choose_splits(B, Hkv, row_blocks, pb.capacity, tile.bk, gpu_cores, head_dim=D,
-                               elem_size=q.element_size(), group_rows=G * Lq)
+                               elem_size=kvformat.value_bytes(kc), group_rows=G * Lq)
 
     paged = pb.block_table is not None
     # Window sides wider than any (i, j) distance constrain nothing.
@@ -271,8 +312,10 @@ def _plan_rows(pb: DecodeProblem, tile: DecodeTile, cap: int, num_splits: int, g
 
     p = DecodeParams()
     p.q_stride_b, p.q_stride_h, p.q_stride_l = q.stride(0), q.stride(1), q.stride(2)
-    p.k_stride_b, p.k_stride_l, p.k_stride_h = kc.stride(0), kc.stride(1), kc.stride(2)
-    p.v_stride_b, p.v_stride_l, p.v_stride_h = vc.stride(0), vc.stride(1), vc.stride(2)
+    # Element strides, or row strides of quantized caches (kvformat).
+    p.k_stride_b, p.k_stride_l, p.k_stride_h = kvformat.row_strides(kc)
+    p.v_stride_b, p.v_stride_l, p.v_stride_h = kvformat.row_strides(vc)
+    p.kv_bits, p.kv_group_size = kvformat.format_params(kc)
     out = pb.out
     p.o_stride_b, p.o_stride_h, p.o_stride_l = out.stride(0), out.stride(1), out.stride(2)
     p.batch, p.heads, p.kv_heads, p.gqa = B, Hq, Hkv, G
@@ -292,7 +335,9 @@ def _plan_rows(pb: DecodeProblem, tile: DecodeTile, cap: int, num_splits: int, g
         p.qk_scale = pb.scale
         p.softcap = 0.0
 
-    buffers: dict = {BUF_Q: q, BUF_K: kc, BUF_V: vc, BUF_O: out, BUF_LSE: pb.lse}
+    buffers: dict = {BUF_Q: q, BUF_O: out, BUF_LSE: pb.lse}
+    kvformat.bind(buffers, kc, BUF_K, BUF_K_SCALES, BUF_K_BIASES, BUF_K_SCALES_SYM)
+    kvformat.bind(buffers, vc, BUF_V, BUF_V_SCALES, BUF_V_BIASES, BUF_V_SCALES_SYM)
     if pb.seqlens is not None:
         buffers[BUF_SEQLENS] = pb.seqlens
     if pb.leftpad is not None:
@@ -305,6 +350,12 @@ def _plan_rows(pb: DecodeProblem, tile: DecodeTile, cap: int, num_splits: int, g
     if pb.alibi_slopes is not None:
         p.a_stride_b, p.a_stride_h = pb.alibi_slopes.stride()
         buffers[BUF_ALIBI] = pb.alibi_slopes
+    if pb.mask is not None:
+        p.m_stride_b, p.m_stride_h, p.m_stride_q, p.m_stride_k = pb.mask.stride()
+        p.mask_kind = MASK_KINDS[pb.mask.dtype]
+        buffers[BUF_MASK] = pb.mask
+    if pb.sinks is not None:
+        buffers[BUF_SINKS] = pb.sinks
     use_splits = splits > 1
     scratch: tuple = ()
     if use_splits:
@@ -316,7 +367,8 @@ def _plan_rows(pb: DecodeProblem, tile: DecodeTile, cap: int, num_splits: int, g
     buffers[BUF_PARAMS] = params
     constants = function_constants(paged, pb.leftpad is not None, pb.batch_idx is not None and not paged,
                                    pb.alibi_slopes is not None, has_softcap, wl >= 0 or wr >= 0, use_splits,
-                                   pb.seqlens is not None)
+                                   pb.seqlens is not None, pb.mask is not None, pb.sinks is not None,
+                                   kvformat.kv_format(kc))
     launches = [Launch(source=SOURCE, kernel=tile.kernel, threadgroups=(splits, Hkv * row_blocks, B),
                        threadgroup=(32 * simdgroups, 1, 1), buffers=buffers, function_constants=constants)]
     if use_splits:
@@ -330,21 +382,27 @@ def _plan_rows(pb: DecodeProblem, tile: DecodeTile, cap: int, num_splits: int, g
 
 
 def function_constants(paged: bool, leftpad: bool, batch_idx: bool, alibi: bool, softcap: bool, band: bool,
-                       splits: bool, seqlens: bool) -> dict:
+                       splits: bool, seqlens: bool, mask: bool = False, sinks: bool = False,
+                       kv_format: str = "plain") -> dict:
     """The ``[[function_constant]]`` values of ``flash_decode.metal`` for these features
-    (``seqlens``: a lengths tensor is bound, else every row has ``seqlen_fixed``)."""
+    (``seqlens``: a lengths tensor is bound, else every row has ``seqlen_fixed``;
+    ``kv_format``: ``plain``, ``affine`` or ``symmetric``)."""
     return {FC_PAGED: paged, FC_HAS_LEFTPAD: leftpad, FC_HAS_BATCH_IDX: batch_idx, FC_HAS_ALIBI: alibi,
-            FC_HAS_SOFTCAP: softcap, FC_HAS_BAND: band, FC_USE_SPLITS: splits, FC_HAS_SEQLENS: seqlens}
+            FC_HAS_SOFTCAP: softcap, FC_HAS_BAND: band, FC_USE_SPLITS: splits, FC_HAS_SEQLENS: seqlens,
+            FC_HAS_MASK: mask, FC_HAS_SINKS: sinks, FC_KV_AFFINE: kv_format == "affine",
+            FC_KV_SYMMETRIC: kv_format == "symmetric"}
 
 
 # Every value plan_decode can pass to function_constants() (the doctor enumerates the variants from these).
-FEATURE_VALUES = {name: (False, True) for name in ("paged", "leftpad", "batch_idx", "alibi", "softcap", "band",
-                                                  "splits", "seqlens")}
+FEATURE_VALUES = {**{name: (False, True) for name in ("paged", "leftpad", "batch_idx", "alibi", "softcap", "band",
+                                                     "splits", "seqlens", "mask", "sinks")},
+                  "kv_format": kvformat.FORMATS}
 
 
 def compulsory_bytes(pb: DecodeProblem) -> int:
-    """Bytes a decode call must move: q, the visible K and V rows, out, lse (for the bench; reads
-    the lengths on the host)."""
+    """Bytes a decode call must move: q, the visible K and V rows (packed values, scales and
+    biases of quantized caches), out, lse (for the bench, without masks; reads the lengths on
+    the host)."""
     q = pb.q
     B, Hq, Lq, D = q.shape
     Hkv = pb.k_cache.shape[2]
@@ -353,7 +411,8 @@ def compulsory_bytes(pb: DecodeProblem) -> int:
     ends = (seqlens.clamp(0, pb.capacity) + pb.seqlen_new).clamp(max=pb.capacity)
     starts = torch.minimum(pb.leftpad.long().clamp(min=0), ends) if pb.leftpad is not None else 0
     keys = int((ends - starts).sum())
-    return 2 * keys * Hkv * D * es + 2 * B * Hq * Lq * D * es + B * Hq * Lq * 4
+    kv = keys * Hkv * (kvformat.row_bytes(pb.k_cache) + kvformat.row_bytes(pb.v_cache))
+    return kv + 2 * B * Hq * Lq * D * es + B * Hq * Lq * 4
 
 
 # ---------------------------------------------------------------------------
@@ -367,12 +426,15 @@ DECODE_MAX_GROUP_ROWS = 64
 DECODE_MIN_SEQLEN_K = 256
 
 
+def only_decode_kernels(spec: AttentionSpec) -> bool:
+    """K/V the prefill kernel cannot read (quantized, or in another dtype than q): every
+    shape of such a problem takes the decode kernels (they loop over row blocks)."""
+    return isinstance(spec.k, QuantizedTensor) or isinstance(spec.v, QuantizedTensor) or \
+        spec.k.dtype != spec.q.dtype or spec.v.dtype != spec.q.dtype
+
+
 def route_reason(spec: AttentionSpec) -> Optional[str]:
     """None when ``spec`` is a decode-shaped problem these kernels take, else why not (cheap)."""
-    if spec.mask is not None:
-        return "attention masks are not supported by the decode kernels"
-    if spec.sinks is not None:
-        return "sinks are not supported by the decode kernels"
     Hq, Hkv, Lq, Lk = spec.heads, spec.kv_heads, spec.seqlen_q, spec.seqlen_k
     if Hkv == 0 or Hq % Hkv:
         return "query heads not a multiple of KV heads"
@@ -396,5 +458,6 @@ def plan_decode_spec(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor, 
         q=spec.q, k_cache=spec.k.transpose(1, 2), v_cache=spec.v.transpose(1, 2), out=out, lse=lse,
         seqlens=None, seqlen_fixed=Lk, leftpad=None, batch_idx=None,
         block_table=None, alibi_slopes=spec.alibi_slopes, scale=spec.scale, window_left=spec.window_left,
-        window_right=spec.window_right, softcap=spec.softcap, diag_adjust=spec.diag_offset - (Lk - Lq))
+        window_right=spec.window_right, softcap=spec.softcap, diag_adjust=spec.diag_offset - (Lk - Lq),
+        mask=spec.mask, sinks=spec.sinks)
     return plan_decode(problem, num_splits=num_splits, pipeline_info=pipeline_info)

@@ -2,12 +2,13 @@
 
 ``plan_kvcache(problem, out, lse)`` returns, in order:
 
-1. when there are new rows (or q to rotate), ``kvcache_append_<dtype>_r<rotary dtype>``
+1. when there are new rows (or q to rotate), ``kvcache_append_<dtype>_r<rotary dtype>[_q<q dtype>]``
    (``shaders/kvcache_append.metal``): one threadgroup per (b, t, h) row of the new
    k/v and, with rotary, per (b, i, h) row of q, one thread per feature.  It
    rotates the new k and writes k/v into the cache (through the block table when
-   paged, at ``cache_batch_idx`` rows otherwise), and writes the rotated q to a
-   scratch tensor that the decode kernel then reads;
+   paged, at ``cache_batch_idx`` rows otherwise) -- quantizing the rows when the
+   caches are :class:`~torch_metal_flash.quant.QuantizedTensor` -- and writes the
+   rotated q to a scratch tensor that the decode kernel then reads;
 2. the split-K decode launches of :func:`.decode.plan_decode` over the updated cache.
 
 Every index tensor is bound as given and read on the GPU (``shaders/kvcache_index.h``
@@ -23,37 +24,47 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 from ..plan import Launch, Plan, Unsupported
+from ..quant import QuantizedTensor, flat_format
+from . import kvformat
 from .decode import DTYPE_NAMES, MAX_HEAD_DIM, DecodeProblem, plan_decode
 from .limits import PipelineInfo, first_fitting
 
 SOURCE = "kvcache_append.metal"
 # [[function_constant(i)]] indices of kvcache_append.metal
-FC_PAGED, FC_HAS_SEQLENS, FC_HAS_BATCH_IDX, FC_HAS_ROTARY, FC_ROTARY_INTERLEAVED = range(5)
+FC_PAGED, FC_HAS_SEQLENS, FC_HAS_BATCH_IDX, FC_HAS_ROTARY, FC_ROTARY_INTERLEAVED, FC_KV_AFFINE, FC_KV_SYMMETRIC = \
+    range(7)
 # [[buffer(i)]] indices
 (BUF_K, BUF_V, BUF_K_CACHE, BUF_V_CACHE, BUF_PARAMS, BUF_SEQLENS, BUF_BATCH_IDX, BUF_BLOCK_TABLE, BUF_COS, BUF_SIN,
- BUF_Q, BUF_Q_ROT) = range(12)
+ BUF_Q, BUF_Q_ROT, BUF_K_SCALES, BUF_K_BIASES, BUF_V_SCALES, BUF_V_BIASES, BUF_K_SCALES_SYM,
+ BUF_V_SCALES_SYM) = range(18)
 _INT32_MAX = 2**31 - 1
 MAX_THREADS = 256  # [[max_total_threads_per_threadgroup]] of kvcache_append: head dim 256
 
 
-def append_kernel(dtype: str, rotary_dtype: str) -> str:
-    """The append kernel for cache dtype ``f32|f16|bf16`` and rotary table dtype (the same or ``f32``)."""
-    return f"kvcache_append_{dtype}_r{rotary_dtype}"
+def append_kernel(dtype: str, rotary_dtype: str, q_dtype: str = "") -> str:
+    """The append kernel for cache dtype ``f32|f16|bf16``, rotary table dtype (the same or
+    ``f32``) and q dtype (the cache's, or ``f32`` over a float16 / bfloat16 cache)."""
+    q = f"_q{q_dtype}" if q_dtype and q_dtype != dtype else ""
+    return f"kvcache_append_{dtype}_r{rotary_dtype}{q}"
 
 
 def append_kernels() -> list[str]:
     """Every instantiation in kvcache_append.metal."""
-    return [append_kernel(dt, rdt) for dt in DTYPE_NAMES.values() for rdt in sorted({dt, "f32"})]
+    same = [append_kernel(dt, rdt) for dt in DTYPE_NAMES.values() for rdt in sorted({dt, "f32"})]
+    return same + [append_kernel(DTYPE_NAMES[dt], "f32", "f32") for dt in kvformat.MIXED_KV_DTYPES]
 
 
-def function_constants(paged: bool, seqlens: bool, batch_idx: bool, rotary: bool, interleaved: bool) -> dict:
+def function_constants(paged: bool, seqlens: bool, batch_idx: bool, rotary: bool, interleaved: bool,
+                       kv_format: str = "plain") -> dict:
     """The ``[[function_constant]]`` values of ``kvcache_append.metal`` for these features."""
     return {FC_PAGED: paged, FC_HAS_SEQLENS: seqlens, FC_HAS_BATCH_IDX: batch_idx, FC_HAS_ROTARY: rotary,
-            FC_ROTARY_INTERLEAVED: interleaved}
+            FC_ROTARY_INTERLEAVED: interleaved, FC_KV_AFFINE: kv_format == "affine",
+            FC_KV_SYMMETRIC: kv_format == "symmetric"}
 
 
 # Every value plan_kvcache can pass to function_constants() (the doctor enumerates the variants from these).
-FEATURE_VALUES = {name: (False, True) for name in ("paged", "seqlens", "batch_idx", "rotary", "interleaved")}
+FEATURE_VALUES = {**{name: (False, True) for name in ("paged", "seqlens", "batch_idx", "rotary", "interleaved")},
+                  "kv_format": kvformat.FORMATS}
 
 
 class AppendParams(ctypes.Structure):
@@ -65,16 +76,19 @@ class AppendParams(ctypes.Structure):
         "q_stride_b", "q_stride_l", "q_stride_h", "qr_stride_b", "qr_stride_l", "qr_stride_h",
         "bt_stride_b", "cos_stride", "sin_stride")] + [(n, ctypes.c_int32) for n in (
             "batch", "seqlen_new", "seqlen_q", "heads", "kv_heads", "head_dim", "rotary_dim", "seqlen_ro",
-            "page_size", "capacity", "cache_rows", "seqlen_fixed", "kv_rows", "q_local")]
+            "page_size", "capacity", "cache_rows", "seqlen_fixed", "kv_rows", "q_local", "kv_bits", "kv_group_size")]
 
 
 class KvCacheProblem(NamedTuple):
     """The arguments of ``metal_flash::fwd_kvcache``, in schema order (see ops.py):
-    ``torch.ops.metal_flash.fwd_kvcache(*problem)``."""
+    ``torch.ops.metal_flash.fwd_kvcache(*problem)``.  With quantized caches
+    (QuantizedTensor fields) the op is ``metal_flash::fwd_kvcache_quantized``:
+    ``op, args = problem.op_call()``."""
 
     q: torch.Tensor  # (B, Lq, Hq, D)
-    k_cache: torch.Tensor  # (B_cache, L_max, Hkv, D) or paged (num_blocks, page_size, Hkv, D)
-    v_cache: torch.Tensor
+    # (B_cache, L_max, Hkv, D) or paged (num_blocks, page_size, Hkv, D); tensors or QuantizedTensors
+    k_cache: Union[torch.Tensor, QuantizedTensor]
+    v_cache: Union[torch.Tensor, QuantizedTensor]
     k: Optional[torch.Tensor]  # (B, Lnew, Hkv, D)
     v: Optional[torch.Tensor]
     rotary_cos: Optional[torch.Tensor]  # (seqlen_ro, rotary_dim / 2)
@@ -92,12 +106,25 @@ class KvCacheProblem(NamedTuple):
     rotary_interleaved: bool
     num_splits: int
 
+    def op_call(self):
+        """``(op, args)``: ``fwd_kvcache`` with these arguments, or ``fwd_kvcache_quantized``
+        with the caches' packed data in their place and their scales, biases and format after."""
+        if not isinstance(self.k_cache, QuantizedTensor):
+            return torch.ops.metal_flash.fwd_kvcache, tuple(self)
+        kc, vc = self.k_cache, self.v_cache
+        args = self._replace(k_cache=kc.data, v_cache=vc.data)
+        return torch.ops.metal_flash.fwd_kvcache_quantized, (*args, kc.scales, kc.biases, vc.scales, vc.biases,
+                                                             *flat_format(kc))
+
 
 def _check(pb: KvCacheProblem) -> Optional[str]:
-    q = pb.q
+    q, kc = pb.q, pb.k_cache
     if q.dtype not in DTYPE_NAMES:
         return f"dtype {q.dtype} is not supported by the decode kernels (float32, float16, bfloat16)"
-    if q.dim() != 4 or pb.k_cache.dim() != 4:
+    reason = kvformat.dtype_reason(q.dtype, kc, pb.v_cache)
+    if reason is not None:
+        return reason
+    if q.dim() != 4 or kc.dim() != 4:
         return "q and the caches must be 4-D"
     B, Lq, Hq, D = q.shape
     if D > MAX_HEAD_DIM:
@@ -107,13 +134,15 @@ def _check(pb: KvCacheProblem) -> Optional[str]:
     if pb.rotary_cos is not None and pb.k is None:
         return "rotary needs k and v"
     for name, t in (("k", pb.k), ("v", pb.v)):
-        if t is not None and (t.dtype != q.dtype or t.shape != (B, t.shape[1], pb.k_cache.shape[2], D)
+        if t is not None and (t.dtype != kc.dtype or t.shape != (B, t.shape[1], kc.shape[2], D)
                               or (D > 1 and t.stride(-1) != 1)):
-            return f"{name} must be (B, seqlen_new, Hkv, D) in q's dtype with a contiguous last dim"
+            return f"{name} must be (B, seqlen_new, Hkv, D) in the caches' dtype with a contiguous last dim"
     cos = pb.rotary_cos
     if cos is not None:
+        # The table in the caches' dtype or float32; float32 when q is float32.
+        table_dtypes = (torch.float32,) if q.dtype != kc.dtype else (q.dtype, torch.float32)
         for name, t in (("rotary_cos", cos), ("rotary_sin", pb.rotary_sin)):
-            if t.dtype not in (q.dtype, torch.float32) or t.dim() != 2 or t.shape != cos.shape:
+            if t.dtype not in table_dtypes or t.dim() != 2 or t.shape != cos.shape:
                 return f"{name} must be 2-D in q's dtype or float32 (got {t.dtype})"
             if t.shape[1] > 1 and t.stride(1) != 1:
                 return f"{name} last dim is not contiguous"
@@ -161,15 +190,19 @@ def plan_kvcache(pb: KvCacheProblem, out: torch.Tensor, lse: torch.Tensor, famil
     if pb.k is not None:
         p.k_stride_b, p.k_stride_l, p.k_stride_h = pb.k.stride()[:3]
         p.v_stride_b, p.v_stride_l, p.v_stride_h = pb.v.stride()[:3]
-    p.kc_stride_b, p.kc_stride_l, p.kc_stride_h = kc.stride()[:3]
-    p.vc_stride_b, p.vc_stride_l, p.vc_stride_h = vc.stride()[:3]
+    # Element strides, or row strides of quantized caches (kvformat).
+    p.kc_stride_b, p.kc_stride_l, p.kc_stride_h = kvformat.row_strides(kc)
+    p.vc_stride_b, p.vc_stride_l, p.vc_stride_h = kvformat.row_strides(vc)
+    p.kv_bits, p.kv_group_size = kvformat.format_params(kc)
     p.batch, p.seqlen_new, p.seqlen_q, p.heads, p.kv_heads, p.head_dim = B, Lnew, Lq, Hq, Hkv, D
     p.page_size = kc.shape[1] if paged else 0
     p.capacity, p.cache_rows = decode.capacity, kc.shape[0]
     p.seqlen_fixed = min(max(pb.seqlen, 0), decode.capacity)  # clamped as the kernel clamps
     p.kv_rows = kv_rows
     p.q_local = int(pb.window_left >= 0 or pb.window_right >= 0)
-    buffers: dict = {BUF_K_CACHE: kc, BUF_V_CACHE: vc}
+    buffers: dict = {}
+    kvformat.bind(buffers, kc, BUF_K_CACHE, BUF_K_SCALES, BUF_K_BIASES, BUF_K_SCALES_SYM)
+    kvformat.bind(buffers, vc, BUF_V_CACHE, BUF_V_SCALES, BUF_V_BIASES, BUF_V_SCALES_SYM)
     if pb.k is not None:
         buffers[BUF_K], buffers[BUF_V] = pb.k, pb.v
     if pb.cache_seqlens is not None:
@@ -187,13 +220,13 @@ def plan_kvcache(pb: KvCacheProblem, out: torch.Tensor, lse: torch.Tensor, famil
         p.qr_stride_b, p.qr_stride_l, p.qr_stride_h = q_rot.stride()[:3]
         buffers.update({BUF_COS: cos, BUF_SIN: sin, BUF_Q: q, BUF_Q_ROT: q_rot})
     buffers[BUF_PARAMS] = bytes(p)
-    dt = DTYPE_NAMES[q.dtype]
-    rdt = DTYPE_NAMES[pb.rotary_cos.dtype] if rotary else dt
+    dt = DTYPE_NAMES[kc.dtype]
+    rdt = DTYPE_NAMES[pb.rotary_cos.dtype] if rotary else DTYPE_NAMES[q.dtype]
     append = Launch(
-        source=SOURCE, kernel=append_kernel(dt, rdt), threadgroups=(rows, 1, 1),
+        source=SOURCE, kernel=append_kernel(dt, rdt, DTYPE_NAMES[q.dtype]), threadgroups=(rows, 1, 1),
         threadgroup=(32 * -(-D // 32), 1, 1), buffers=buffers,
         function_constants=function_constants(paged, pb.cache_seqlens is not None,
                                               pb.cache_batch_idx is not None and not paged, rotary,
-                                              rotary and bool(pb.rotary_interleaved)))
+                                              rotary and bool(pb.rotary_interleaved), kvformat.kv_format(kc)))
     scratch = attend.scratch + ((q_rot,) if rotary else ())
     return first_fitting([Plan(launches=(append,) + attend.launches, scratch=scratch)], pipeline_info)
