@@ -22,6 +22,18 @@ struct TilePad {
   static constant constexpr int value = 16 / sizeof(T);
 };
 
+// Whether the backward's row state (aux, written by the forward) holds the
+// float32 output row after (m, l): for inputs narrower than float, whose
+// output is rounded (the backward's delta must not see that rounding).
+template <typename T>
+struct AuxHasOut {
+  static constant constexpr bool value = true;
+};
+template <>
+struct AuxHasOut<float> {
+  static constant constexpr bool value = false;
+};
+
 // ---------------------------------------------------------------------------
 // Fragment lane layout (DESIGN.md section 3).  Lane l owns the elements
 // (row, col) and (row, col + 1) of every 8x8 simdgroup matrix, where
