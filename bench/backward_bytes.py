@@ -7,8 +7,9 @@ Writes markdown tables to stdout and to bench/results/backward.md.
 
 1. **Bytes moved** -- exact device bytes read + written by every launch of the
    backward plan (emulator, checked mode: every load and store is counted),
-   divided by the compulsory minimum: read q, k, v, out, dO and lse once, write
-   dq, dk, dv once.  FlashAttention-2's backward re-reads K/V once per query
+   divided by the compulsory minimum: read q, k, v, dO, the forward's row state
+   aux (row max and sum; for fp16/bf16 also the float32 output) and, for
+   float32, out once, write dq, dk, dv once.  FlashAttention-2's backward re-reads K/V once per query
    block (dQ kernel) and Q/dO once per key block (dK/dV kernel), so the ratio
    grows like L / block; on a GPU most of those re-reads hit the L2 cache.
 2. **Threadgroup memory per variant** -- from the tile table, and the peak the
@@ -18,7 +19,10 @@ Writes markdown tables to stdout and to bench/results/backward.md.
    dq, dk, dv), measured with ``torch.profiler`` memory events (every CPU
    allocation and free, replayed in time order to get the running peak).  Ours
    runs the kernels in the emulator (fast mode); the kernels themselves
-   allocate nothing, so this is what the plan allocates (lse, delta, lse2).
+   allocate nothing, so this is what the op and the plan allocate: lse and
+   aux (kept from the forward for the backward: 8 bytes per row, plus the
+   float32 output row, 4 * Dv bytes, for fp16/bf16 inputs), delta and the row
+   stats (12 bytes per row of scratch during the backward).
    It is compared with ``F.scaled_dot_product_attention`` on CPU with
    gradients under the MATH backend -- the composite path PyTorch's MPS SDPA
    takes as soon as a gradient is needed -- and under CPU's default choice
@@ -76,13 +80,14 @@ def bytes_table(quick: bool) -> tuple[str, dict]:
         v = torch.randn(B, Hkv, L, D, generator=g).to(dtype)
         kw = dict(window_right=0) if masking == "causal" else {}
         spec = make_spec(q, k, v, scale=D ** -0.5, **kw)
-        out, lse = bk.saved_forward(spec)
+        out, aux = bk.saved_forward(spec)
         dout = torch.randn(out.shape, generator=g).to(dtype)
         t0 = time.time()
-        _, stats = bk.run_backward(spec, dout, out, lse, checked=True)
+        _, stats = bk.run_backward(spec, dout, out, aux, checked=True)
         secs = time.time() - t0
         es = dtype.itemsize
-        minimum = es * (q.numel() * 2 + k.numel() * 2 + v.numel() * 2 + out.numel() + dout.numel()) + 4 * lse.numel()
+        o_read = out.numel() if dtype == torch.float32 else 0  # fp16/bf16: O comes from aux
+        minimum = es * (q.numel() * 2 + k.numel() * 2 + v.numel() * 2 + o_read + dout.numel()) + 4 * aux.numel()
         # Device buffers only: the params struct is in the constant address
         # space (cached and broadcast on the GPU), but the emulator counts
         # every thread's read of it.
@@ -142,10 +147,10 @@ def memory_table(quick: bool) -> str:
     lengths = (128, 256, 512) if quick else (128, 256, 512, 1024, 2048)
     rows = []
     g = torch.Generator().manual_seed(1)
-    for L in lengths:
-        q, k, v = (torch.randn(B, H, L, D, generator=g).requires_grad_() for _ in range(3))
-        dout = torch.randn(B, H, L, D, generator=g)
-        results = 4 * 4 * q.numel()  # out, dq, dk, dv (float32)
+    for L, dtype in ((L, dt) for L in lengths for dt in (torch.float32, torch.bfloat16)):
+        q, k, v = (torch.randn(B, H, L, D, generator=g).to(dtype).requires_grad_() for _ in range(3))
+        dout = torch.randn(B, H, L, D, generator=g).to(dtype)
+        results = 4 * dtype.itemsize * q.numel()  # out, dq, dk, dv
 
         def ours():
             with backends.backend("emulator", strict=True), emulator.settings(checked=False):
@@ -165,13 +170,13 @@ def memory_table(quick: bool) -> str:
         math_b = _peak_alloc(sdpa(SDPBackend.MATH)) - results
         flash_b = _peak_alloc(sdpa(SDPBackend.FLASH_ATTENTION)) - results
         bhl = B * H * L
-        rows.append(f"| {L} | {ours_b} | {ours_b / bhl:.1f} | {math_b} ({_mib(math_b)} MiB) | "
+        rows.append(f"| {L} | {str(dtype)[6:]} | {ours_b} | {ours_b / bhl:.1f} | {math_b} ({_mib(math_b)} MiB) | "
                     f"{math_b / (B * H * L * L):.1f} | {flash_b} | {t_ours:.1f} |")
         for t in (q, k, v):
             t.grad = None
-    head = (f"B={B}, H={H}, D={D}, float32, causal, forward + backward.\n\n"
-            "| L | ours: extra bytes | ours / (B·H·L) | SDPA MATH (MPS training path): extra bytes "
-            "| MATH / (B·H·L²) | SDPA CPU flash: extra bytes | ours emulator s |\n|---|---|---|---|---|---|---|")
+    head = (f"B={B}, H={H}, D={D}, causal, forward + backward.\n\n"
+            "| L | dtype | ours: extra bytes | ours / (B·H·L) | SDPA MATH (MPS training path): extra bytes "
+            "| MATH / (B·H·L²) | SDPA CPU flash: extra bytes | ours emulator s |\n|---|---|---|---|---|---|---|---|")
     return head + "\n" + "\n".join(rows)
 
 
@@ -184,9 +189,10 @@ def main() -> int:
              "Generated by `python bench/backward_bytes.py" + (" --quick" if args.quick else "") + "`.\n"]
     table, peaks = bytes_table(args.quick)
     parts += ["## Device bytes moved vs the compulsory minimum (emulator, checked mode)\n",
-              "Minimum = read q, k, v, out, dO, lse once + write dq, dk, dv once.  Moved = every device buffer "
-              "the kernels read or write (the delta/lse2 scratch included), not the params struct (constant "
-              "address space, cached on the GPU; the emulator counts each thread's read of it).\n", table, ""]
+              "Minimum = read q, k, v, dO, aux (and out for float32) once + write dq, dk, dv once.  Moved = "
+              "every device buffer the kernels read or write (the delta/stats scratch included), not the params "
+              "struct (constant address space, cached on the GPU; the emulator counts each thread's read of it).\n",
+              table, ""]
     parts += ["## Threadgroup memory per variant\n", tgmem_table(peaks), ""]
     if not args.no_memory:
         parts += ["## Extra memory vs sequence length (torch allocator peak, fwd + bwd, minus out/dq/dk/dv)\n",

@@ -71,7 +71,7 @@ def measure(iters: int) -> tuple[float, dict]:
     q, k, v = (torch.randn(1, 2, 8, 64, generator=g, dtype=torch.float32).to(torch.float16) for _ in range(3))
     qf, kf, vf = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # flash-attn layout (B, L, H, D)
     fwd, bwd = torch.ops.metal_flash.fwd, torch.ops.metal_flash.bwd
-    fwd_args = (q, k, v, None, None, None, 0.125, 0, -1, 0, 0.0)
+    fwd_args = (q, k, v, None, None, None, 0.125, 0, -1, 0, 0.0, False)
 
     # decode: one new token appended to a 64-row cache, GQA 2:1
     k_cache = torch.randn(1, 64, 1, 64, generator=g).to(torch.float16)
@@ -87,9 +87,9 @@ def measure(iters: int) -> tuple[float, dict]:
     emulator.encode = lambda launches: None  # plan runs outside the core (none for these calls)
     try:
         with tmf.backend("emulator"):
-            out, lse = fwd(*fwd_args)
+            out, _, aux = fwd(*fwd_args[:-1], True)
             dout = torch.randn(out.shape, generator=g).to(out.dtype)
-            bwd_args = (dout, q, k, v, out, lse, None, None, None, None, 0.125, 0, -1, 0, 0.0, False)
+            bwd_args = (dout, q, k, v, out, aux, None, None, None, None, 0.125, 0, -1, 0, 0.0, False)
             sdpa = (lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), None)
             calls = {
                 "torch_sdpa": (*sdpa, None),

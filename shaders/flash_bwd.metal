@@ -1,39 +1,47 @@
 // FlashAttention-2 backward: deterministic (no atomics), recomputing the
-// probabilities from the saved lse, with simdgroup-matrix (8x8) multiplies and
-// float32 accumulation.  Gradients are written in the input dtype.
+// probabilities from the forward's row state, with simdgroup-matrix (8x8)
+// multiplies and float32 accumulation.  Gradients are written in the input dtype.
+//
+// P is rebuilt exactly: the scores are computed as flash_fwd.metal computes
+// them (q pre-scaled by FlashFwdParams::qk_scale, one multiply-accumulate
+// chain over the head dim in the same order, the same transforms in natural
+// units), so they equal the forward's bit for bit, and P = exp(s - m) / l
+// with the forward's own row max m and sum l (its aux output).  A row whose
+// single key is visible gets P = 1 exactly, and large scores lose nothing to
+// the rounding of lse = m + ln(l).
 //
 // Kernels (in launch order, see torch_metal_flash/planner/backward.py):
 //
 //  1. flash_bwd_pre_<dt>: one simdgroup per query row (B*Hq*Lq rows):
 //       delta[r] = rowsum(dO * O) - dlse[r]         (float32 scratch)
-//       lse2[r]  = lse[r] * log2(e), or kEmpty for rows that see nothing
-//     (lse = +inf).  kEmpty is a large finite number: exp2(s - kEmpty) = 0
-//     without computing with infinities (fast math).
+//       stats[r] = (m, 1 / l) from aux, or (0, 0) for rows that pass no
+//     gradient (nothing visible: l = 0; saturated: m < -1e37).  O is the
+//     float32 output row from aux for fp16/bf16 (flash::AuxHasOut), not the
+//     output rounded to the input dtype.
 //  2. flash_bwd_dq_<dt>_d<BD>_q<BQ>_k<BK>: grid (ceil(Lq/BQ), Hq, B), one
 //     simdgroup per 8 query rows; Q (pre-scaled), dO and the dQ accumulator
 //     live in registers; K and V tiles of BK rows stream through threadgroup
-//     memory.  Per key block: S = Q K^T, P = exp2(S - lse2), dP = dO V^T,
+//     memory.  Per key block: S = Q K^T, P = exp(S - m) / l, dP = dO V^T,
 //     dS = P (dP - delta) (written to dbias when asked), softcap chain rule,
 //     dQ += scale * dS K.  Also writes the zeros of dbias outside the band.
 //  3. flash_bwd_dkv_<dt>_d<BD>_k<BK>_q<BQ>_m<MODE>: grid (ceil(Lk/BK), Hkv, B),
-//     one simdgroup per 8 key rows; K (pre-scaled), V and the dK / dV
-//     accumulators in registers; loops over every query head of the GQA
-//     group and over the query blocks of the band, streaming Q and dO tiles
-//     (and their lse2 / delta) through threadgroup memory.  Every dK / dV row
+//     one simdgroup per 8 key rows; K, V and the dK / dV accumulators in
+//     registers; loops over every query head of the GQA group and over the
+//     query blocks of the band, streaming Q and dO tiles (and their stats /
+//     delta) through threadgroup memory (Q pre-scaled as its fragments load).  Every dK / dV row
 //     has exactly one writer.  MODE 0 computes dK and dV, MODE 1 only dK,
 //     MODE 2 only dV (split variants for large head dims, against spills).
 //  4. flash_bwd_dsinks: one threadgroup per head, a fixed-order reduction
-//     dsinks[h] = -sum_{b,i} exp(sink[h] - lse[b,h,i]) * delta[b,h,i].
+//     dsinks[h] = -sum_{b,i} exp(sink[h] - m[b,h,i]) / l[b,h,i] * delta[b,h,i].
 //
 // Element (row i, key j) of the score (the forward's definition):
 //   x = scale * q.k; x = cap * tanh(x / cap); x -= slope |i + diag - j|;
 //   x += bias[i, j]; visible iff band and bool mask.
-// computed here in the log2 domain (q.k scaled by FlashBwdParams::qk_scale2).
 //
 // Function constants: 0-6 as in flash_fwd.metal (mask, mask kind, ALiBi,
 // sinks, softcap, band, dims aligned), 7 has_dbias, 8 has_dlse.
 // Threadgroup memory per variant: planner/backward_tiles.py and
-// bench/results/backward.md (all <= 17.3 KiB).
+// bench/results/backward.md (all <= 17.4 KiB).
 #include "flash_common.h"
 #include "flash_bwd_params.h"
 
@@ -50,16 +58,9 @@ constant bool has_dlse [[function_constant(8)]];
 
 namespace flash_bwd {
 
-// lse2 of a row with nothing visible: exp2(s - kEmpty) == 0 for any score.
-constant constexpr float kEmpty = 3.0e38f;
-// lse below this marks a saturated row (see the preprocess kernel).
+// A row's max below this marks a saturated row (see the preprocess kernel).
 constant constexpr float kSaturated = -1.0e37f;
-// Finite "minus infinity" for invisible scores.
-constant constexpr float kNeg = -1.0e38f;
 
-// The transformed score in log2 units of element (i, j) given the raw
-// product x (already multiplied by qk_scale), and the tanh for the softcap
-// chain rule.  `vis` is and-ed with the band / bool mask / bounds.
 // a += b, element-wise (every lane its two elements).
 inline void frag_add(thread simdgroup_float8x8& a, simdgroup_float8x8 b) {
   a.thread_elements()[0] += b.thread_elements()[0];
@@ -67,34 +68,44 @@ inline void frag_add(thread simdgroup_float8x8& a, simdgroup_float8x8 b) {
 }
 
 struct Score {
-  float s;   // log2-domain score
+  float s;   // the score in natural units, bitwise the forward's
   float th;  // tanh (softcap) or 0
 };
 
-inline Score transform(float x, int i, int j, float slope2, long mask_off,
-                       const device uchar* mask, constant FlashFwdParams& f, float cap_log2,
-                       thread bool& vis) {
+// The transformed score of element (i, j) given the raw product x (q
+// pre-scaled by f.qk_scale), written exactly as flash_fwd.metal writes it so
+// that both compile to the same operations; and the tanh for the softcap
+// chain rule.  `vis` is and-ed with the bool mask.
+inline Score transform(float x, int i, int j, float slope, long mask_off,
+                       const device uchar* mask, constant FlashFwdParams& f, thread bool& vis) {
   Score r;
   r.th = 0.0f;
   float s = x;
   if (has_softcap) {
     r.th = flash::tanh_stable(x);  // finite for any x under fast math
-    s = r.th * cap_log2;
+    s = r.th * f.softcap;
   }
-  if (has_alibi) s -= slope2 * float(abs(i + f.diag_offset - j));
+  if (has_alibi) s -= slope * float(abs(i + f.diag_offset - j));
   if (has_mask && vis) {
     if (mask_kind == flash::kMaskBool) {
       vis = mask[mask_off] != 0;
     } else {
-      // -inf hides the score; below -1e37 every score gives p = 0 (or its
-      // row is saturated), and the clamp keeps s * log2e finite (fast math)
+      // as the forward: a -inf entry hides the score (tested on its bits, no
+      // infinity in the arithmetic under fast math)
       bool neg_inf;
-      s += max(flash::read_float_mask(mask, mask_off, mask_kind, neg_inf), -1.0e37f) * flash::kLog2e;
+      s += flash::read_float_mask(mask, mask_off, mask_kind, neg_inf);
       vis = !neg_inf;
     }
   }
   r.s = s;
   return r;
+}
+
+// P = exp(s - m) / l of a visible score with the row's stats (m, 1 / l).
+// s <= m for the forward's own scores; the clamp keeps the exponent finite
+// for any finite score (a finfo.min mask) and for rows with stats (0, 0).
+inline float prob(float s, float2 st) {
+  return exp2(clamp(s - st.x, -128.0f, 0.0f) * flash::kLog2e) * st.y;
 }
 
 
@@ -125,13 +136,13 @@ inline void load_tile(threadgroup T* dst, int dst_ld, const device T* src, long 
 }  // namespace flash_bwd
 
 // ---------------------------------------------------------------------------
-// 1. Preprocess: delta = rowsum(dO * O) - dlse, lse2 = lse * log2(e).
+// 1. Preprocess: delta = rowsum(dO * O) - dlse, stats = (m, 1 / l).
 // ---------------------------------------------------------------------------
 #define FLASH_BWD_PRE_ARGS(T)                                                  \
   const device T* dout [[buffer(0)]], const device T* out [[buffer(1)]],       \
-      const device float* lse [[buffer(2)]],                                   \
+      const device float* aux [[buffer(2)]],                                   \
       const device float* dlse [[buffer(3), function_constant(has_dlse)]],     \
-      device float* delta [[buffer(4)]], device float* lse2 [[buffer(5)]],     \
+      device float* delta [[buffer(4)]], device float2* stats [[buffer(5)]],   \
       constant FlashBwdParams& p [[buffer(6)]],                                \
       uint3 tgid [[threadgroup_position_in_grid]],                             \
       ushort sg [[simdgroup_index_in_threadgroup]],                            \
@@ -150,22 +161,28 @@ template <typename T>
   const int b = bh / p.f.heads;
   const device T* dop = dout + long(b) * p.do_stride_b + long(h) * p.do_stride_h + long(i) * p.do_stride_l;
   const device T* op = out + long(b) * p.f.o_stride_b + long(h) * p.f.o_stride_h + long(i) * p.f.o_stride_l;
+  constexpr bool kAuxOut = flash::AuxHasOut<T>::value;
+  const int pitch = kAuxOut ? 2 + p.f.head_dim_v : 2;
+  const device float* arow = aux + long(row) * pitch;
   float acc = 0.0f;
   for (int d = lane; d < p.f.head_dim_v; d += 32) {
-    acc += float(dop[d]) * float(op[d]);
+    const float o = kAuxOut ? arow[2 + d] : float(op[d]);
+    acc += float(dop[d]) * o;
   }
   acc = simd_sum(acc);
   if (lane == 0) {
     float dd = acc;
     if (has_dlse) dd -= dlse[row];
     delta[row] = dd;
-    const float l = lse[row];
-    const bool finite = (as_type<uint>(l) & 0x7f800000u) != 0x7f800000u;
-    // A row whose every score is below -1e37 (a float mask of finfo.min on all
-    // keys: padding rows) is locally constant in q and k, and l * log2(e)
-    // would overflow: it passes no gradient, like a row that sees nothing
-    // (reference.SATURATED_LSE is the same rule).
-    lse2[row] = finite && l > flash_bwd::kSaturated ? l * flash::kLog2e : flash_bwd::kEmpty;
+    const float m = arow[0];
+    const float l = arow[1];
+    // A row that saw nothing (l = 0), or whose every score is below -1e37 (a
+    // float mask of finfo.min on all keys: padding rows; it is locally
+    // constant in q and k), passes no gradient (reference.SATURATED_LSE is
+    // the same rule).  Both are finite here: the forward writes m = 0 for l = 0.
+    const bool live = l > 0.0f && m > flash_bwd::kSaturated;
+    const float inv_l = 1.0f / (live ? l : 1.0f);  // never 1 / 0
+    stats[row] = live ? float2(m, inv_l) : float2(0.0f, 0.0f);
   }
 }
 
@@ -175,7 +192,7 @@ template <typename T>
 #define FLASH_BWD_DQ_ARGS(T)                                                     \
   const device T* q [[buffer(0)]], const device T* k [[buffer(1)]],              \
       const device T* v [[buffer(2)]], const device T* dout [[buffer(3)]],       \
-      const device float* lse2 [[buffer(4)]], const device float* delta [[buffer(5)]], \
+      const device float2* stats [[buffer(4)]], const device float* delta [[buffer(5)]], \
       constant FlashBwdParams& p [[buffer(6)]],                                  \
       const device uchar* mask [[buffer(7), function_constant(has_mask)]],       \
       const device float* alibi [[buffer(8), function_constant(has_alibi)]],     \
@@ -223,18 +240,18 @@ template <typename T, int BD, int BQ, int BK>
   simdgroup_float8x8 dQf[NF];
   for (int dd = 0; dd < NF; ++dd) {
     flash::load_frag_device(Qf[dd], qp + dd * 8, f.q_stride_l, Lq - r0, f.head_dim - dd * 8, fc,
-                            p.qk_scale2);
+                            f.qk_scale);
     flash::load_frag_device(dOf[dd], dop + dd * 8, p.do_stride_l, Lq - r0, f.head_dim_v - dd * 8, fc,
                             1.0f);
     dQf[dd] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
   }
 
   const long row_idx = (long(b) * f.heads + h) * long(Lq) + my_row;
-  const float my_lse2 = row_ok ? lse2[row_idx] : flash_bwd::kEmpty;
+  const float2 my_stats = row_ok ? stats[row_idx] : float2(0.0f, 0.0f);
   const float my_delta = row_ok ? delta[row_idx] : 0.0f;
 
-  float slope2 = 0.0f;
-  if (has_alibi) slope2 = alibi[long(b) * f.a_stride_b + long(h) * f.a_stride_h] * flash::kLog2e;
+  float slope = 0.0f;
+  if (has_alibi) slope = alibi[long(b) * f.a_stride_b + long(h) * f.a_stride_h];
   long mask_row = 0;
   if (has_mask) mask_row = long(b) * f.m_stride_b + long(h) * f.m_stride_h + long(my_row) * f.m_stride_q;
   device float* db_row = nullptr;
@@ -271,9 +288,9 @@ template <typename T, int BD, int BQ, int BK>
       simdgroup_float8x8 S[NK];
       simdgroup_float8x8 dP[NK];
       for (int kk = 0; kk < NK; ++kk) {
-        // Two accumulation chains (even / odd head-dim fragments), summed at
+        // S: one chain over the head dim in the forward's order (bitwise its
+        // scores).  dP: two chains (even / odd head-dim fragments), summed at
         // the end: half the rounding-error growth of one chain over BD.
-        simdgroup_float8x8 s1 = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
         simdgroup_float8x8 p1 = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
         S[kk] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
         dP[kk] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
@@ -282,14 +299,13 @@ template <typename T, int BD, int BQ, int BK>
           simdgroup_float8x8 Vt;
           flash::load_frag_t(Kt, Ks + kk * 8 * LD + dd * 8, LD, fc);
           simdgroup_multiply_accumulate(S[kk], Qf[dd], Kt, S[kk]);
+          flash::load_frag_t(Kt, Ks + kk * 8 * LD + dd * 8 + 8, LD, fc);
+          simdgroup_multiply_accumulate(S[kk], Qf[dd + 1], Kt, S[kk]);
           flash::load_frag_t(Vt, Vs + kk * 8 * LD + dd * 8, LD, fc);
           simdgroup_multiply_accumulate(dP[kk], dOf[dd], Vt, dP[kk]);
-          flash::load_frag_t(Kt, Ks + kk * 8 * LD + dd * 8 + 8, LD, fc);
-          simdgroup_multiply_accumulate(s1, Qf[dd + 1], Kt, s1);
           flash::load_frag_t(Vt, Vs + kk * 8 * LD + dd * 8 + 8, LD, fc);
           simdgroup_multiply_accumulate(p1, dOf[dd + 1], Vt, p1);
         }
-        flash_bwd::frag_add(S[kk], s1);
         flash_bwd::frag_add(dP[kk], p1);
       }
       // dS, element-wise (kept in S).
@@ -301,10 +317,10 @@ template <typename T, int BD, int BQ, int BK>
           if (need_bounds) vis = vis && j < Lk;
           if (need_band) vis = vis && band.visible(my_row, j);
           const flash_bwd::Score sc = flash_bwd::transform(
-              S[kk].thread_elements()[e], my_row, j, slope2, mask_row + long(j) * f.m_stride_k, mask, f, p.cap_log2, vis);
+              S[kk].thread_elements()[e], my_row, j, slope, mask_row + long(j) * f.m_stride_k, mask, f, vis);
           float ds = 0.0f;
           if (vis) {
-            const float pr = exp2(sc.s - my_lse2);
+            const float pr = flash_bwd::prob(sc.s, my_stats);
             ds = pr * (dP[kk].thread_elements()[e] - my_delta);
           }
           if (has_dbias && row_ok && j < Lk) db_row[j] = ds;
@@ -358,7 +374,7 @@ template <typename T, int BD, int BQ, int BK>
 #define FLASH_BWD_DKV_ARGS(T)                                                    \
   const device T* q [[buffer(0)]], const device T* k [[buffer(1)]],              \
       const device T* v [[buffer(2)]], const device T* dout [[buffer(3)]],       \
-      const device float* lse2 [[buffer(4)]], const device float* delta [[buffer(5)]], \
+      const device float2* stats [[buffer(4)]], const device float* delta [[buffer(5)]], \
       constant FlashBwdParams& p [[buffer(6)]],                                  \
       const device uchar* mask [[buffer(7), function_constant(has_mask)]],       \
       const device float* alibi [[buffer(8), function_constant(has_alibi)]],     \
@@ -380,11 +396,10 @@ template <typename T, int BD, int BK, int BQ, int MODE>
   static_assert(BQ % 8 == 0 && BK % 8 == 0 && BD % 16 == 0, "tile sizes (two chains over BD)");
 
   threadgroup T smem[2 * BQ * LD];
-  threadgroup float stats[2 * BQ];
+  threadgroup float2 stat_tile[BQ];
+  threadgroup float delta_tile[BQ];
   threadgroup T* Qs = smem;
   threadgroup T* dOs = smem + BQ * LD;
-  threadgroup float* lse2s = stats;
-  threadgroup float* deltas = stats + BQ;
 
   constant FlashFwdParams& f = p.f;
   const bool aligned = dims_aligned;  // (a plain bool argument below)
@@ -406,7 +421,7 @@ template <typename T, int BD, int BK, int BQ, int MODE>
   simdgroup_float8x8 dKf[NF];
   simdgroup_float8x8 dVf[NF];
   for (int dd = 0; dd < NF; ++dd) {
-    flash::load_frag_device(Kf[dd], kp + dd * 8, f.k_stride_l, Lk - c0, f.head_dim - dd * 8, fc, p.qk_scale2);
+    flash::load_frag_device(Kf[dd], kp + dd * 8, f.k_stride_l, Lk - c0, f.head_dim - dd * 8, fc, 1.0f);
     if (kDK) {
       flash::load_frag_device(Vf[dd], vp + dd * 8, f.v_stride_l, Lk - c0, f.head_dim_v - dd * 8, fc, 1.0f);
       dKf[dd] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
@@ -431,8 +446,8 @@ template <typename T, int BD, int BK, int BQ, int MODE>
     const device T* qp = q + long(b) * f.q_stride_b + long(h) * f.q_stride_h;
     const device T* dop = dout + long(b) * p.do_stride_b + long(h) * p.do_stride_h;
     const long stat_base = (long(b) * f.heads + h) * long(Lq);
-    float slope2 = 0.0f;
-    if (has_alibi) slope2 = alibi[long(b) * f.a_stride_b + long(h) * f.a_stride_h] * flash::kLog2e;
+    float slope = 0.0f;
+    if (has_alibi) slope = alibi[long(b) * f.a_stride_b + long(h) * f.a_stride_h];
     long mask_base = 0;
     if (has_mask) mask_base = long(b) * f.m_stride_b + long(h) * f.m_stride_h + long(my_key) * f.m_stride_k;
 
@@ -444,8 +459,8 @@ template <typename T, int BD, int BK, int BQ, int MODE>
                                       f.head_dim_v, aligned, tid);
       for (int t = tid; t < BQ; t += NT) {
         const bool ok = qb + t < Lq;
-        lse2s[t] = ok ? lse2[stat_base + qb + t] : flash_bwd::kEmpty;
-        deltas[t] = ok ? delta[stat_base + qb + t] : 0.0f;
+        stat_tile[t] = ok ? stats[stat_base + qb + t] : float2(0.0f, 0.0f);
+        delta_tile[t] = ok ? delta[stat_base + qb + t] : 0.0f;
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);
 
@@ -460,17 +475,21 @@ template <typename T, int BD, int BK, int BQ, int MODE>
         simdgroup_float8x8 St[NQ];
         simdgroup_float8x8 dPt[NQ];
         for (int qq = 0; qq < NQ; ++qq) {
-          // Two accumulation chains, as in the dQ kernel.
-          simdgroup_float8x8 s1 = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+          // S^T: the forward's chain, transposed (q pre-scaled as it is
+          // there, k as loaded; a product of two floats is commutative, so
+          // every score equals the forward's bit for bit).  dP^T: two chains,
+          // as in the dQ kernel.
           simdgroup_float8x8 p1 = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
           St[qq] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
           if (kDK) dPt[qq] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
           for (int dd = 0; dd < NF; dd += 2) {
             simdgroup_float8x8 Qt;
             flash::load_frag_t(Qt, Qs + qq * 8 * LD + dd * 8, LD, fc);
+            flash::frag_scale(Qt, f.qk_scale);
             simdgroup_multiply_accumulate(St[qq], Kf[dd], Qt, St[qq]);
             flash::load_frag_t(Qt, Qs + qq * 8 * LD + dd * 8 + 8, LD, fc);
-            simdgroup_multiply_accumulate(s1, Kf[dd + 1], Qt, s1);
+            flash::frag_scale(Qt, f.qk_scale);
+            simdgroup_multiply_accumulate(St[qq], Kf[dd + 1], Qt, St[qq]);
             if (kDK) {
               simdgroup_float8x8 dOt;
               flash::load_frag_t(dOt, dOs + qq * 8 * LD + dd * 8, LD, fc);
@@ -479,7 +498,6 @@ template <typename T, int BD, int BK, int BQ, int MODE>
               simdgroup_multiply_accumulate(p1, Vf[dd + 1], dOt, p1);
             }
           }
-          flash_bwd::frag_add(St[qq], s1);
           if (kDK) flash_bwd::frag_add(dPt[qq], p1);
         }
         const bool need_bounds = qb + BQ > Lq || c0 + 8 > Lk;
@@ -491,13 +509,13 @@ template <typename T, int BD, int BK, int BQ, int MODE>
             if (need_bounds) vis = key_ok && i < Lq;
             if (need_band) vis = vis && band.visible(i, my_key);
             const flash_bwd::Score sc = flash_bwd::transform(
-                St[qq].thread_elements()[e], i, my_key, slope2, mask_base + long(i) * f.m_stride_q, mask, f, p.cap_log2, vis);
+                St[qq].thread_elements()[e], i, my_key, slope, mask_base + long(i) * f.m_stride_q, mask, f, vis);
             float pr = 0.0f;
             float ds = 0.0f;
             if (vis) {
-              pr = exp2(sc.s - lse2s[ii]);
+              pr = flash_bwd::prob(sc.s, stat_tile[ii]);
               if (kDK) {
-                ds = pr * (dPt[qq].thread_elements()[e] - deltas[ii]);
+                ds = pr * (dPt[qq].thread_elements()[e] - delta_tile[ii]);
                 if (has_softcap) ds *= 1.0f - sc.th * sc.th;
                 ds *= p.scale;
               }
@@ -549,10 +567,10 @@ template <typename T, int BD, int BK, int BQ, int MODE>
 }
 
 // ---------------------------------------------------------------------------
-// 4. dsinks[h] = -sum_{b,i} exp2(sink[h] log2e - lse2) * delta, fixed order.
+// 4. dsinks[h] = -sum_{b,i} P_sink[b,h,i] * delta, P_sink = exp(sink[h] - m) / l, fixed order.
 // ---------------------------------------------------------------------------
 #define FLASH_BWD_DSINKS_ARGS                                                    \
-  const device float* lse2 [[buffer(0)]], const device float* delta [[buffer(1)]], \
+  const device float2* stats [[buffer(0)]], const device float* delta [[buffer(1)]], \
       const device float* sinks [[buffer(2)]], device float* dsinks [[buffer(3)]], \
       constant FlashBwdParams& p [[buffer(6)]],                                  \
       uint3 tgid [[threadgroup_position_in_grid]],                               \
@@ -564,13 +582,13 @@ template <int NT>
   const int h = int(tgid.x);
   const int Lq = p.f.seqlen_q;
   const int n = p.f.batch * Lq;
-  const float sink2 = sinks[h] * flash::kLog2e;
+  const float sink = sinks[h];
   float acc = 0.0f;
   for (int idx = tid; idx < n; idx += NT) {
     const int b = idx / Lq;
     const int i = idx - b * Lq;
     const long r = (long(b) * p.f.heads + h) * long(Lq) + i;
-    acc += exp2(sink2 - lse2[r]) * delta[r];
+    acc += flash_bwd::prob(sink, stats[r]) * delta[r];
   }
   part[tid] = acc;
   threadgroup_barrier(mem_flags::mem_threadgroup);

@@ -1,8 +1,9 @@
 // Parameters of the FlashAttention backward kernels, shared by host and kernel.
 //
 // The forward's FlashFwdParams (q/k/v strides, `o` = the saved forward output,
-// mask, ALiBi, sizes, band; its scale fields are not used here) plus the strides of dO and
-// of the gradients.  Host mirror: torch_metal_flash/planner/backward.py
+// mask, ALiBi, sizes, band, and qk_scale / softcap: the backward recomputes
+// the scores exactly as the forward does) plus the strides of dO and of the
+// gradients.  Host mirror: torch_metal_flash/planner/backward.py
 // (ctypes, embedding planner/params.py's FlashFwdParams).  All strides in
 // elements; the last dim of every tensor is contiguous.  64-bit fields first.
 #pragma once
@@ -18,14 +19,8 @@ struct FlashBwdParams {
   long dv_stride_b, dv_stride_h, dv_stride_l;
   // dbias (B, Hq, Lq, Lk) float32, last dim contiguous
   long db_stride_b, db_stride_h, db_stride_q;
-  int rows;          // B * Hq * Lq (rows of the D / lse2 scratch vectors)
+  int rows;          // B * Hq * Lq (rows of the delta / stats scratch vectors)
   int num_k_blocks;  // key blocks of the dK/dV kernel
-  // The backward's own score scaling (log2 domain), independent of how the
-  // forward uses f.qk_scale / f.softcap: q.k is multiplied by qk_scale2 =
-  // scale * log2(e) without softcap, scale / softcap with softcap (the tanh
-  // argument), and the capped score is tanh * cap_log2 = softcap * log2(e).
-  float qk_scale2;
-  float cap_log2;
   float scale;       // the softmax scale (dS of the final score -> d(q.k))
-  float softcap;     // 0 without softcap
+  int pad_i;
 };

@@ -22,6 +22,18 @@ struct TilePad {
   static constant constexpr int value = 16 / sizeof(T);
 };
 
+// Whether the backward's row state (aux, written by the forward) holds the
+// float32 output row after (m, l): for inputs narrower than float, whose
+// output is rounded (the backward's delta must not see that rounding).
+template <typename T>
+struct AuxHasOut {
+  static constant constexpr bool value = true;
+};
+template <>
+struct AuxHasOut<float> {
+  static constant constexpr bool value = false;
+};
+
 // ---------------------------------------------------------------------------
 // Fragment lane layout (DESIGN.md section 3).  Lane l owns the elements
 // (row, col) and (row, col + 1) of every 8x8 simdgroup matrix, where
@@ -39,12 +51,6 @@ inline FragCoord frag_coord(ushort lane) {
   c.row = short((qid & 4) + (lane / 2) % 4);
   c.col = short((qid & 2) * 2 + (lane % 2) * 2);
   return c;
-}
-
-// x == -inf, tested on the bits (fast math may assume no infinities and fold
-// a floating-point comparison away).
-inline bool is_neg_inf(float x) {
-  return as_type<uint>(x) == 0xff800000u;
 }
 
 // Reductions over the 4 lanes that share a fragment row.
@@ -254,6 +260,14 @@ enum MaskKind : int {
   kMaskF16 = 3,
   kMaskBF16 = 4,
 };
+
+// lse = m + ln(l) of a row, or +inf when it saw nothing (l == 0).  The
+// infinity is stored as bits through an integer select: under fast math a
+// floating-point select that yields inf may be assumed not to.
+inline void store_lse(device float* dst, float m, float l) {
+  const uint bits = l > 0.0f ? as_type<uint>(m + log2(l) * kLn2) : 0x7f800000u;
+  *reinterpret_cast<device uint*>(dst) = bits;
+}
 
 // Read the additive float mask element at `off` (elements) of kind `kind`.
 // A -inf entry sets `neg_inf` and reads as 0: it is tested on the bits of the

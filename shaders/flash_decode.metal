@@ -159,9 +159,10 @@ template <typename TQ, typename TK, int BD, int BK>
   threadgroup_barrier(mem_flags::mem_threadgroup);
   const threadgroup DecodeParams& P = *reinterpret_cast<const threadgroup DecodeParams*>(params_words);
 
-  // Masked scores and the running max of a row that has seen nothing are -inf;
-  // the only test on an infinity is a bit comparison (fast math cannot fold it).
-  const float kNegInf = as_type<float>(0xff800000u);
+  // No infinity enters the arithmetic (fast math assumes none): masked scores
+  // are -FLT_MAX for the row max plus a bit in `hidden` that zeroes their
+  // probability, so a visible -FLT_MAX score (finfo.min mask) still counts.
+  const float kNeg = -FLT_MAX;
   const int nthreads = P.num_threads;
   const int split = int(tgid.x);
   const int kvh = int(tgid.y) % P.kv_heads;
@@ -230,7 +231,7 @@ template <typename TQ, typename TK, int BD, int BK>
     Qf[dd].thread_elements()[1] = e1;
     Of[dd] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
   }
-  float m_i = kNegInf;
+  float m_i = kNeg;
   float l_i = 0.0f;
   if (has_sinks && split == 0 && row_ok) {  // the sink counts once per row: in split 0
     m_i = sinks[h];
@@ -312,6 +313,7 @@ template <typename TQ, typename TK, int BD, int BK>
     // Simdgroup-uniform: rows whose band misses this tile do no multiplies.
     if (sg_active && kb < sg_key_hi && kb + BK > sg_key_lo) {
       simdgroup_float8x8 S[NK];
+      uint hidden = 0;  // bit 2 * kk + e: element e of S[kk] is invisible
       for (int kk = 0; kk < NK; ++kk) {
         S[kk] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
         for (int dd = 0; dd < NF; ++dd) {
@@ -337,27 +339,32 @@ template <typename TQ, typename TK, int BD, int BK>
               if (P.mask_kind == flash::kMaskBool) {
                 vis = mask[off] != 0;
               } else {
-                s += flash::read_float_mask(mask, off, P.mask_kind);
+                bool neg_inf;
+                s += flash::read_float_mask(mask, off, P.mask_kind, neg_inf);
+                vis = !neg_inf;
               }
             }
-            S[kk].thread_elements()[e] = vis ? s : kNegInf;
+            S[kk].thread_elements()[e] = vis ? s : kNeg;
+            hidden |= vis ? 0u : 1u << (2 * kk + e);
           }
         }
       }
       // Online softmax; the 4 lanes of a fragment row differ in lane bits 0 and 3.
-      float mx = kNegInf;
+      float mx = kNeg;
       for (int kk = 0; kk < NK; ++kk) {
         mx = max(mx, max(S[kk].thread_elements()[0], S[kk].thread_elements()[1]));
       }
       mx = flash::row_max(mx);
       const float m_new = max(m_i, mx);
-      // Still nothing visible: subtract 0, so masked scores give exp2(-inf) = 0.
-      const float m_use = flash::is_neg_inf(m_new) ? 0.0f : m_new;
-      const float factor = exp2((m_i - m_use) * flash::kLog2e);
+      // exp(d) for d = s - m_new <= 0; below -1000 it is 0 in float, and the
+      // clamp keeps d * log2e finite for d near -FLT_MAX.
+      const float factor = exp2(max(m_i - m_new, -1000.0f) * flash::kLog2e);
       float rs = 0.0f;
       for (int kk = 0; kk < NK; ++kk) {
-        const float p0 = exp2((S[kk].thread_elements()[0] - m_use) * flash::kLog2e);
-        const float p1 = exp2((S[kk].thread_elements()[1] - m_use) * flash::kLog2e);
+        const float d0 = max(S[kk].thread_elements()[0] - m_new, -1000.0f);
+        const float d1 = max(S[kk].thread_elements()[1] - m_new, -1000.0f);
+        const float p0 = (hidden >> (2 * kk)) & 1u ? 0.0f : exp2(d0 * flash::kLog2e);
+        const float p1 = (hidden >> (2 * kk + 1)) & 1u ? 0.0f : exp2(d1 * flash::kLog2e);
         S[kk].thread_elements()[0] = p0;
         S[kk].thread_elements()[1] = p1;
         rs += p0 + p1;
@@ -388,8 +395,7 @@ template <typename TQ, typename TK, int BD, int BK>
       if (c + 1 < D) o[o_off + c + 1] = TQ(Of[dd].thread_elements()[1] * inv_l);
     }
     if (fc.col == 0) {
-      const float pos_inf = as_type<float>(0x7f800000u);
-      lse[row_id] = l_i > 0.0f ? m_i + log2(l_i) * flash::kLn2 : pos_inf;
+      flash::store_lse(lse + row_id, m_i, l_i);
     }
   } else {
     const long prow = row_id * P.num_splits + split;
@@ -429,7 +435,6 @@ template <typename T>
   threadgroup_barrier(mem_flags::mem_threadgroup);
   const threadgroup DecodeParams& P = *reinterpret_cast<const threadgroup DecodeParams*>(params_words);
 
-  const float kNegInf = as_type<float>(0xff800000u);
   const int S = P.num_splits;
   const int D = P.head_dim;
   const int Lq = P.seqlen_q;
@@ -442,7 +447,7 @@ template <typename T>
 
   float m[kMaxSplitChunks];
   float l[kMaxSplitChunks];
-  float mx = kNegInf;  // the max over splits that saw something (l > 0), whose m is finite
+  float mx = -FLT_MAX;  // the max over splits that saw something (l > 0), whose m is finite
   for (int c = 0; c < kMaxSplitChunks; ++c) {
     const int s = c * 32 + int(lane);
     m[c] = 0.0f;
@@ -481,8 +486,7 @@ template <typename T>
     if (d < D) o[o_off + d] = T(acc[c] * inv);
   }
   if (lane == 0) {
-    const float pos_inf = as_type<float>(0x7f800000u);
-    lse[row_id] = lsum > 0.0f ? mx + log2(lsum) * flash::kLn2 : pos_inf;
+    flash::store_lse(lse + row_id, mx, lsum);
   }
 }
 

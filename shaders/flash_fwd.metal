@@ -28,7 +28,8 @@
 //
 // Buffers: 0 q, 1 k, 2 v, 3 o, 4 lse (float, contiguous (B, Hq, Lq)),
 // 5 FlashFwdParams, 6 mask (bytes; bool or float kind), 7 alibi slopes
-// (float), 8 sinks (float, (Hq,)).
+// (float), 8 sinks (float, (Hq,)), 9 aux (float, contiguous (B, Hq, Lq, A),
+// only when gradients are needed; see the epilogue).
 #include "flash_common.h"
 
 constant bool has_mask [[function_constant(0)]];
@@ -42,6 +43,9 @@ constant bool dims_aligned [[function_constant(6)]];
 // k and v start on 4-element boundaries with row strides that are multiples
 // of 4 elements: full K/V tiles are loaded as 4-element vectors.
 constant bool kv_vec_aligned [[function_constant(7)]];
+// Write the backward's row state into aux: A = 2 floats per row (m, l), and
+// for half/bfloat the float32 output row after them (A = 2 + head_dim_v).
+constant bool has_aux [[function_constant(8)]];
 
 #define FLASH_FWD_ARGS(T)                                                   \
   const device T* q [[buffer(0)]], const device T* k [[buffer(1)]],         \
@@ -51,6 +55,7 @@ constant bool kv_vec_aligned [[function_constant(7)]];
       const device uchar* mask [[buffer(6), function_constant(has_mask)]],  \
       const device float* alibi [[buffer(7), function_constant(has_alibi)]], \
       const device float* sinks [[buffer(8), function_constant(has_sinks)]], \
+      device float* aux [[buffer(9), function_constant(has_aux)]],          \
       uint3 tgid [[threadgroup_position_in_grid]],                          \
       uint tid [[thread_index_in_threadgroup]],                             \
       uint sg [[simdgroup_index_in_threadgroup]],                           \
@@ -263,9 +268,25 @@ template <typename T, int BD, int BQ, int BK, bool KVS>
     flash::store_frag_rows(Of[dd], orow + dd * 8, row_ok, p.head_dim_v - dd * 8, fc, inv_l);
   }
   if (fc.col == 0 && row_ok) {
-    const float pos_inf = as_type<float>(0x7f800000u);
-    lse[(long(b) * p.heads + h) * long(Lq) + i] =
-        l_i > 0.0f ? m_i + log2(l_i) * flash::kLn2 : pos_inf;
+    flash::store_lse(lse + (long(b) * p.heads + h) * long(Lq) + i, m_i, l_i);
+  }
+  // The backward's row state: the final max m and sum l, so that it rebuilds
+  // P = exp(s - m) / l from the very same scores (exp(s - lse) would carry
+  // lse's rounding, ~ulp(|lse|), into every P at large scores), and for
+  // fp16/bf16 the output before rounding (delta = rowsum(dO * O) needs it).
+  if (has_aux) {
+    constexpr bool kAuxOut = flash::AuxHasOut<T>::value;
+    const int pitch = kAuxOut ? 2 + p.head_dim_v : 2;
+    device float* arow = aux + ((long(b) * p.heads + h) * long(Lq) + i) * pitch;
+    if (fc.col == 0 && row_ok) {
+      arow[0] = l_i > 0.0f ? m_i : 0.0f;  // a row that saw nothing: any finite max
+      arow[1] = l_i;
+    }
+    if (kAuxOut) {
+      for (int dd = 0; dd < NF; ++dd) {
+        flash::store_frag_rows(Of[dd], arow + 2 + dd * 8, row_ok, p.head_dim_v - dd * 8, fc, inv_l);
+      }
+    }
   }
 }
 

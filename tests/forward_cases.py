@@ -17,7 +17,7 @@ import torch
 from torch_metal_flash.plan import Plan
 from torch_metal_flash.planner.forward import plan_forward
 from torch_metal_flash.spec import make_spec
-from torch_metal_flash.testing import check_forward
+from torch_metal_flash.testing import check_forward, randn
 
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 HEAD_DIMS = (32, 64, 80, 96, 128, 256, 72, 40)
@@ -106,7 +106,7 @@ def build_spec(c: dict, seed: int = 0):
     amp = c.get("amplitude", 1.0)
 
     def rnd(*shape):
-        return (torch.randn(*shape, generator=g) * amp).to(dt)
+        return (randn(*shape, generator=g) * amp).to(dt)
 
     if c["layout"] == "blhd":
         q = rnd(B, Lq, Hq, D).transpose(1, 2)
@@ -124,13 +124,13 @@ def build_spec(c: dict, seed: int = 0):
     if f == "alibi_bh":
         alibi = torch.rand(B, Hq, generator=g) * 0.3
     if f in ("sinks", "all"):
-        sinks = torch.randn(Hq, generator=g)
+        sinks = randn(Hq, generator=g)
     if f == "bias_full":
-        mask = torch.randn(B, Hq, Lq, Lk, generator=g).to(dt)
+        mask = randn(B, Hq, Lq, Lk, generator=g).to(dt)
     if f == "bias_bcast":
-        mask = torch.randn(1, Hq, 1, Lk, generator=g).to(dt)
+        mask = randn(1, Hq, 1, Lk, generator=g).to(dt)
     if f == "bias_f32_rows":  # float32 bias with fp16/bf16 inputs, broadcast over keys
-        mask = torch.randn(Lq, 1, generator=g)
+        mask = randn(Lq, 1, generator=g)
     if f in ("bool_full", "all"):
         mask = torch.rand(B, Hq, Lq, Lk, generator=g) > 0.25
     if f == "bool_bcast":

@@ -1,9 +1,13 @@
 """An independent implementation of ``flash_attn_with_kvcache`` for the tests.
 
 Written from the flash-attn documentation with explicit loops (per batch row
-and head), in any dtype: float64 is the oracle, the inputs' own dtype is the
-"plain low-precision math" error budget of the DESIGN.md §5 rule.  It shares
-no code with ``torch_metal_flash``.
+and head).  In float64 it is the oracle.  The error budget of the rule in
+``torch_metal_flash.testing`` comes from :func:`row_problems`: the same cache
+update, rotary embedding and per-row key ranges, with q, k, v rounded to the
+inputs' dtype, handed over as one attention problem per batch row (this
+file's own visibility as a bool mask), whose plain math in that dtype
+``torch_metal_flash.testing`` computes identically on every machine.  Apart
+from that hand-over it shares no code with ``torch_metal_flash``.
 
 Out-of-range index values follow the kernels' documented rules
 (docs/kvcache.md, "Index values"): lengths clamped to [0, capacity], new rows
@@ -36,11 +40,12 @@ def rotate(x, cos, sin, pos, interleaved):
     return out
 
 
-def kvcache_attention(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
-                      cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
-                      window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None,
-                      dtype=torch.float64, append=True):
-    """Returns (out (B, Lq, Hq, D), lse (B, Hq, Lq), new k_cache, new v_cache), all in ``dtype``.
+def _rows(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+          cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
+          window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, dtype=torch.float64,
+          append=True):
+    """``(rows, new k_cache, new v_cache)`` in ``dtype``, the caches updated (copies); ``rows`` has,
+    per batch row b, ``(b, qb (Lq, Hq, D), keys (Lk, Hkv, D), vals, vis (Lq, Lk) bool, slopes (Hq,) or None)``.
     ``append=False``: the caches already hold the new rows (as a quantized cache stores
     them); ``k``/``v`` only give their count (and rotary of q its positions)."""
     cast = (lambda t: None if t is None else t.detach().cpu().to(dtype))
@@ -48,7 +53,6 @@ def kvcache_attention(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rota
     cos, sin = cast(rotary_cos), cast(rotary_sin)
     B, Lq, Hq, D = q.shape
     Hkv = kc.shape[2]
-    G = Hq // Hkv
     paged = block_table is not None
     if paged:
         page = kc.shape[1]
@@ -64,7 +68,6 @@ def kvcache_attention(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rota
     lp = [0] * B if cache_leftpad is None else [int(x) for x in cache_leftpad]
     rows = list(range(B)) if cache_batch_idx is None else [int(x) for x in cache_batch_idx]
     lnew = 0 if k is None else k.shape[1]
-    scale = D ** -0.5 if softmax_scale is None else softmax_scale
     left, right = window_size
     if causal:
         right = 0
@@ -76,8 +79,7 @@ def kvcache_attention(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rota
             return None
         return ci, (p % page if paged else p)
 
-    out = torch.zeros(B, Lq, Hq, D, dtype=dtype)
-    lse = torch.full((B, Hq, Lq), math.inf, dtype=dtype)
+    out = []
     for b in range(B):
         s0 = min(max(seqlens[b], 0), cap)
         end = min(s0 + lnew, cap)
@@ -94,13 +96,45 @@ def kvcache_attention(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rota
                     kc[sl] = kb[t]
                     vc[sl] = v[b, t]
         start = min(max(lp[b], 0), end)
+        if end - start <= 0 or (not paged and slot(b, 0) is None):
+            start = end  # no keys
         Lk = end - start
-        if Lk <= 0 or (not paged and slot(b, 0) is None):
-            continue
-        present = torch.tensor([slot(b, p) is not None for p in range(start, end)])
+        present = torch.tensor([slot(b, p) is not None for p in range(start, end)], dtype=torch.bool)
         zero = torch.zeros(Hkv, D, dtype=dtype)
-        keys = torch.stack([kc[slot(b, p)] if slot(b, p) else zero for p in range(start, end)])  # (Lk, Hkv, D)
-        vals = torch.stack([vc[slot(b, p)] if slot(b, p) else zero for p in range(start, end)])
+        keys = torch.stack([kc[slot(b, p)] if slot(b, p) else zero for p in range(start, end)]) if Lk \
+            else kc.new_empty(0, Hkv, D)  # (Lk, Hkv, D)
+        vals = torch.stack([vc[slot(b, p)] if slot(b, p) else zero for p in range(start, end)]) if Lk \
+            else vc.new_empty(0, Hkv, D)
+        i = torch.arange(Lq)[:, None]
+        j = torch.arange(Lk)[None, :]
+        vis = present[None, :].expand(Lq, Lk).clone()
+        if left >= 0:
+            vis &= j >= i + Lk - Lq - left
+        if right >= 0:
+            vis &= j <= i + Lk - Lq + right
+        slopes = None
+        if alibi_slopes is not None:
+            slopes = alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[b]
+        out.append((b, qb, keys, vals, vis, slopes))
+    return out, kc, vc
+
+
+def _scale(q, softmax_scale=None, **_):
+    return q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+
+
+def kvcache_attention(q, k_cache, v_cache, dtype=torch.float64, **kw):
+    """Returns (out (B, Lq, Hq, D), lse (B, Hq, Lq), new k_cache, new v_cache), all in ``dtype``."""
+    B, Lq, Hq, D = q.shape
+    scale, softcap = _scale(q, **kw), kw.get("softcap", 0.0)
+    out = torch.zeros(B, Lq, Hq, D, dtype=dtype)
+    lse = torch.full((B, Hq, Lq), math.inf, dtype=dtype)
+    rows, kc, vc = _rows(q, k_cache, v_cache, dtype=dtype, **kw)
+    for b, qb, keys, vals, vis, slopes in rows:
+        Lk = keys.shape[0]
+        if Lk == 0:
+            continue
+        G = Hq // keys.shape[1]
         for h in range(Hq):
             g = h // G
             s = (qb[:, h] @ keys[:, g].T) * scale  # (Lq, Lk)
@@ -108,14 +142,8 @@ def kvcache_attention(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rota
                 s = softcap * torch.tanh(s / softcap)
             i = torch.arange(Lq)[:, None]
             j = torch.arange(Lk)[None, :]
-            if alibi_slopes is not None:
-                sl = alibi_slopes[h] if alibi_slopes.dim() == 1 else alibi_slopes[b, h]
-                s = s - float(sl) * (i + Lk - Lq - j).abs().to(dtype)
-            vis = present[None, :].expand(Lq, Lk).clone()
-            if left >= 0:
-                vis &= j >= i + Lk - Lq - left
-            if right >= 0:
-                vis &= j <= i + Lk - Lq + right
+            if slopes is not None:
+                s = s - float(slopes[h]) * (i + Lk - Lq - j).abs().to(dtype)
             s = s.masked_fill(~vis, -math.inf)
             m = torch.logsumexp(s, dim=-1)
             p = torch.exp(s - m[:, None])
@@ -123,3 +151,19 @@ def kvcache_attention(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rota
             out[b, :, h] = p @ vals[:, g]
             lse[b, h] = torch.where(vis.any(-1), m, torch.full_like(m, math.inf))
     return out, lse, kc, vc
+
+
+def row_problems(q, k_cache, v_cache, dtype, **kw):
+    """One AttentionSpec per batch row (q (1, Hq, Lq, D), k/v (1, Hkv, Lk, D), the
+    visibility as a bool mask, ALiBi relative to the row's bottom-right corner),
+    with every input rotated / stored in ``dtype``: the problems whose plain
+    math in ``dtype`` sets the error budget."""
+    from torch_metal_flash.spec import make_spec
+
+    specs = []
+    for b, qb, keys, vals, vis, slopes in _rows(q, k_cache, v_cache, dtype=dtype, **kw)[0]:
+        Lq, Lk = qb.shape[0], keys.shape[0]
+        specs.append(make_spec(qb.transpose(0, 1)[None], keys.transpose(0, 1)[None], vals.transpose(0, 1)[None],
+                               vis, None if slopes is None else slopes.to(torch.float64)[None],
+                               scale=_scale(q, **kw), diag_offset=Lk - Lq, softcap=kw.get("softcap", 0.0)))
+    return specs

@@ -86,7 +86,7 @@ def seam(monkeypatch, request):
         encoder = RecordingEncoder()
         calls = []
 
-        def plan_forward(spec, out, lse, family, pipeline_info):
+        def plan_forward(spec, out, lse, aux, family, pipeline_info):
             calls.append(spec)
             return answer(spec, out, lse)
         monkeypatch.setattr(ops, "planner", types.SimpleNamespace(plan_forward=plan_forward))

@@ -1,6 +1,7 @@
 """The fused backward kernels (shaders/flash_bwd.metal) in the emulator,
-against float64 autograd of a plain composite attention (DESIGN.md §5 rule on
-dq, dk, dv, dbias, dsinks), through ``plan_backward``, in checked mode
+against the float64 oracle (the rule of torch_metal_flash.testing on dq, dk,
+dv, dbias, dsinks), from the forward kernel's saved state, through
+``plan_backward``, in checked mode
 (poisoned threadgroup memory, bounds and race checks) and in two schedule
 orders per case; the two runs must agree bit for bit (determinism).
 
@@ -11,7 +12,6 @@ emulator: they fail (not skip) when it or its compiler is missing.
 """
 from __future__ import annotations
 
-import math
 import random
 import re
 import sys
@@ -31,7 +31,7 @@ from torch_metal_flash._paths import shaders_dir  # noqa: E402
 from torch_metal_flash.layout import empty_in_layout  # noqa: E402
 from torch_metal_flash.plan import Plan, Unsupported  # noqa: E402
 from torch_metal_flash.spec import AttentionSpec, make_spec  # noqa: E402
-from torch_metal_flash.testing import ATOL, error_budget  # noqa: E402
+from torch_metal_flash.testing import check_backward, randn  # noqa: E402
 
 SEED = 20261129
 ORDER_PAIRS = (("forward", "reverse"), ("reverse", "random"), ("random", "forward"))
@@ -40,83 +40,22 @@ GQA_BWD = ((1, 1), (2, 1), (4, 2), (4, 1), (8, 1), (8, 4), (6, 3))
 
 
 # ---------------------------------------------------------------------------
-# Oracle: autograd of a plain composite attention in a chosen dtype.
+# The forward state the backward starts from.
 # ---------------------------------------------------------------------------
-def composite(spec: AttentionSpec, q, k, v, mask, sinks, dtype):
-    """(out, lse) of the spec's math in ``dtype`` with autograd (scores materialised)."""
-    B, H, Lq, Lk = spec.batch, spec.heads, spec.seqlen_q, spec.seqlen_k
-    G = H // spec.kv_heads
-    kk = k.repeat_interleave(G, dim=1)  # fine for an oracle
-    vv = v.repeat_interleave(G, dim=1)
-    s = (q @ kk.transpose(-1, -2)) * spec.scale
-    if spec.softcap > 0:
-        s = spec.softcap * torch.tanh(s / spec.softcap)
-    i = torch.arange(Lq).unsqueeze(-1)
-    j = torch.arange(Lk)
-    if spec.alibi_slopes is not None:
-        dist = (i + spec.diag_offset - j).abs().to(dtype)
-        s = s - spec.alibi_slopes.to(dtype)[:, :, None, None] * dist
-    vis = spec.visible(i, j).expand(B, H, Lq, Lk)
-    if mask is not None:
-        if mask.dtype == torch.bool:
-            vis = vis & mask
-        else:
-            s = s + mask
-    s = s.masked_fill(~vis, float("-inf"))
-    empty = ~vis.any(-1)
-    if sinks is not None:
-        s_all = torch.cat([s, sinks.to(dtype)[None, :, None, None].expand(B, H, Lq, 1)], dim=-1)
-        empty = torch.zeros_like(empty)
-    else:
-        s_all = s
-    lse = torch.logsumexp(s_all.masked_fill(empty[..., None], 0.0), dim=-1)
-    p = torch.exp(s - lse[..., None]).masked_fill(~vis, 0.0)
-    out = p @ vv
-    return out, lse.masked_fill(empty, float("inf")), empty
-
-
-def oracle_grads(spec: AttentionSpec, dout, dlse, compute_dbias: bool, dtype):
-    """(dq, dk, dv, dbias (B,H,Lq,Lk) or None, dsinks or None) by autograd in ``dtype``."""
-    B, H, Lq, Lk = spec.batch, spec.heads, spec.seqlen_q, spec.seqlen_k
-    q, k, v = (t.detach().to(dtype).requires_grad_() for t in (spec.q, spec.k, spec.v))
-    mask = spec.mask
-    leaves = [q, k, v]
-    if mask is not None:
-        if mask.dtype == torch.bool:
-            mask = mask.expand(B, H, Lq, Lk)
-        else:
-            mask = mask.detach().to(dtype).expand(B, H, Lq, Lk).contiguous().requires_grad_(compute_dbias)
-            if compute_dbias:
-                leaves.append(mask)
-    sinks = None
-    if spec.sinks is not None:
-        sinks = spec.sinks.detach().to(dtype).requires_grad_()
-        leaves.append(sinks)
-    out, lse, empty = composite(spec, q, k, v, mask, sinks, dtype)
-    outs, grads = [out], [dout.to(dtype)]
-    if dlse is not None:
-        outs.append(lse.masked_fill(empty, 0.0))
-        grads.append(dlse.to(dtype).masked_fill(empty, 0.0))
-    g = torch.autograd.grad(outs, leaves, grads, allow_unused=True)
-    g = [torch.zeros_like(x) if gx is None else gx for gx, x in zip(g, leaves)]
-    dq, dk, dv = g[:3]
-    rest = g[3:]
-    dbias = rest.pop(0) if (mask is not None and mask.dtype != torch.bool and compute_dbias) else None
-    dsinks = rest.pop(0) if sinks is not None else None
-    return dq, dk, dv, dbias, dsinks
-
-
 def saved_forward(spec: AttentionSpec):
-    """What the forward saved: out in the inputs' dtype and layout, lse float32
-    (from the float64 oracle, so the backward is tested on its own)."""
-    out64, lse64 = reference.forward(_cast(spec, torch.float64))
-    out = empty_in_layout(spec.q, spec.head_dim_v).copy_(out64)
-    return out, lse64.to(torch.float32)
+    """What the forward saved for the backward: ``out`` and ``aux`` (row max and
+    sum; the float32 output for fp16/bf16), from the forward kernel in the
+    emulator (fast mode) -- the backward rebuilds P from the very same scores."""
+    from torch_metal_flash import emulator
+    from torch_metal_flash.ops import _fwd_buffers
+    from torch_metal_flash.planner import plan_forward
 
-
-def _cast(spec: AttentionSpec, dtype):
-    from torch_metal_flash.testing import cast_spec
-    return cast_spec(spec, dtype)
+    out, lse, aux = _fwd_buffers(spec.q, spec.v, True)
+    plan = plan_forward(spec, out, lse, aux)
+    assert isinstance(plan, Plan), f"unsupported: {plan}"
+    with emulator.settings(checked=False):
+        fc.backend().run(plan)
+    return out, aux
 
 
 # ---------------------------------------------------------------------------
@@ -160,16 +99,16 @@ def grad_buffers(spec: AttentionSpec, compute_dbias: bool, poison: bool = True):
     return bufs
 
 
-def plan_for(spec, dout, out, lse, dlse=None, compute_dbias=False, family="apple8"):
+def plan_for(spec, dout, out, aux, dlse=None, compute_dbias=False, family="apple8"):
     from torch_metal_flash.planner.backward import plan_backward
     grads = grad_buffers(spec, compute_dbias)
-    plan = plan_backward(spec, dout, out, lse, dlse, *grads, family=family)
+    plan = plan_backward(spec, dout, out, aux, dlse, *grads, family=family)
     assert isinstance(plan, Plan), f"unsupported: {plan}"
     return plan, grads
 
 
-def run_backward(spec, dout, out, lse, dlse=None, compute_dbias=False, order="forward", checked=True):
-    plan, grads = plan_for(spec, dout, out, lse, dlse, compute_dbias)
+def run_backward(spec, dout, out, aux, dlse=None, compute_dbias=False, order="forward", checked=True):
+    plan, grads = plan_for(spec, dout, out, aux, dlse, compute_dbias)
     stats = run_plan(plan, order=order, checked=checked)
     return grads, stats
 
@@ -178,15 +117,15 @@ def run_backward(spec, dout, out, lse, dlse=None, compute_dbias=False, order="fo
 # Cases.
 # ---------------------------------------------------------------------------
 def build_case(c: dict, seed: Optional[int] = None):
-    """spec, dout, out, lse, dlse for a case dict (forward_cases' axes plus
+    """spec, dout, out, aux, dlse for a case dict (forward_cases' axes plus
     ``dlse`` and ``dbias`` flags)."""
     seed = zlib.crc32(case_id(c).encode()) if seed is None else seed
     spec = fc.build_spec(c, seed=seed)
-    out, lse = saved_forward(spec)
+    out, aux = saved_forward(spec)
     g = torch.Generator().manual_seed(seed + 1)
-    dout = empty_in_layout(out).copy_(torch.randn(out.shape, generator=g))
-    dlse = torch.randn(lse.shape, generator=g) if c.get("dlse") else None
-    return spec, dout, out, lse, dlse
+    dout = empty_in_layout(out).copy_(randn(out.shape, generator=g))
+    dlse = randn(aux.shape[:3], generator=g) if c.get("dlse") else None
+    return spec, dout, out, aux, dlse
 
 
 def case_id(c: dict) -> str:
@@ -194,57 +133,21 @@ def case_id(c: dict) -> str:
     return fc.case_id(c) + extra
 
 
-def fa2_lowp_grads(spec, dout, out, lse, dlse, compute_dbias: bool):
-    """The plain-PyTorch FlashAttention-2 formulation (``reference.backward``:
-    delta = rowsum(dO * O) from the saved out/lse) with the kernels' float32
-    accumulation, results rounded to the inputs' dtype."""
-    dq, dk, dv, dbias, dsinks = reference.backward(_cast(spec, spec.q.dtype), dout, out, lse, dlse, compute_dbias)
-    return dq, dk, dv, dbias if compute_dbias else None, dsinks if spec.sinks is not None else None
-
-
-def check_grads(spec, dout, out, lse, dlse, grads, compute_dbias: bool):
-    """The §5 rule on each gradient.  The error budget is twice the larger error
-    of two plain-PyTorch computations in the inputs' dtype: autograd of the
-    composite attention (the flash-attn suite's baseline) and the FA2
-    formulation the kernels implement.  The second matters in float32 only:
-    there ``dS = P (dP - delta)`` cancels when dP is close to delta, and delta
-    computed from the saved O (rather than from P and dP, as autograd does)
-    carries ~1 ulp of |delta| that autograd's baseline does not have."""
-    dq, dk, dv, dbias, dsinks = grads
-    dtype = spec.q.dtype
-    ref = oracle_grads(spec, dout, dlse, compute_dbias, torch.float64)
-    low = oracle_grads(spec, dout, dlse, compute_dbias, dtype)
-    fa2 = fa2_lowp_grads(spec, dout, out, lse, dlse, compute_dbias)
-    checks = [("dq", dq, 0), ("dk", dk, 1), ("dv", dv, 2)]
-    if compute_dbias:
-        checks.append(("dbias", dbias, 3))
-    for name, got, i in checks:
-        assert got.shape == ref[i].shape
-        if i < 3:
-            assert got.dtype == dtype
-        err, allowed = error_budget(name, got, ref[i], low[i], dtype=dtype)
-        _, allowed_fa2 = error_budget(name, got, ref[i], fa2[i], dtype=dtype)
-        assert err <= max(allowed, allowed_fa2), \
-            f"{name}: max error {err:.3e} > allowed {max(allowed, allowed_fa2):.3e} (2 x low-precision error + atol)"
-    if spec.sinks is not None:
-        # dsinks sums over B*Lq rows: allow for float32 accumulation of that many terms.
-        n = spec.batch * spec.seqlen_q
-        atol = ATOL[dtype] + 1e-6 * n * max(1.0, ref[4].abs().max().item())
-        err, allowed = error_budget("dsinks", dsinks, ref[4], low[4], atol=atol, dtype=dtype)
-        _, allowed_fa2 = error_budget("dsinks", dsinks, ref[4], fa2[4], atol=atol, dtype=dtype)
-        assert err <= max(allowed, allowed_fa2), f"dsinks: max error {err:.3e} > allowed {max(allowed, allowed_fa2):.3e}"
+def check_grads(spec, dout, dlse, grads, compute_dbias: bool):
+    """The rule of torch_metal_flash.testing on dq, dk, dv (and dbias, dsinks)."""
+    check_backward(spec, dout, dlse, grads, compute_dbias)
 
 
 def run_and_check(c: dict, orders=("forward", "reverse"), checked: bool = True):
-    spec, dout, out, lse, dlse = build_case(c)
+    spec, dout, out, aux, dlse = build_case(c)
     compute_dbias = bool(c.get("dbias")) and spec.mask is not None and spec.mask.is_floating_point()
     first = None
     for order in orders:
-        grads, _ = run_backward(spec, dout, out, lse, dlse, compute_dbias, order=order, checked=checked)
+        grads, _ = run_backward(spec, dout, out, aux, dlse, compute_dbias, order=order, checked=checked)
         for name, t in zip(("dq", "dk", "dv", "dbias", "dsinks"), grads):
             assert not t.isnan().any(), f"{name} has NaN (unwritten or computed)"
         if first is None:
-            check_grads(spec, dout, out, lse, dlse, grads, compute_dbias)
+            check_grads(spec, dout, dlse, grads, compute_dbias)
             first = [t.clone() for t in grads]
         else:  # bitwise deterministic, whatever the schedule
             for name, a, b in zip(("dq", "dk", "dv", "dbias", "dsinks"), first, grads):
@@ -337,11 +240,11 @@ def test_fully_masked_rows_zero_grads(dtype):
                            (dict(window_left=2, window_right=0, diag_offset=-30), slice(0, 19))):
         for mask in (None, bias.to(dt)):
             spec = make_spec(q, k, v, mask=mask, scale=0.25, **kw)
-            out, lse = saved_forward(spec)
-            assert bool((lse[:, :, empty_rows] == math.inf).all())
+            out, aux = saved_forward(spec)
+            assert bool((aux[:, :, empty_rows, 1] == 0).all())  # l = 0: lse = +inf
             dout = torch.randn(out.shape, generator=g).to(dt)
-            dlse = torch.randn(lse.shape, generator=g)
-            grads, _ = run_backward(spec, dout, out, lse, dlse, compute_dbias=mask is not None,
+            dlse = torch.randn(aux.shape[:3], generator=g)
+            grads, _ = run_backward(spec, dout, out, aux, dlse, compute_dbias=mask is not None,
                                     order="reverse")
             dq, dk, dv, dbias, _ = grads
             for t in (dq, dk, dv):
@@ -349,29 +252,29 @@ def test_fully_masked_rows_zero_grads(dtype):
             assert torch.equal(dq[:, :, empty_rows], torch.zeros_like(dq[:, :, empty_rows]))
             if mask is not None:
                 assert torch.equal(dbias[:, :, empty_rows], torch.zeros_like(dbias[:, :, empty_rows]))
-            check_grads(spec, dout, out, lse, dlse, grads, mask is not None)
+            check_grads(spec, dout, dlse, grads, mask is not None)
     # A bool mask emptying whole rows and one whole key.
     mask = torch.rand(2, 2, 19, 23, generator=g) > 0.4
     mask[0, 1, 5] = False
     mask[:, :, :, 7] = False
     spec = make_spec(q, k, v, mask=mask, scale=0.25)
-    out, lse = saved_forward(spec)
+    out, aux = saved_forward(spec)
     dout = torch.randn(out.shape, generator=g).to(dt)
-    grads, _ = run_backward(spec, dout, out, lse, order="random")
+    grads, _ = run_backward(spec, dout, out, aux, order="random")
     assert torch.equal(grads[0][0, 1, 5], torch.zeros_like(grads[0][0, 1, 5]))
     assert torch.equal(grads[1][:, :, 7], torch.zeros_like(grads[1][:, :, 7]))
     assert torch.equal(grads[2][:, :, 7], torch.zeros_like(grads[2][:, :, 7]))
-    check_grads(spec, dout, out, lse, None, grads, False)
+    check_grads(spec, dout, None, grads, False)
 
 
 def test_determinism_repeated_runs():
     """Two runs of the same plan, same and different schedule: torch.equal."""
     case = dict(dtype="f16", d=64, lq=70, lk=90, masking="none", hq=4, hkv=1, feature="sinks",
                 layout="bhld", batch=1)
-    spec, dout, out, lse, dlse = build_case(case)
-    a, _ = run_backward(spec, dout, out, lse, order="random")
-    b, _ = run_backward(spec, dout, out, lse, order="random")
-    c, _ = run_backward(spec, dout, out, lse, order="reverse", checked=True)
+    spec, dout, out, aux, dlse = build_case(case)
+    a, _ = run_backward(spec, dout, out, aux, order="random")
+    b, _ = run_backward(spec, dout, out, aux, order="random")
+    c, _ = run_backward(spec, dout, out, aux, order="reverse", checked=True)
     for x, y, z in zip(a, b, c):
         assert torch.equal(x, y) and torch.equal(x, z)
 
@@ -384,16 +287,16 @@ def test_layouts_bind_without_copies():
     q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
     mask = torch.rand(33, 1, generator=g) > 0.2
     spec = make_spec(q, k, v, mask=mask, scale=0.2, window_right=0)
-    out, lse = saved_forward(spec)
+    out, aux = saved_forward(spec)
     dout = empty_in_layout(out).copy_(torch.randn(out.shape, generator=g))
-    plan, grads = plan_for(spec, dout, out, lse)
+    plan, grads = plan_for(spec, dout, out, aux)
     dq_launch = plan.launches[1]
     for idx, t in ((0, q), (1, k), (2, v), (3, dout), (7, spec.mask), (9, grads[0])):
         assert dq_launch.buffers[idx] is t
     for t, ref in zip(grads[:3], (q, k, v)):
         assert t.transpose(1, 2).is_contiguous() and t.shape == ref.shape
-    grads, _ = run_backward(spec, dout, out, lse, order="reverse")
-    check_grads(spec, dout, out, lse, None, grads, False)
+    grads, _ = run_backward(spec, dout, out, aux, order="reverse")
+    check_grads(spec, dout, None, grads, False)
 
 
 def test_band_skips_blocks():
@@ -403,8 +306,8 @@ def test_band_skips_blocks():
     q, k, v = (torch.randn(1, 1, 256, 32, generator=g) for _ in range(3))
 
     def read_bytes(spec):
-        out, lse = saved_forward(spec)
-        _, stats = run_backward(spec, torch.randn(out.shape, generator=g), out, lse)
+        out, aux = saved_forward(spec)
+        _, stats = run_backward(spec, torch.randn(out.shape, generator=g), out, aux)
         return sum(s.device_bytes_read for s in stats[1:])
 
     full = read_bytes(make_spec(q, k, v, scale=0.2))
@@ -455,13 +358,17 @@ def test_unsupported_reasons():
     from torch_metal_flash.planner.backward import plan_backward
     q = torch.randn(1, 2, 5, 8, dtype=torch.float64)
     spec = make_spec(q, q, q, scale=0.3)
-    out, lse = torch.empty_like(q), torch.empty(1, 2, 5, dtype=torch.float64)
-    r = plan_backward(spec, q, out, lse, None, q, q, q, None, None)
+    out, aux = torch.empty_like(q), torch.empty(1, 2, 5, 2, dtype=torch.float64)
+    r = plan_backward(spec, q, out, aux, None, q, q, q, None, None)
     assert isinstance(r, Unsupported) and "float64" in str(r)
     q = torch.randn(1, 2, 5, 300)
     spec = make_spec(q, q, q, scale=0.3)
-    r = plan_backward(spec, q, q, torch.empty(1, 2, 5), None, q, q, q, None, None)
+    r = plan_backward(spec, q, q, torch.empty(1, 2, 5, 2), None, q, q, q, None, None)
     assert isinstance(r, Unsupported) and "head dim" in str(r)
+    q = torch.randn(1, 2, 5, 8, dtype=torch.float16)
+    spec = make_spec(q, q, q, scale=0.3)
+    r = plan_backward(spec, q, q, torch.empty(1, 2, 5, 2), None, q, q, q, None, None)
+    assert isinstance(r, Unsupported) and "aux must be contiguous float32 (1, 2, 5, 10)" in str(r)
 
 
 def test_op_backward_uses_kernels_and_opcheck():
@@ -476,18 +383,18 @@ def test_op_backward_uses_kernels_and_opcheck():
     sinks = torch.randn(4, generator=g, requires_grad=True)
     bias = torch.randn(1, 1, 13, 21, generator=g, requires_grad=True)
     with backends.backend("emulator", strict=True):
-        out, lse = torch.ops.metal_flash.fwd(q, k, v, bias, None, sinks, 0.25, 8, -1, 0, 0.0)
+        out, lse, _ = torch.ops.metal_flash.fwd(q, k, v, bias, None, sinks, 0.25, 8, -1, 0, 0.0, True)
         (out.square().sum() + lse.sum()).backward()
     grads = [t.grad.clone() for t in (q, k, v, sinks, bias)]
     for t in (q, k, v, sinks, bias):
         t.grad = None
-    out, lse = torch.ops.metal_flash.fwd(q, k, v, bias, None, sinks, 0.25, 8, -1, 0, 0.0)  # reference
+    out, lse, aux = torch.ops.metal_flash.fwd(q, k, v, bias, None, sinks, 0.25, 8, -1, 0, 0.0, True)  # reference
     (out.square().sum() + lse.sum()).backward()
     for a, t in zip(grads, (q, k, v, sinks, bias)):
         torch.testing.assert_close(a, t.grad, rtol=1e-4, atol=1e-5)
     with backends.backend("emulator", strict=True):
         dout = torch.randn(out.shape, generator=g)
-        args = (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), None, bias.detach(),
+        args = (dout, q.detach(), k.detach(), v.detach(), out.detach(), aux, None, bias.detach(),
                 None, sinks.detach(), 0.25, 8, -1, 0, 0.0, True)
         torch.library.opcheck(torch.ops.metal_flash.bwd.default, args,
                               test_utils=("test_schema", "test_faketensor"))
@@ -496,8 +403,9 @@ def test_op_backward_uses_kernels_and_opcheck():
         qs, ks, vs = (torch.randn(*s, generator=g, requires_grad=True)
                       for s in ((1, 2, 5, 8), (1, 1, 7, 8), (1, 1, 7, 8)))
         sk = torch.randn(2, generator=g, requires_grad=True)
-        torch.library.opcheck(torch.ops.metal_flash.fwd.default,
-                              (qs, ks, vs, None, None, sk, 0.3, 2, 3, 0, 4.0))
+        for return_aux in (True, False):  # False: the backward recomputes aux
+            torch.library.opcheck(torch.ops.metal_flash.fwd.default,
+                                  (qs, ks, vs, None, None, sk, 0.3, 2, 3, 0, 4.0, return_aux))
 
 
 def test_expanded_dout_and_dlse():
@@ -508,19 +416,19 @@ def test_expanded_dout_and_dlse():
     g = torch.Generator().manual_seed(13)
     q, k, v = (torch.randn(1, 2, n, 16, generator=g) for n in (11, 14, 14))
     spec = make_spec(q, k, v, scale=0.3, window_right=0, diag_offset=3)
-    out, lse = saved_forward(spec)
+    out, aux = saved_forward(spec)
     dout = torch.full((1,), 0.5).expand(out.shape)
-    dlse = torch.full((1,), -0.25).expand(lse.shape)
+    dlse = torch.full((1,), -0.25).expand(aux.shape[:3])
     for d_out, d_lse, name in ((dout, dlse.contiguous(), "dout"), (dout.contiguous(), dlse, "dlse")):
-        declined = plan_backward(spec, d_out, out, lse, d_lse, *grad_buffers(spec, False))
+        declined = plan_backward(spec, d_out, out, aux, d_lse, *grad_buffers(spec, False))
         assert isinstance(declined, Unsupported) and name in declined.reason
-    grads, _ = run_backward(spec, dout.contiguous(), out, lse, dlse.contiguous(), order="reverse")
-    check_grads(spec, dout.contiguous(), out, lse, dlse.contiguous(), grads, False)
+    grads, _ = run_backward(spec, dout.contiguous(), out, aux, dlse.contiguous(), order="reverse")
+    check_grads(spec, dout.contiguous(), dlse.contiguous(), grads, False)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     with tmf.backend("emulator", strict=True):  # strict: every call runs on the kernels
-        o, l = torch.ops.metal_flash.fwd(*leaves, None, None, None, 0.3, 3, -1, 0, 0.0)
+        o, l, a = torch.ops.metal_flash.fwd(*leaves, None, None, None, 0.3, 3, -1, 0, 0.0, True)
         (0.5 * o.sum() - 0.25 * l.sum()).backward()
-        direct = torch.ops.metal_flash.bwd(dout.contiguous(), *leaves, o, l, dlse.contiguous(), None, None, None,
+        direct = torch.ops.metal_flash.bwd(dout.contiguous(), *leaves, o, a, dlse.contiguous(), None, None, None,
                                            0.3, 3, -1, 0, 0.0, False)
     for leaf, want in zip(leaves, direct[:3]):
         assert torch.equal(leaf.grad, want)
@@ -533,12 +441,12 @@ def test_gpu_families():
     g = torch.Generator().manual_seed(17)
     q, k, v = (torch.randn(1, 2, 9, 16, generator=g) for _ in range(3))
     spec = make_spec(q, k, v, scale=0.25)
-    out, lse = saved_forward(spec)
+    out, aux = saved_forward(spec)
     for family in ("apple7", "apple8", "apple9", "apple10", "apple11"):
-        plan = plan_backward(spec, out, out, lse, None, *grad_buffers(spec, False), family=family)
+        plan = plan_backward(spec, out, out, aux, None, *grad_buffers(spec, False), family=family)
         assert isinstance(plan, Plan), (family, plan)
     for family in ("apple6", "mac2", "nonsense"):
-        plan = plan_backward(spec, out, out, lse, None, *grad_buffers(spec, False), family=family)
+        plan = plan_backward(spec, out, out, aux, None, *grad_buffers(spec, False), family=family)
         assert isinstance(plan, Unsupported) and "GPU family" in str(plan), (family, plan)
 
 
@@ -553,12 +461,12 @@ def test_everything_at_once(dtype):
     spec = make_spec(q, k, v, mask=bias, alibi_slopes=torch.rand(4, generator=g) * 0.2,
                      sinks=torch.randn(4, generator=g), scale=0.3, softcap=3.0, diag_offset=14,
                      window_left=9, window_right=2)
-    out, lse = saved_forward(spec)
+    out, aux = saved_forward(spec)
     dout = torch.randn(out.shape, generator=g).to(dt)
-    dlse = torch.randn(lse.shape, generator=g)
-    a, _ = run_backward(spec, dout, out, lse, dlse, compute_dbias=True, order="random")
-    check_grads(spec, dout, out, lse, dlse, a, True)
-    b, _ = run_backward(spec, dout, out, lse, dlse, compute_dbias=True, order="reverse")
+    dlse = torch.randn(aux.shape[:3], generator=g)
+    a, _ = run_backward(spec, dout, out, aux, dlse, compute_dbias=True, order="random")
+    check_grads(spec, dout, dlse, a, True)
+    b, _ = run_backward(spec, dout, out, aux, dlse, compute_dbias=True, order="reverse")
     for x, y in zip(a, b):
         assert torch.equal(x, y)
 
@@ -574,16 +482,16 @@ def test_rows_of_finfo_min_scores_pass_no_gradient():
     mask[..., 8:] = torch.finfo(torch.float32).min  # key padding
     mask[0, :, 3] = torch.finfo(torch.float32).min  # a padding query row
     spec = make_spec(q, k, v, mask=mask, scale=0.25)
-    out, lse = saved_forward(spec)
+    out, aux = saved_forward(spec)
     dout = torch.randn(out.shape, generator=g)
-    grads, _ = run_backward(spec, dout, out, lse, order="random")
+    grads, _ = run_backward(spec, dout, out, aux, order="random")
     for t in grads[:3]:
         assert torch.isfinite(t).all()
     assert torch.equal(grads[0][0, :, 3], torch.zeros_like(grads[0][0, :, 3]))
-    ref = reference.backward(spec, dout, out, lse)
+    ref = reference.backward(spec, dout, out, aux)
     for name, got, want in zip(("dq", "dk", "dv"), grads, ref):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=name)
     # The loss ignores padding rows (dO = 0 there): then every gradient is the exact one.
     dout[0, :, 3] = 0
-    grads, _ = run_backward(spec, dout, out, lse, order="reverse")
-    check_grads(spec, dout, out, lse, None, grads, False)
+    grads, _ = run_backward(spec, dout, out, aux, order="reverse")
+    check_grads(spec, dout, None, grads, False)

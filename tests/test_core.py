@@ -30,10 +30,10 @@ def _qkv(B=1, H=2, L=9, D=16, dtype=torch.float32, seed=0):
 
 
 def _args(q, k, v, scale=0.3, window_right=0, softcap=0.0, mask=None):
-    return (q, k, v, mask, None, None, scale, 0, -1, window_right, softcap)
+    return (q, k, v, mask, None, None, scale, 0, -1, window_right, softcap, False)
 
 
-def _check(out, lse, args):
+def _check(out, lse, aux, args):
     ref_out, ref_lse = reference.forward(make_spec(*args[:6], scale=args[6], diag_offset=args[7],
                                                    window_left=args[8], window_right=args[9], softcap=args[10]))
     torch.testing.assert_close(out, ref_out.to(out.dtype), atol=2e-3, rtol=2e-3)
@@ -44,8 +44,7 @@ def test_hit_replays_the_template():
     q, k, v = _qkv()
     with tmf.backend("emulator", strict=True):
         for i in range(3):
-            out, lse = fwd(*_args(q, k, v))
-            _check(out, lse, _args(q, k, v))
+            _check(*fwd(*_args(q, k, v)), _args(q, k, v))
     info = core.plan_cache_info()
     assert (info["misses"], info["hits"], info["size"]) == (1, 2, 1)
     assert tmf.run_counts(reset=True).get("emulator") == 3
@@ -68,6 +67,7 @@ def test_key_covers_what_the_plan_depends_on():
         _args(q[:, :, :7], k, v),  # sizes
         _args(q, offset_k, v),  # alignment class of the storage offset
         _args(q, q, q),  # aliasing
+        (*_args(q, k, v)[:11], True),  # return_aux: the backward's row state written too
     ]
     with tmf.backend("emulator", strict=True):
         for n, args in enumerate(variants, 1):
@@ -98,7 +98,7 @@ def test_verify_mode_catches_an_incomplete_key(monkeypatch):
     calls = []
     plan_forward = ops.planner.plan_forward
 
-    def drifting(spec, out, lse, family, pipeline_info):
+    def drifting(spec, out, lse, aux, family, pipeline_info):
         calls.append(1)
         return plan_forward(spec, out, lse, family=family) if len(calls) == 1 else plan_forward(
             make_spec(spec.q, spec.k, spec.v, scale=spec.scale * 2), out, lse, family=family)
@@ -116,7 +116,7 @@ def test_verify_mode_catches_an_incomplete_key(monkeypatch):
 
 
 def test_planners_must_not_derive_tensors(monkeypatch):
-    def deriving(spec, out, lse, family, pipeline_info):
+    def deriving(spec, out, lse, aux, family, pipeline_info):
         return Plan((Launch("flash_fwd.metal", "k", (1, 1, 1), (32, 1, 1), {0: spec.q.clone(), 3: out}),))
     monkeypatch.setattr(ops, "planner", type("P", (), {"plan_forward": staticmethod(deriving)}))
     q, k, v = _qkv()
@@ -125,11 +125,11 @@ def test_planners_must_not_derive_tensors(monkeypatch):
 
 
 def test_scratch_and_filled_scratch_on_hits():
-    """The backward's delta/lse2 scratch and the decode route's filled seqlens vector are fresh per call."""
+    """The backward's delta/stats scratch and the decode route's filled seqlens vector are fresh per call."""
     g = torch.Generator().manual_seed(3)
     q = torch.randn(1, 4, 1, 32, generator=g)
     k, v = (torch.randn(1, 2, 300, 32, generator=g) for _ in range(2))  # decode-shaped: split-K kernels
-    args = (q, k, v, None, None, None, 0.2, 299, -1, 0, 0.0)
+    args = (q, k, v, None, None, None, 0.2, 299, -1, 0, 0.0, False)
     with tmf.backend("emulator", strict=True):
         for _ in range(2):
             _check(*fwd(*args), args)
@@ -137,10 +137,10 @@ def test_scratch_and_filled_scratch_on_hits():
         q2, k2, v2 = (t.requires_grad_() for t in _qkv(L=10))
         sinks = torch.randn(2, generator=g, requires_grad=True)
         for _ in range(2):
-            out, lse = fwd(q2, k2, v2, None, None, sinks, 0.3, 0, -1, 0, 0.0)
+            out, lse, _ = fwd(q2, k2, v2, None, None, sinks, 0.3, 0, -1, 0, 0.0, True)
             grads = torch.autograd.grad(out.sum(), (q2, k2, v2, sinks))
     with tmf.backend("reference"):
-        out, _ = fwd(q2, k2, v2, None, None, sinks, 0.3, 0, -1, 0, 0.0)
+        out, _, _ = fwd(q2, k2, v2, None, None, sinks, 0.3, 0, -1, 0, 0.0, True)
         want = torch.autograd.grad(out.sum(), (q2, k2, v2, sinks))
     for a, b in zip(grads, want):
         torch.testing.assert_close(a, b, atol=2e-4, rtol=2e-4)
@@ -175,7 +175,7 @@ def test_stub_encoder_runs_nothing():
     core.use_stub_encoder(True)
     try:
         with tmf.backend("emulator"):
-            out, lse = fwd(*_args(q, k, v))
+            out, lse, _ = fwd(*_args(q, k, v))
     finally:
         core.use_stub_encoder(False)
     assert out.shape == q.shape and tmf.run_counts(reset=True) == {"stub": 1}
@@ -193,9 +193,9 @@ def test_emulator_errors_keep_their_type(monkeypatch):
 def test_probe_is_answered_from_the_cache():
     q, k, v = _qkv()
     with tmf.backend("emulator"):
-        assert ops.unsupported_reason(*_args(q, k, v)) is None
-        assert ops.unsupported_reason(*_args(q, k, v)) is None
-        assert "head dim" in ops.unsupported_reason(*_args(*_qkv(D=300)))
+        assert ops.unsupported_reason(*_args(q, k, v)[:11]) is None
+        assert ops.unsupported_reason(*_args(q, k, v)[:11]) is None
+        assert "head dim" in ops.unsupported_reason(*_args(*_qkv(D=300))[:11])
     info = core.plan_cache_info()
     assert (info["misses"], info["hits"]) == (2, 1)
 
@@ -204,10 +204,10 @@ def test_python_body_hands_calls_over():
     """The op's Python body (devices the core does not serve yet) runs the core's body or the reference."""
     q, k, v = _qkv()
     with tmf.backend("emulator"):
-        out, lse = core.call_slow(ops.FWD, _args(q, k, v))
-    _check(out, lse, _args(q, k, v))
+        out, lse, aux = core.call_slow(ops.FWD, _args(q, k, v))
+    _check(out, lse, aux, _args(q, k, v))
     with tmf.backend("reference"):
-        out2, _ = core.call_slow(ops.FWD, _args(q, k, v))
+        out2, _, _ = core.call_slow(ops.FWD, _args(q, k, v))
     assert tmf.run_counts(reset=True) == {"emulator": 1, "reference": 1}
     torch.testing.assert_close(out, out2, atol=2e-3, rtol=2e-3)
 

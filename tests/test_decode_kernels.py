@@ -283,18 +283,14 @@ needs_mps = pytest.mark.skipif(not torch.backends.mps.is_available(),
 @pytest.mark.parametrize("i,case", list(enumerate(CASES)))
 def test_mps_kernels_match_oracle(i, case):
     """Strict metal backend (a fallback fails the test), mps tensors, oracle on the CPU."""
-    from kvcache_oracle import kvcache_attention
-    from torch_metal_flash.testing import assert_matches_oracle
+    from test_kvcache import check_against_oracle
 
     kw = make_case(seed=500 + i, **case["kw"])
     dev = torch.device("mps")
     mine = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
     with backends.backend("metal", strict=True):
         out, lse = flash_attn_with_kvcache(**mine, return_softmax_lse=True, num_splits=case.get("splits", 0))
-    ref = kvcache_attention(**kw, dtype=torch.float64)
-    low = kvcache_attention(**kw, dtype=kw["q"].dtype)
-    assert_matches_oracle("out", out.cpu(), ref[0], low[0], dtype=kw["q"].dtype)
-    assert_matches_oracle("lse", lse.cpu(), ref[1], low[1], dtype=kw["q"].dtype)
+    ref = check_against_oracle(kw, out, lse)
     torch.testing.assert_close(mine["v_cache"].cpu(), ref[3].to(kw["q"].dtype), rtol=0, atol=0)
 
 

@@ -11,7 +11,7 @@ from torch_metal_flash.backends.emulator import EmulatorBackend
 from torch_metal_flash.layout import empty_in_layout
 from torch_metal_flash.plan import Unsupported
 from torch_metal_flash.planner import backward, forward, kvcache, variants
-from torch_metal_flash.spec import make_spec
+from torch_metal_flash.spec import aux_width, make_spec
 
 
 def test_doctor_passes_and_reports(tmp_path, capsys):
@@ -132,9 +132,10 @@ def test_every_planned_launch_is_a_listed_variant_within_its_planned_threads():
     for spec, i in _specs():
         out = empty_in_layout(spec.q, spec.head_dim_v)
         lse = torch.empty(spec.q.shape[:3])
-        plans = [forward.plan_forward(spec, out, lse)]
+        aux = torch.empty(*lse.shape, aux_width(spec.q.dtype, spec.head_dim_v))
+        plans = [forward.plan_forward(spec, out, lse, aux if i % 3 else None)]
         dbias = torch.empty(1, 4, 9, 11) if spec.mask is not None and spec.mask.is_floating_point() else None
-        plans.append(backward.plan_backward(spec, out, out, lse, torch.randn(lse.shape) if i % 2 else None,
+        plans.append(backward.plan_backward(spec, out, out, aux, torch.randn(lse.shape) if i % 2 else None,
                                             *(empty_in_layout(t) for t in (spec.q, spec.k, spec.v)), dbias,
                                             torch.empty(4) if spec.sinks is not None else None))
         plans.append(_kvcache_plan(spec, i))

@@ -16,13 +16,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import kvcache_oracle  # noqa: E402
-from test_kvcache import check_call, make_case  # noqa: E402
+from test_kvcache import check_against_oracle, check_call, make_case  # noqa: E402
 from torch_metal_flash import backends, core, emulator  # noqa: E402
 from torch_metal_flash.backends.emulator import EmulatorBackend  # noqa: E402
 from torch_metal_flash.kvcache import apply_rotary, flash_attn_with_kvcache  # noqa: E402
 from torch_metal_flash.planner import kvcache as kv_planner  # noqa: E402
-from torch_metal_flash.testing import assert_matches_oracle  # noqa: E402
 
 
 def run_emulator(kw, order="forward", **extra):
@@ -115,10 +113,7 @@ def test_decode_step_never_reads_device_values_on_the_host(i, combo):
     assert backends.run_counts() == {"emulator": 1}
     # ... and computed the right thing (the oracle, float64; the caches too).
     dtype = kw["q"].dtype
-    ref = kvcache_oracle.kvcache_attention(**kw, dtype=torch.float64)
-    low = kvcache_oracle.kvcache_attention(**kw, dtype=dtype)
-    assert_matches_oracle("out", out, ref[0], low[0], dtype=dtype)
-    assert_matches_oracle("lse", lse, ref[1], low[1], dtype=dtype)
+    ref = check_against_oracle(kw, out, lse)
     exact = {} if append == "rotary" else dict(rtol=0, atol=0)  # rotary may round differently by 1 ulp
     torch.testing.assert_close(mine["k_cache"], ref[2].to(dtype), **exact)
     torch.testing.assert_close(mine["v_cache"], ref[3].to(dtype), rtol=0, atol=0)

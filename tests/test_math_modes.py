@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -17,8 +18,10 @@ import forward_cases as fc  # noqa: E402
 import test_backward_kernels as bwd  # noqa: E402
 import test_decode_kernels as dec  # noqa: E402
 import test_forward_kernels as fwd  # noqa: E402
+import test_quantized_kernels as quant  # noqa: E402
 from torch_metal_flash import emulator  # noqa: E402
 from test_kvcache import make_case  # noqa: E402
+from torch_metal_flash.spec import make_spec  # noqa: E402
 
 MODES = ("fast", "relaxed", "safe")
 FORWARD = [
@@ -60,3 +63,23 @@ def test_decode(mode):
         for i, case in enumerate(DECODE):
             dec.run_orders(make_case(seed=700 + i, **case["kw"]), ("forward",), num_splits=case.get("splits", 0))
         dec.test_empty_and_full_rows()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_decode_masks_sinks_quantized(mode):
+    """The decode kernels' other paths: the append kernel quantizing rows, quantized and
+    mixed-precision K/V, float masks with finfo.min and -inf rows, sinks."""
+    with emulator.settings(math_mode=mode):
+        quant.test_kvcache_face(0, quant.KV_CASES[0])  # affine 4-bit, append, splits
+        quant.test_kvcache_face(2, quant.KV_CASES[2])  # int8 under float32 q, window, leftpad
+        quant.test_op_with_sinks_and_window(quant.A4G32, "f32")
+        g = torch.Generator().manual_seed(90)
+        q = torch.randn(1, 4, 2, 64, generator=g).half()
+        k, v = (torch.randn(1, 2, 300, 64, generator=g).half() for _ in range(2))
+        mask = torch.zeros(1, 4, 2, 300)
+        mask[..., 250:] = torch.finfo(torch.float32).min  # key padding
+        mask[:, 1, 0] = torch.finfo(torch.float32).min  # a row of finfo.min: averages every key
+        mask[:, 2, 1] = float("-inf")  # a row that sees nothing
+        call = lambda: tuple(torch.ops.metal_flash.fwd(q, k, v, mask, None, None, 0.125, 0, -1, -1, 0.0,  # noqa: E731
+                                                       False)[:2])
+        quant._check_face(call, make_spec(q, k, v, mask, scale=0.125), ("forward", "reverse"))

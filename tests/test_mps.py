@@ -8,9 +8,11 @@ path fails the test instead of passing it.
 
 Acceptance rule (DESIGN.md section 5): ``max|out - ref64| <= 2 * max|lowp - ref64|
 + atol``, where ``ref64`` is plain PyTorch math in float64 on the CPU and
-``lowp`` the same plain math in the inputs' dtype on the CPU.  The oracle here
-is a deliberately naive implementation (``naive_attention``), independent of
-the package.
+``lowp`` the same plain math in the inputs' dtype, computed by
+``torch_metal_flash.testing.plain_attention`` (the same numbers on every
+machine; torch's own low-precision CPU math would depend on the Mac's BLAS).
+The oracle here is a deliberately naive implementation (``naive_attention``),
+independent of the package.
 
 Full matrix: ``pytest tests/test_mps.py`` (a few minutes on an M-series Mac);
 ``-k "not matrix"`` for the quick part.
@@ -29,6 +31,8 @@ import pytest
 import torch
 
 import torch_metal_flash as tmf
+from torch_metal_flash.spec import make_spec
+from torch_metal_flash.testing import Arith, plain_attention
 
 pytestmark = pytest.mark.skipif(
     not torch.backends.mps.is_available(),
@@ -145,12 +149,21 @@ def make_qkv(B, Hq, Hkv, Lq, Lk, D, dtype, seed=0, layout="bhld"):
             randn(B, Hkv, Lk, D, dtype=dtype, seed=seed + 2))
 
 
+def plain_spec(q, k, v, *, scale, mask=None, diag_offset=0, window_left=-1, window_right=-1, softcap=0.0,
+               alibi=None, sinks=None):
+    """The problem of ``naive_attention``'s arguments as an AttentionSpec."""
+    alibi = None if alibi is None else alibi.expand(q.shape[0], q.shape[1])
+    return make_spec(q, k, v, mask, alibi, sinks, scale=scale, diag_offset=diag_offset, window_left=window_left,
+                     window_right=window_right, softcap=softcap)
+
+
 def oracle(q, k, v, **kw):
-    """(ref64, lowp) results of naive_attention for CPU inputs in (B, H, L, D)."""
+    """(ref64, lowp) (out, lse) for CPU inputs in (B, H, L, D): naive_attention in
+    float64, and the plain math of the same problem in the inputs' dtype."""
     f64 = {n: (t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t) for n, t in kw.items()}
     ref = naive_attention(q.double(), k.double(), v.double(), **f64)
-    low = naive_attention(q, k, v, **kw)
-    return ref, low
+    low = plain_attention(plain_spec(q, k, v, **kw), q.dtype)
+    return ref, (low.out.to(q.dtype), low.lse.to(q.dtype))
 
 
 def batch_heads(lq, lk):
@@ -187,8 +200,8 @@ def test_forward_matrix(dt, d, lq, lk, causal):
     else:
         q, k, v = make_qkv(B, H, H, lq, lk, d, dtype, seed)
         with strict_metal():
-            out, lse = torch.ops.metal_flash.fwd(q.to(MPS), k.to(MPS), v.to(MPS), None, None, None, scale, 0, -1, -1,
-                                                 0.0)
+            out, lse, _ = torch.ops.metal_flash.fwd(q.to(MPS), k.to(MPS), v.to(MPS), None, None, None, scale, 0, -1,
+                                                    -1, 0.0, False)
         (ref, ref_lse), (low, low_lse) = oracle(q, k, v, scale=scale)
         assert_rule("out", out, ref, low)
         assert_rule("lse", lse, ref_lse, low_lse)
@@ -248,10 +261,10 @@ def _run_feature(feature, dtype, d, lq, lk, seed):
                         window_right=0, softcap=2.5)
         dev = {n: (t.to(MPS) if isinstance(t, torch.Tensor) else t) for n, t in args.items()}
         with strict_metal():
-            out, lse = torch.ops.metal_flash.fwd(
+            out, lse, _ = torch.ops.metal_flash.fwd(
                 q.to(MPS), k.to(MPS), v.to(MPS), None if dev["mask"] is None else dev["mask"].expand(B, H, lq, lk),
                 dev["alibi"], sinks.to(MPS), scale, dev["diag_offset"], dev["window_left"], dev["window_right"],
-                dev["softcap"])
+                dev["softcap"], False)
         (ref, ref_lse), (low, low_lse) = oracle(q, k, v, scale=scale, sinks=sinks, **args)
         return [("out", out, ref, low), ("lse", lse, ref_lse, low_lse)]
     # masks through the SDPA face (broadcast shapes, never expanded in memory)
@@ -300,7 +313,8 @@ def test_large_logits_do_not_overflow():
         q, k = (q * amp).to(dtype), (k * amp).to(dtype)
         v = v.to(dtype)
         with strict_metal():
-            out, lse = torch.ops.metal_flash.fwd(q.to(MPS), k.to(MPS), v.to(MPS), None, None, None, 1.0, 0, -1, -1, 0.0)
+            out, lse, _ = torch.ops.metal_flash.fwd(q.to(MPS), k.to(MPS), v.to(MPS), None, None, None, 1.0, 0, -1, -1,
+                                                    0.0, False)
         assert torch.isfinite(out.cpu()).all() and torch.isfinite(lse.cpu()).all()
         (ref, ref_lse), (low, low_lse) = oracle(q, k, v, scale=1.0)
         if torch.isfinite(low).all() and torch.isfinite(low_lse).all():
@@ -359,36 +373,51 @@ def _backward_case(case, dtype, d, lq, lk, seed):
                         kw["alibi_slopes"] = extra["alibi_slopes"].to(dev)
                     out = tmf.flash_attn_func(qq, kk, vv, **kw)
                 elif case == "sinks_grad":
-                    out, _ = torch.ops.metal_flash.fwd(qq, kk, vv, None, None, leaves["sinks"], scale, 0, -1, -1, 0.0)
+                    out, _, _ = torch.ops.metal_flash.fwd(qq, kk, vv, None, None, leaves["sinks"], scale, 0, -1, -1,
+                                                          0.0, True)
                 else:
                     out = tmf.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, is_causal=case == "sdpa_causal",
                                                            enable_gqa=case == "gqa")
         else:
-            t = (lambda x: x.transpose(1, 2)) if layout == "blhd" else (lambda x: x)
-            kw = dict(okw)
-            if layout == "blhd":  # the flash-attn face aligns everything bottom-right (ALiBi distances too)
-                kw["diag_offset"] = lk - lq
-            if case == "flash_causal":
-                kw.update(window_right=0)
-            if case == "sdpa_causal":
-                kw.update(window_right=0)
-            if case == "window":
-                kw.update(window_left=20, window_right=3)
-            if case == "softcap":
-                kw["softcap"] = 3.0
-            if mask is not None:
-                kw["mask"] = mask.expand(B, H, lq, lk)
-            if "sinks" in leaves:
-                kw["sinks"] = leaves["sinks"]
-            out, _ = naive_attention(t(qq), t(kk), t(vv), scale=scale, **kw)
+            out, _ = naive_attention(t(qq), t(kk), t(vv), scale=scale, **naive_kw(mask, leaves.get("sinks")))
             out = t(out)
         (out * dout.to(dev, dt)).sum().backward()
         return {n: leaf.grad for n, leaf in leaves.items()}
 
+    t = (lambda x: x.transpose(1, 2)) if layout == "blhd" else (lambda x: x)
+
+    def naive_kw(mask, sinks):
+        kw = dict(okw)
+        if layout == "blhd":  # the flash-attn face aligns everything bottom-right (ALiBi distances too)
+            kw["diag_offset"] = lk - lq
+        if case in ("flash_causal", "sdpa_causal"):
+            kw.update(window_right=0)
+        if case == "window":
+            kw.update(window_left=20, window_right=3)
+        if case == "softcap":
+            kw["softcap"] = 3.0
+        if mask is not None:
+            kw["mask"] = mask.expand(B, H, lq, lk)
+        if sinks is not None:
+            kw["sinks"] = sinks
+        return kw
+
+    def plain_grads():
+        """The plain math's gradients in ``dtype`` (torch_metal_flash.testing), like run()'s."""
+        mask = extra.get("mask")
+        spec = plain_spec(t(q), t(k), t(v), scale=scale, **naive_kw(mask, extra.get("sinks")))
+        dbias = mask is not None and mask.is_floating_point()
+        res = plain_attention(spec, dtype, t(dout), compute_dbias=dbias)
+        grads = {"q": t(res.dq), "k": t(res.dk), "v": t(res.dv)}
+        if dbias:
+            grads["mask"] = Arith(dtype).r(res.dbias.sum_to_size(mask.shape))
+        if "sinks" in extra:
+            grads["sinks"] = res.dsinks
+        return {n: g.to(dtype) for n, g in grads.items()}
+
     got = run(MPS, dtype, True)
     ref = run("cpu", torch.float64, False)
-    low = run("cpu", dtype, False)
-    return got, ref, low
+    return got, ref, plain_grads()
 
 
 @needs_backward
@@ -625,3 +654,25 @@ def test_gpu_family_and_backend_selection():
     with strict_metal():
         backend = resolve(MPS)
     assert backend is not None and backend.name == "metal"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("features", ["plain", "softcap_alibi_mask"])
+def test_backward_rebuilds_p_exactly(dtype, features):
+    """One visible key per row, large scores: P = 1 exactly, so dv = dO and
+    out = v bit for bit -- the backward kernels recompute the forward's scores
+    bit for bit on Apple's compiler and GPU too (same operations, same order;
+    the emulator checks this on the CPU)."""
+    B, H, L, D = 1, 2, 40, 64
+    q, k, v = make_qkv(B, H, H, L, L, D, torch.float64, seed=21)
+    q, k, v = (q * 4).to(dtype), (k * 4).to(dtype), v.to(dtype)
+    dout = randn(B, H, L, D, dtype=dtype, seed=22)
+    mask = randn(1, H, L, L, dtype=dtype, seed=23) if features != "plain" else None
+    alibi = torch.rand(H, generator=torch.Generator().manual_seed(24)) * 0.2 if features != "plain" else None
+    leaves = [t.to(MPS).requires_grad_() for t in (q, k, v)]
+    with strict_metal():  # window (0, 0): each query row sees its diagonal key only
+        out, _, _ = torch.ops.metal_flash.fwd(*leaves, None if mask is None else mask.to(MPS),
+                                              None if alibi is None else alibi.to(MPS), None, 1.0, 0, 0, 0,
+                                              3.0 if features != "plain" else 0.0, True)
+        dv = torch.autograd.grad(out, leaves[2], dout.to(MPS))[0]
+    assert torch.equal(out.cpu(), v) and torch.equal(dv.cpu(), dout)

@@ -52,7 +52,7 @@ def _args(q, k, v, feature, requires_grad=False):
     if f.get("sinks"):
         sinks = torch.randn(H, generator=g).to(q.dtype).requires_grad_(requires_grad)
     return (q, k, v, mask, alibi, sinks, 0.35, f.get("diag_offset", 0), f.get("window_left", -1),
-            f.get("window_right", -1), f.get("softcap", 0.0))
+            f.get("window_right", -1), f.get("softcap", 0.0), requires_grad)
 
 
 @pytest.mark.parametrize("feature", list(FEATURES))
@@ -68,11 +68,12 @@ def test_opcheck_fwd(feature, requires_grad, dtype, layout):
 @pytest.mark.parametrize("shape", [dict(Lq=1, Lk=1), dict(Lq=9, Lk=4, H=2, Hkv=1)])
 def test_opcheck_bwd(feature, shape):
     q, k, v = _inputs(dtype=torch.float32, **shape)
-    args = _args(q, k, v, feature)
-    out, lse = fwd(*args)
+    args = _args(q, k, v, feature, requires_grad=True)
+    out, lse, aux = fwd(*args)
     dout = torch.randn_like(out)
     compute_dbias = args[3] is not None and args[3].is_floating_point()
-    torch.library.opcheck(bwd, (dout, q, k, v, out, lse, None, *args[3:], compute_dbias))
+    args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+    torch.library.opcheck(bwd, (dout, q, k, v, out.detach(), aux, None, *args[3:11], compute_dbias))
 
 
 @pytest.mark.parametrize("feature", list(FEATURES))
@@ -86,7 +87,7 @@ def test_gradcheck(feature, layout):
         full = list(args)
         for i, t in zip(tensors, ts):
             full[i] = t
-        out, lse = fwd(*full)
+        out, lse, _ = fwd(*full)
         return out, lse.masked_fill(torch.isinf(lse), 0.0)
     assert torch.autograd.gradcheck(f, [args[i] for i in tensors])
 
@@ -95,7 +96,7 @@ def test_fully_masked_rows_zero_grad():
     q, k, v = _inputs(requires_grad=True)
     mask = torch.ones(5, 7, dtype=torch.bool)
     mask[1] = False
-    out, lse = fwd(q, k, v, mask, None, None, 0.3, 0, -1, -1, 0.0)
+    out, lse, _ = fwd(q, k, v, mask, None, None, 0.3, 0, -1, -1, 0.0, True)
     assert torch.isposinf(lse[:, :, 1]).all() and torch.equal(out[:, :, 1], torch.zeros_like(out[:, :, 1]))
     out.sum().backward()
     assert torch.equal(q.grad[:, :, 1], torch.zeros_like(q.grad[:, :, 1]))
@@ -107,7 +108,7 @@ def test_sink_only_row():
     q, k, v = _inputs(Lq=3, Lk=4)
     sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=q.dtype)
     mask = torch.zeros(3, 4, dtype=torch.bool)
-    out, lse = fwd(q, k, v, mask, None, sinks, 0.3, 0, -1, -1, 0.0)
+    out, lse, _ = fwd(q, k, v, mask, None, sinks, 0.3, 0, -1, -1, 0.0, False)
     assert torch.equal(out, torch.zeros_like(out))
     torch.testing.assert_close(lse, sinks.view(1, 4, 1).expand_as(lse))
 
@@ -119,7 +120,7 @@ def test_compile_fullgraph_matches_eager(feature):
     leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
 
     def step(*a):
-        out, lse = fwd(*a)
+        out, lse, _ = fwd(*a)
         return (out * out).sum() + lse.masked_fill(torch.isinf(lse), 0).sum()
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     eager_grads = torch.autograd.grad(step(*args), leaves)
@@ -143,11 +144,12 @@ def test_reference_chunking_is_exact(monkeypatch):
     """Chunked and unchunked reference give the same result; chunks bound the scores in memory."""
     q, k, v = _inputs(Lq=37, Lk=11)
     spec = make_spec(q, k, v, None, None, None, scale=0.3, window_right=0, diag_offset=-3)
-    whole = reference.forward(spec)
+    whole_aux, chunked_aux = (torch.empty(2, 4, 37, 2, dtype=q.dtype) for _ in range(2))
+    whole = reference.forward(spec, whole_aux)
     monkeypatch.setattr(reference, "_CHUNK_ELEMENTS", 2 * 4 * 11 * 5)  # 5 rows per chunk
     assert [c for c in reference._row_chunks(spec)][:2] == [(0, 5), (5, 10)]
-    chunked = reference.forward(spec)
-    for a, b in zip(whole, chunked):
+    chunked = reference.forward(spec, chunked_aux)
+    for a, b in zip((*whole, whole_aux), (*chunked, chunked_aux)):
         torch.testing.assert_close(a, b)
 
 
@@ -158,7 +160,7 @@ def test_reference_row_of_finfo_min_scores_averages_the_values():
     q, k, v = _inputs(dtype=torch.float32, requires_grad=True, Lq=3, Lk=11)
     mask = torch.zeros(3, 11)
     mask[1] = torch.finfo(torch.float32).min
-    out, lse = fwd(q, k, v, mask, None, None, 0.3, 0, -1, -1, 0.0)
+    out, lse, _ = fwd(q, k, v, mask, None, None, 0.3, 0, -1, -1, 0.0, True)
     torch.testing.assert_close(out[:, :, 1], v.mean(dim=2).repeat_interleave(2, dim=1))
     out.sum().backward()
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))

@@ -24,8 +24,7 @@ import torch_metal_flash as tmf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import kvcache_oracle  # noqa: E402
-from test_kvcache import make_case  # noqa: E402
+from test_kvcache import check_against_oracle, make_case  # noqa: E402
 from test_kvcache_op import host_syncs_raise  # noqa: E402
 from torch_metal_flash import backends, emulator, testing  # noqa: E402
 from torch_metal_flash.backends.emulator import EmulatorBackend  # noqa: E402
@@ -119,12 +118,8 @@ def test_kvcache_face(i, case):
         for x, y in zip(*((t._parts() if isinstance(t, QuantizedTensor) else [t]) for t in (a, b))):
             assert torch.equal(x, y), "result depends on the schedule order"
     out, lse, k_cache, v_cache, call = runs[0]
-    dtype = call["q"].dtype
     stored = dict(call, k_cache=_plain(k_cache), v_cache=_plain(v_cache))
-    ref = kvcache_oracle.kvcache_attention(**stored, dtype=torch.float64, append=False)
-    low = kvcache_oracle.kvcache_attention(**stored, dtype=dtype, append=False)
-    testing.assert_matches_oracle("out", out, ref[0], low[0], dtype=dtype)
-    testing.assert_matches_oracle("lse", lse, ref[1], low[1], dtype=dtype)
+    check_against_oracle(dict(stored, append=False), out, lse)
     _, _, rk, rv, _ = _run_kvcache(kw, fmt, qdt, splits, "reference")
     for mine, theirs in ((k_cache, rk), (v_cache, rv)):
         if "rotary" in spec and mine is k_cache:
@@ -156,12 +151,11 @@ def _check_face(call, spec, orders):
     second = results[1] if isinstance(results[1], tuple) else (results[1],)
     for a, b in zip(first, second):
         assert torch.equal(a, b), "result depends on the schedule order"
-    ref_out, ref_lse = testing.oracle_forward(spec)
-    low_out, low_lse = testing.lowp_forward(spec)
+    ref, low = testing.forward_reference(spec)
     dtype = spec.q.dtype
-    testing.assert_matches_oracle("out", first[0], ref_out, low_out, dtype=dtype)
+    testing.assert_matches_oracle("out", first[0], ref.out, low.out, ref.magnitude["out"], dtype)
     if len(first) > 1:
-        testing.assert_matches_oracle("lse", first[1], ref_lse, low_lse, dtype=dtype)
+        testing.assert_matches_oracle("lse", first[1], ref.lse, low.lse, ref.magnitude["lse"], dtype)
 
 
 def _kv(g, B, Hkv, S, D, dtype, fmt):
@@ -241,7 +235,7 @@ def test_op_with_sinks_and_window(fmt, qdt):
     sinks = torch.randn(Hq, generator=g)
     args = (None, None, sinks, 0.15, S - Lq, 7, 0, 0.0)
     if fmt is None:
-        call = lambda: torch.ops.metal_flash.fwd(q, k, v, *args)  # noqa: E731
+        call = lambda: torch.ops.metal_flash.fwd(q, k, v, *args, False)[:2]  # noqa: E731
     else:
         call = lambda: torch.ops.metal_flash.fwd_quantized(  # noqa: E731
             q, k.data, v.data, *args, k.scales, k.biases, v.scales, v.biases, *tmf.quant.flat_format(k))
@@ -330,11 +324,7 @@ def test_what_the_kernels_do_not_cover_falls_back():
         flash_attn_with_kvcache(**call)
     with backends.backend("emulator"), pytest.warns(backends.FallbackWarning, match="head dim"):
         out = flash_attn_with_kvcache(**call)
-    ref = kvcache_oracle.kvcache_attention(**dict(call, k_cache=_plain(k_cache), v_cache=_plain(v_cache)),
-                                           append=False)
-    testing.assert_matches_oracle("out", out, ref[0], kvcache_oracle.kvcache_attention(
-        **dict(call, k_cache=_plain(k_cache), v_cache=_plain(v_cache)), append=False, dtype=torch.float16)[0],
-        dtype=torch.float16)
+    check_against_oracle(dict(call, k_cache=_plain(k_cache), v_cache=_plain(v_cache), append=False), out)
 
 
 def test_gradients_through_quantized_kv_are_a_clear_error():
@@ -419,11 +409,7 @@ def test_mps_kvcache_face(i, case):
         out, lse = flash_attn_with_kvcache(**call, return_softmax_lse=True, num_splits=splits)
     stored = {name: _to(x, "cpu") for name, x in call.items()}
     stored.update(k_cache=_plain(stored["k_cache"]), v_cache=_plain(stored["v_cache"]))
-    dtype = stored["q"].dtype
-    ref = kvcache_oracle.kvcache_attention(**stored, dtype=torch.float64, append=False)
-    low = kvcache_oracle.kvcache_attention(**stored, dtype=dtype, append=False)
-    testing.assert_matches_oracle("out", out.cpu(), ref[0], low[0], dtype=dtype)
-    testing.assert_matches_oracle("lse", lse.cpu(), ref[1], low[1], dtype=dtype)
+    check_against_oracle(dict(stored, append=False), out, lse)
     _, _, _, rv, _ = _run_kvcache(kw, fmt, qdt, splits, "reference")
     assert torch.equal(_plain(call["v_cache"]).cpu(), _plain(rv)), "the append kernel stored other v rows"
 

@@ -17,7 +17,7 @@ import torch
 import torch_metal_flash as tmf
 from torch_metal_flash import backends
 from torch_metal_flash.spec import make_spec
-from torch_metal_flash.testing import error_budget, lowp_forward, oracle_forward
+from torch_metal_flash.testing import error_budget, forward_reference, randn
 
 
 def pick_backend() -> tuple[str, torch.device, str]:
@@ -51,7 +51,7 @@ def run_case(name, dims, dtype, kw, device):
     kw = dict(kw)
     face = kw.pop("face")
     if face == "flash":
-        q, k, v = (torch.randn(B, L, H, D, generator=g).to(dtype) for L, H in ((Lq, Hq), (Lk, Hkv), (Lk, Hkv)))
+        q, k, v = (randn(B, L, H, D, generator=g).to(dtype) for L, H in ((Lq, Hq), (Lk, Hkv), (Lk, Hkv)))
         q, k, v = q.to(device), k.to(device), v.to(device)
         start = time.perf_counter()
         out, lse, _ = tmf.flash_attn_func(q, k, v, return_attn_probs=True, **kw)
@@ -61,18 +61,17 @@ def run_case(name, dims, dtype, kw, device):
                          softcap=kw.get("softcap", 0.0))
         out = out.transpose(1, 2)
     else:
-        q, k, v = (torch.randn(B, H, L, D, generator=g).to(dtype) for L, H in ((Lq, Hq), (Lk, Hkv), (Lk, Hkv)))
+        q, k, v = (randn(B, H, L, D, generator=g).to(dtype) for L, H in ((Lq, Hq), (Lk, Hkv), (Lk, Hkv)))
         q, k, v = q.to(device), k.to(device), v.to(device)
-        mask = torch.randn(Lq, Lk, generator=g).to(dtype).to(device) if kw.pop("mask", False) else None
+        mask = randn(Lq, Lk, generator=g).to(dtype).to(device) if kw.pop("mask", False) else None
         start = time.perf_counter()
         out = tmf.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, **kw)
         spec = make_spec(q, k, v, mask, scale=D ** -0.5, window_right=0 if kw.get("is_causal") else -1)
     if device.type == "mps":
         torch.mps.synchronize()
     seconds = time.perf_counter() - start
-    ref, _ = oracle_forward(spec)
-    low, _ = lowp_forward(spec)
-    err, allowed = error_budget(name, out, ref, low, dtype=dtype)
+    ref, low = forward_reference(spec)
+    err, allowed = error_budget("out", out, ref.out, low.out, ref.magnitude["out"], dtype)
     status = "ok" if err <= allowed else "FAIL"
     print(f"  {name:34s} {str(dtype)[6:]:9s} max|err|={err:.2e} (allowed {allowed:.2e}) {seconds * 1e3:8.1f} ms  {status}")
     return status == "ok"

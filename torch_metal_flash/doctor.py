@@ -39,7 +39,7 @@ from . import backends
 from ._paths import build_info
 from .planner import variants
 from .spec import make_spec
-from .testing import backward_errors, error_budget, lowp_forward, oracle_forward
+from .testing import error_budget, forward_reference, grad_errors, randn
 
 MIN_MACOS = (14, 0)  # MSL 3.1 (bfloat) and torch's MPS backend
 SECTIONS = ("compile", "probes", "timing")
@@ -235,11 +235,11 @@ def _inputs(p: Probe, device, seed: int):
     """q, k, v as (B, H, L, D) views of (B, L, H, D) tensors (flash-attn layout, no copies), on ``device``."""
     B, Hq, Hkv, Lq, Lk, D = p.dims
     g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(B, L, H, D, generator=g).to(p.dtype).to(device).transpose(1, 2)
+    q, k, v = (randn(B, L, H, D, generator=g).to(p.dtype).to(device).transpose(1, 2)
                for L, H in ((Lq, Hq), (Lk, Hkv), (Lk, Hkv)))
     mask = None
     if p.mask == "float":
-        mask = torch.randn(1, Hq, Lq, Lk, generator=g).to(p.dtype).to(device)
+        mask = randn(1, Hq, Lq, Lk, generator=g).to(p.dtype).to(device)
     elif p.mask == "bool":
         mask = (torch.rand(B, 1, Lq, Lk, generator=g) > 0.2).to(device)
     return q, k, v, mask, g
@@ -264,7 +264,7 @@ def run_probe(p: Probe, name: str, device, seed: int) -> list[tuple[str, float, 
         if p.kind == "decode":
             B, Hq, Hkv, Lq, Lk, D = p.dims
             extra = 64  # cache slots past the filled length
-            kc, vc = (torch.cat([t.transpose(1, 2), torch.randn(B, extra, Hkv, D, generator=g).to(p.dtype).to(device)],
+            kc, vc = (torch.cat([t.transpose(1, 2), randn(B, extra, Hkv, D, generator=g).to(p.dtype).to(device)],
                                 dim=1) for t in (k, v))
             out, lse = tmf.flash_attn_with_kvcache(
                 q.transpose(1, 2), kc, vc, cache_seqlens=torch.full((B,), Lk, dtype=torch.int32, device=device),
@@ -274,22 +274,21 @@ def run_probe(p: Probe, name: str, device, seed: int) -> list[tuple[str, float, 
                              window_right=0 if p.causal else p.window[1], softcap=p.softcap)
         elif p.kind == "forward":
             args = _op_args(p, q, k, v, mask)
-            out, lse = torch.ops.metal_flash.fwd(*args)
+            out, lse, _ = torch.ops.metal_flash.fwd(*args, False)
             spec = _spec_of(args)
         else:
             q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
             args = _op_args(p, q, k, v, mask)
-            out, lse = torch.ops.metal_flash.fwd(*args)
-            dout = torch.randn(out.shape, generator=g).to(p.dtype).to(device)
+            out, lse, _ = torch.ops.metal_flash.fwd(*args, True)
+            dout = randn(out.shape, generator=g).to(p.dtype).to(device)
             grads = torch.autograd.grad(out, (q, k, v), dout)
             spec = _spec_of(tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in args))
-            return backward_errors(spec, dout, out, lse, grads)
+            return [(n, *e) for n, e in grad_errors(spec, dout, None, (*grads, None, None)).items()]
     if device.type == "mps":
         torch.mps.synchronize()
-    ref_out, ref_lse = oracle_forward(spec)
-    low_out, low_lse = lowp_forward(spec)
-    return [(n, *error_budget(n, got, ref, low, dtype=p.dtype))
-            for n, got, ref, low in (("out", out, ref_out, low_out), ("lse", lse, ref_lse, low_lse))]
+    ref, low = forward_reference(spec)
+    return [(n, *error_budget(n, got, getattr(ref, n), getattr(low, n), ref.magnitude[n], p.dtype))
+            for n, got in (("out", out), ("lse", lse))]
 
 
 def run_probes(grid, name, device, out=print) -> tuple[list, list]:

@@ -42,8 +42,9 @@ def _attention(q, k, v, mask, alibi_slopes, sinks, scale, diag_offset, window_le
         return torch.ops.metal_flash.fwd_quantized(q, k.data, v.data, mask, alibi_slopes, sinks, scale, diag_offset,
                                                    window_left, window_right, softcap, k.scales, k.biases, v.scales,
                                                    v.biases, *flat_format(k))
-    return torch.ops.metal_flash.fwd(q, k, v, mask, alibi_slopes, sinks, scale, diag_offset, window_left,
-                                     window_right, softcap)
+    out, lse, _ = torch.ops.metal_flash.fwd(q, k, v, mask, alibi_slopes, sinks, scale, diag_offset, window_left,
+                                            window_right, softcap, ops.needs_grad(q, k, v, mask, sinks))
+    return out, lse
 
 
 def _as_4d(t: torch.Tensor) -> torch.Tensor:

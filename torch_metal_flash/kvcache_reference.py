@@ -206,8 +206,8 @@ def _attend(g: Geometry, ix: HostIndices, q, k_cache, v_cache, alibi, scale, lef
         kt = _plain(k_cache[:B, s0:e0]).transpose(1, 2)
         vt = _plain(v_cache[:B, s0:e0]).transpose(1, 2)
         if uniform:
-            out, lse = torch.ops.metal_flash.fwd(qt, kt, vt, None, alibi, None, scale, (e0 - s0) - Lq, left, right,
-                                                 softcap)
+            out, lse, _ = torch.ops.metal_flash.fwd(qt, kt, vt, None, alibi, None, scale, (e0 - s0) - Lq, left,
+                                                    right, softcap, False)
         else:
             # Ragged rows: the band of each row relative to its own [start, end), as a bool mask.
             j = torch.arange(s0, e0)[None, None, :]  # absolute positions
@@ -220,7 +220,7 @@ def _attend(g: Geometry, ix: HostIndices, q, k_cache, v_cache, alibi, scale, lef
             if right >= 0:
                 vis &= rel <= right
             mask = vis[:, None].to(dev)  # (B, 1, Lq, span)
-            out, lse = torch.ops.metal_flash.fwd(qt, kt, vt, mask, None, None, scale, 0, -1, -1, softcap)
+            out, lse, _ = torch.ops.metal_flash.fwd(qt, kt, vt, mask, None, None, scale, 0, -1, -1, softcap, False)
         return out.transpose(1, 2), lse
     # Per batch row: a view of the contiguous cache row, or a gather of the pages.
     outs, lses = [], []
@@ -235,8 +235,8 @@ def _attend(g: Geometry, ix: HostIndices, q, k_cache, v_cache, alibi, scale, lef
             row = int(ix.batch_idx[b]) if ix.batch_idx is not None else b
             kb, vb = _plain(k_cache[row:row + 1, s:e]), _plain(v_cache[row:row + 1, s:e])
         al = alibi[b:b + 1] if alibi is not None else None
-        out, lse = torch.ops.metal_flash.fwd(qt[b:b + 1], kb.transpose(1, 2), vb.transpose(1, 2), None, al, None,
-                                             scale, (e - s) - Lq, left, right, softcap)
+        out, lse, _ = torch.ops.metal_flash.fwd(qt[b:b + 1], kb.transpose(1, 2), vb.transpose(1, 2), None, al,
+                                                None, scale, (e - s) - Lq, left, right, softcap, False)
         outs.append(out.transpose(1, 2))
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses)

@@ -1,9 +1,23 @@
 """The ``torch.ops.metal_flash`` custom ops: schemas, fake kernels, autograd.
 
-``fwd`` returns ``(out, lse)``; ``bwd`` returns ``(dq, dk, dv, dbias, dsinks)``.
-Both take the general problem of :mod:`torch_metal_flash.spec` so that the
-SDPA and flash-attn faces map onto them without copies.  ``fwd_kvcache``
-(``flash_attn_with_kvcache``) appends to a KV cache in place and attends to it.
+Schemas (flat: tensors, optional tensors, int, float, bool)::
+
+    fwd(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? alibi_slopes, Tensor? sinks,
+        float scale, int diag_offset, int window_left, int window_right, float softcap,
+        bool return_aux) -> (Tensor out, Tensor lse, Tensor aux)
+    bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor aux, Tensor? dlse,
+        Tensor? attn_mask, Tensor? alibi_slopes, Tensor? sinks, float scale, int diag_offset,
+        int window_left, int window_right, float softcap, bool compute_dbias)
+        -> (Tensor dq, Tensor dk, Tensor dv, Tensor dbias, Tensor dsinks)
+
+``aux`` is the row state the backward needs (:mod:`torch_metal_flash.spec`:
+row max and sum, and the unrounded output for fp16/bf16), written only when
+``return_aux`` (the faces pass ``True`` when an input requires grad), else an
+empty tensor; either side of a training step may fall back to the reference
+path, aux is the same contract for both.  Both take the general problem of
+:mod:`torch_metal_flash.spec` so that the SDPA and flash-attn faces map onto
+them without copies.  ``fwd_kvcache`` (``flash_attn_with_kvcache``) appends to
+a KV cache in place and attends to it.
 
 Their bodies run in the C++ core (:mod:`torch_metal_flash.core`): each op is a
 :class:`~torch_metal_flash.core.CoreOp` (outputs, planner, reference path) and
@@ -45,7 +59,7 @@ from . import backends, core, kvcache_reference, planner, reference
 from .layout import empty_in_layout
 from .planner.kvcache import KvCacheProblem, plan_kvcache
 from .quant import from_flat
-from .spec import AttentionSpec, make_spec, stats_dtype
+from .spec import AttentionSpec, aux_width, make_spec, stats_dtype
 
 
 def _spec(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right,
@@ -62,57 +76,71 @@ def unsupported_reason(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offs
     backend, why = backends.select(q.device)
     if backend is None:
         return why or "the reference backend is selected"
+    grad = needs_grad(q, k, v, attn_mask, sinks)
     args = (q, k, v, attn_mask, alibi_slopes, sinks, float(scale), int(diag_offset), int(window_left),
-            int(window_right), float(softcap))
+            int(window_right), float(softcap), grad)
     reason = core.probe(FWD, backend.name, args)
     if reason is not None:
         return reason
-    tensors = (q, k, v, attn_mask, sinks)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        out, lse = _fwd_outputs(*args)
+    if grad:
+        out, lse, aux = _fwd_outputs(*args)
         compute_dbias = attn_mask is not None and attn_mask.requires_grad
-        reason = core.probe(BWD, backend.name, (torch.empty_like(out), q, k, v, out, lse, None, *args[3:],
+        reason = core.probe(BWD, backend.name, (torch.empty_like(out), q, k, v, out, aux, None, *args[3:11],
                                                 compute_dbias))
         if reason is not None:
             return f"backward: {reason}"
     return None
 
 
+def needs_grad(*tensors: Optional[Tensor]) -> bool:
+    """Whether autograd will ask for gradients of a call with these inputs (the
+    faces pass it as ``return_aux``)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 # ---------------------------------------------------------------------------
 # fwd
 # ---------------------------------------------------------------------------
 
-def _fwd_buffers(q: Tensor, v: Tensor):
-    return empty_in_layout(q, v.shape[-1]), q.new_empty(q.shape[:3], dtype=stats_dtype(q.dtype))
+def _fwd_buffers(q: Tensor, v: Tensor, return_aux: bool):
+    B, H, Lq, _ = q.shape
+    aux_shape = (B, H, Lq, aux_width(q.dtype, v.shape[-1])) if return_aux else (0,)
+    return (empty_in_layout(q, v.shape[-1]), q.new_empty((B, H, Lq), dtype=stats_dtype(q.dtype)),
+            q.new_empty(aux_shape, dtype=stats_dtype(q.dtype)))
 
 
-def _fwd_outputs(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right, softcap):
-    return _fwd_buffers(q, v)
+def _fwd_outputs(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right, softcap,
+                 return_aux):
+    return _fwd_buffers(q, v, return_aux)
 
 
 def _fwd_plan(backend, args: tuple, outputs: tuple):
-    spec = _spec(*args)
+    spec = _spec(*args[:11])
     if spec.q.numel() == 0 or spec.seqlen_k == 0:
-        return None  # nothing for a kernel to do: the reference fills zeros / lse
+        return None  # nothing for a kernel to do: the reference fills zeros / lse / aux
+    out, lse, aux = outputs
     # Launches are checked against the pipelines' limits here, before any is encoded.
-    return planner.plan_forward(spec, *outputs, family=backend.family, pipeline_info=backend.pipeline_info)
+    return planner.plan_forward(spec, out, lse, aux if args[11] else None, family=backend.family,
+                                pipeline_info=backend.pipeline_info)
 
 
 def _fwd_reference(*args):
-    out, lse = _fwd_outputs(*args)
-    ref_out, ref_lse = reference.forward(_spec(*args))
+    out, lse, aux = _fwd_outputs(*args)
+    ref_out, ref_lse = reference.forward(_spec(*args[:11]), aux if args[11] else None)
     out.copy_(ref_out)
     lse.copy_(ref_lse)
-    return out, lse
+    return out, lse, aux
 
 
 @torch.library.custom_op("metal_flash::fwd", mutates_args=())
 def fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], alibi_slopes: Optional[Tensor],
         sinks: Optional[Tensor], scale: float, diag_offset: int, window_left: int, window_right: int,
-        softcap: float) -> tuple[Tensor, Tensor]:
-    """Attention forward on (B, H, L, D)-indexed tensors; see :mod:`torch_metal_flash.spec`."""
+        softcap: float, return_aux: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Attention forward on (B, H, L, D)-indexed tensors; see :mod:`torch_metal_flash.spec`.
+    Returns ``out``, ``lse`` and ``aux`` (the backward's row state when
+    ``return_aux``, else empty)."""
     return core.call_slow(FWD, (q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left,
-                                window_right, softcap))
+                                window_right, softcap, return_aux))
 
 
 fwd.register_fake(_fwd_outputs)
@@ -130,40 +158,45 @@ def _bwd_buffers(spec: AttentionSpec, compute_dbias: bool):
             q.new_empty((H,) if spec.sinks is not None else (0,), dtype=stats_dtype(q.dtype)))
 
 
-def _bwd_outputs(dout, q, k, v, out, lse, dlse, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left,
+def _bwd_outputs(dout, q, k, v, out, aux, dlse, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left,
                  window_right, softcap, compute_dbias):
+    want = (*q.shape[:3], aux_width(q.dtype, v.shape[-1]))
+    if tuple(aux.shape) != want:
+        raise ValueError(f"metal_flash.bwd: aux must be the forward's aux of shape {want} (fwd with "
+                         f"return_aux=True), got {tuple(aux.shape)}")
     return _bwd_buffers(_spec(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left,
                               window_right, softcap), compute_dbias)
 
 
 def _bwd_plan(backend, args: tuple, outputs: tuple):
-    dout, q, k, v, out, lse, dlse = args[:7]
+    dout, q, k, v, out, aux, dlse = args[:7]
     spec = _spec(q, k, v, *args[7:15])
     if q.numel() == 0 or spec.seqlen_k == 0:
         return None
-    return planner.plan_backward(spec, dout, out, lse, dlse, *outputs, family=backend.family,
+    return planner.plan_backward(spec, dout, out, aux, dlse, *outputs, family=backend.family,
                                  pipeline_info=backend.pipeline_info)
 
 
 def _bwd_reference(*args):
-    dout, q, k, v, out, lse, dlse = args[:7]
+    dout, q, k, v, out, aux, dlse = args[:7]
     compute_dbias = args[15]
     grads = _bwd_outputs(*args)
-    for buf, ref in zip(grads, reference.backward(_spec(q, k, v, *args[7:15]), dout, out, lse, dlse,
+    for buf, ref in zip(grads, reference.backward(_spec(q, k, v, *args[7:15]), dout, out, aux, dlse,
                                                   compute_dbias)):
         buf.copy_(ref)
     return grads
 
 
 @torch.library.custom_op("metal_flash::bwd", mutates_args=())
-def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
+def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, aux: Tensor, dlse: Optional[Tensor],
         attn_mask: Optional[Tensor], alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], scale: float,
         diag_offset: int, window_left: int, window_right: int, softcap: float,
         compute_dbias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Gradients of :func:`fwd`: ``dq, dk, dv`` in the inputs' dtypes and layouts,
-    ``dbias`` (B, H, Lq, Lk) when ``compute_dbias`` else empty, ``dsinks`` (H,)
-    when ``sinks`` is given else empty; both float32 (float64 for float64 inputs)."""
-    return core.call_slow(BWD, (dout, q, k, v, out, lse, dlse, attn_mask, alibi_slopes, sinks, scale, diag_offset,
+    """Gradients of :func:`fwd` from its ``out`` and ``aux`` (``return_aux=True``):
+    ``dq, dk, dv`` in the inputs' dtypes and layouts, ``dbias`` (B, H, Lq, Lk)
+    when ``compute_dbias`` else empty, ``dsinks`` (H,) when ``sinks`` is given
+    else empty; both float32 (float64 for float64 inputs)."""
+    return core.call_slow(BWD, (dout, q, k, v, out, aux, dlse, attn_mask, alibi_slopes, sinks, scale, diag_offset,
                                 window_left, window_right, softcap, compute_dbias))
 
 
@@ -175,19 +208,20 @@ bwd.register_fake(_bwd_outputs)
 # ---------------------------------------------------------------------------
 
 _FWD_ARGS = ("q", "k", "v", "attn_mask", "alibi_slopes", "sinks", "scale", "diag_offset", "window_left",
-             "window_right", "softcap")
+             "window_right", "softcap", "return_aux")
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, attn_mask, alibi_slopes, sinks = inputs[:6]
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, attn_mask, alibi_slopes, sinks)
-    ctx.scalars = inputs[6:]
+    out, lse, aux = output
+    ctx.mark_non_differentiable(aux)
+    ctx.save_for_backward(q, k, v, out, aux, attn_mask, alibi_slopes, sinks)
+    ctx.scalars = inputs[6:11]
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, attn_mask, alibi_slopes, sinks = ctx.saved_tensors
+def _backward(ctx, dout, dlse, _daux):
+    q, k, v, out, aux, attn_mask, alibi_slopes, sinks = ctx.saved_tensors
     needs = dict(zip(_FWD_ARGS, ctx.needs_input_grad))
     if needs["alibi_slopes"]:
         raise NotImplementedError("metal_flash.fwd: gradients for alibi_slopes are not supported")
@@ -197,12 +231,15 @@ def _backward(ctx, dout, dlse):
         dout = dout.contiguous()  # e.g. the expanded gradient of a sum(): the kernels read rows
     if dlse is not None:
         dlse = dlse.contiguous()
+    if aux.dim() == 1:
+        # fwd ran with return_aux=False (a direct op call): recompute the row state.
+        _, _, aux = torch.ops.metal_flash.fwd(q, k, v, attn_mask, alibi_slopes, sinks, *ctx.scalars, True)
     compute_dbias = bool(needs["attn_mask"])
     dq, dk, dv, dbias, dsinks = torch.ops.metal_flash.bwd(
-        dout, q, k, v, out, lse, dlse, attn_mask, alibi_slopes, sinks, *ctx.scalars, compute_dbias)
+        dout, q, k, v, out, aux, dlse, attn_mask, alibi_slopes, sinks, *ctx.scalars, compute_dbias)
     dmask = dbias.sum_to_size(attn_mask.shape).to(attn_mask.dtype) if compute_dbias else None
     dsinks = dsinks.to(sinks.dtype) if needs["sinks"] else None
-    return dq, dk, dv, dmask, None, dsinks, None, None, None, None, None
+    return dq, dk, dv, dmask, None, dsinks, None, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------
@@ -283,7 +320,7 @@ def _quantized_spec(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset,
 
 def _quantized_outputs(*args):
     spec = _quantized_spec(*args)
-    return _fwd_buffers(spec.q, spec.v)
+    return _fwd_buffers(spec.q, spec.v, False)[:2]
 
 
 def _quantized_plan(backend, args: tuple, outputs: tuple):
@@ -295,7 +332,7 @@ def _quantized_plan(backend, args: tuple, outputs: tuple):
 
 def _quantized_reference(*args):
     spec = _quantized_spec(*args)
-    out, lse = _fwd_buffers(spec.q, spec.v)
+    out, lse = _fwd_buffers(spec.q, spec.v, False)[:2]
     ref_out, ref_lse = reference.forward(dataclasses.replace(spec, k=spec.k.dequantize(), v=spec.v.dequantize()))
     out.copy_(ref_out)
     lse.copy_(ref_lse)

@@ -19,7 +19,7 @@ _CHUNK_ELEMENTS = 1 << 24  # scores per chunk (64 MiB in float32)
 # A row whose lse is below this has every score below it too (e.g. a float mask
 # of finfo.min on all keys: a padding row).  At that magnitude q.k is lost to
 # rounding, the row is constant in q and k, and it passes no gradient — the
-# kernels' rule as well (their log2-domain math would overflow there).
+# kernels' rule as well (flash_bwd.metal's preprocess kernel).
 SATURATED_LSE = -1e37
 
 
@@ -76,6 +76,7 @@ class _Chunk:
             sink = spec.sinks.to(ct)[None, :, None, None]
             row_max = torch.maximum(row_max, sink)
         row_max = row_max.masked_fill(~torch.isfinite(row_max), 0.0)  # empty rows: any finite shift
+        self.row_max = row_max
         e = torch.exp(s - row_max)
         total = e.sum(dim=-1, keepdim=True)
         if sink is not None:
@@ -91,13 +92,15 @@ class _Chunk:
         return torch.where(self.total > 0, self.sink_e / self.total, 0.0).squeeze(-1)
 
 
-def forward(spec: AttentionSpec, dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def forward(spec: AttentionSpec, aux: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns ``out`` (q's dtype and layout) and ``lse`` (float32, (B, Hq, Lq)).
 
-    ``dtype`` overrides the compute dtype (tests use the input dtype itself to
-    measure how far plain low-precision math is from the float64 oracle).
+    When ``aux`` is given it is filled with the row state of
+    :mod:`torch_metal_flash.spec` (row max and sum; the output before it is
+    rounded to the input dtype), which either backward (reference or kernels)
+    can take.
     """
-    ct = dtype or compute_dtype(spec.q)
+    ct = compute_dtype(spec.q)
     kf, vf = spec.k.to(ct), spec.v.to(ct)
     out = empty_in_layout(spec.q, spec.head_dim_v)
     lse = torch.empty(spec.q.shape[:3], dtype=stats_dtype(spec.q.dtype), device=spec.q.device)
@@ -106,15 +109,21 @@ def forward(spec: AttentionSpec, dtype: Optional[torch.dtype] = None) -> tuple[t
         o = (_grouped(c.p, spec.kv_heads) @ vf.unsqueeze(2)).flatten(1, 2)
         out[:, :, r0:r1] = o
         lse[:, :, r0:r1] = c.lse
+        if aux is not None:
+            aux[:, :, r0:r1, 0] = c.row_max.squeeze(-1)
+            aux[:, :, r0:r1, 1] = c.total.squeeze(-1)
+            if aux.shape[-1] > 2:
+                aux[:, :, r0:r1, 2:] = o
     return out, lse
 
 
-def backward(spec: AttentionSpec, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+def backward(spec: AttentionSpec, dout: torch.Tensor, out: torch.Tensor, aux: torch.Tensor,
              dlse: Optional[torch.Tensor] = None, compute_dbias: bool = False):
-    """Gradients ``(dq, dk, dv, dbias, dsinks)`` from the saved ``out``.
+    """Gradients ``(dq, dk, dv, dbias, dsinks)`` from the saved ``out`` and ``aux``.
 
-    The probabilities are recomputed with the row maximum rather than from the
-    saved ``lse`` (see :class:`_Chunk`); ``lse`` is accepted for the op's signature.
+    The probabilities are recomputed with the row maximum (see :class:`_Chunk`);
+    ``delta = rowsum(dO * O)`` takes O from ``aux`` when it holds the unrounded
+    output (float16/bfloat16 inputs), else from ``out``.
 
     ``dbias`` (B, Hq, Lq, Lk) when ``compute_dbias`` (else empty) and ``dsinks``
     (Hq,) when the spec has sinks (else empty), in the compute dtype.
@@ -133,7 +142,8 @@ def backward(spec: AttentionSpec, dout: torch.Tensor, out: torch.Tensor, lse: to
         live = c.lse > SATURATED_LSE
         c.p = c.p * live.unsqueeze(-1)
         do = dout[:, :, r0:r1].to(ct)
-        delta = (do * out[:, :, r0:r1].to(ct)).sum(-1)  # D = rowsum(dO * O)
+        o = aux[:, :, r0:r1, 2:] if aux.shape[-1] > 2 else out[:, :, r0:r1]
+        delta = (do * o.to(ct)).sum(-1)  # D = rowsum(dO * O)
         if dlse is not None:
             delta = delta - dlse[:, :, r0:r1].to(ct)
         dp = (_grouped(do, Hkv) @ vf.unsqueeze(2).transpose(-1, -2)).flatten(1, 2)

@@ -31,6 +31,15 @@ without copying tensors:
   every key, as padding rows get in Hugging Face models) averages the values
   like torch, but passes no gradient: at that magnitude q.k is lost to
   rounding and the row is constant in q and k.
+* ``aux`` (B, Hq, Lq, :func:`aux_width`), in lse's dtype, is what the forward
+  keeps for the backward when gradients are needed.  Per row: the max ``m`` of
+  the scores (sink included) and ``l = sum_j exp(s_j - m)`` (0 for a row with
+  nothing visible, with ``m = 0``), so that the backward rebuilds
+  ``P = exp(s - m) / l`` exactly -- ``exp(s - lse)`` would carry the rounding
+  of ``lse = m + log(l)``, about ``|lse| * 6e-8`` in float32, into every
+  probability -- and, for float16/bfloat16 inputs, the output row before it is
+  rounded to the input dtype, from which the backward takes
+  ``delta = rowsum(dO * O)``.
 """
 from __future__ import annotations
 
@@ -98,8 +107,14 @@ class AttentionSpec:
 
 
 def stats_dtype(dtype: torch.dtype) -> torch.dtype:
-    """dtype of lse, dbias and dsinks: float32, or float64 for float64 inputs."""
+    """dtype of lse, aux, dbias and dsinks: float32, or float64 for float64 inputs."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def aux_width(dtype: torch.dtype, head_dim_v: int) -> int:
+    """Values per row of ``aux``: m and l, then the unrounded output row when
+    the inputs are narrower than the stats (float16, bfloat16)."""
+    return 2 + (head_dim_v if dtype in (torch.float16, torch.bfloat16) else 0)
 
 
 def make_spec(q, k, v, mask=None, alibi_slopes=None, sinks=None, *, scale, diag_offset=0,

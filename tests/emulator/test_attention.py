@@ -10,6 +10,7 @@ import torch
 
 from emu_helpers import KERNELS, ORDERS
 from torch_metal_flash import emulator
+from torch_metal_flash.testing import Arith
 
 
 class AttnParams(ctypes.Structure):
@@ -50,14 +51,15 @@ def _run(tname, d, bk, L, S, H=2, causal=False, with_mask=False, order="forward"
     st = kern(*args, grid=((L + 15) // 16 * 64, H), threadgroup=(64, 1), order=order, checked=checked, seed=seed)
     ref, ref_lse, _ = _reference(q, k, v, scale, causal, mask)
     lowp, _, _ = _reference(q, k, v, scale, causal, mask)
-    if dt != torch.float32:  # the same math in the input dtype, for the error budget
-        s = (q @ k.transpose(-1, -2)).float() * scale
+    if dt != torch.float32:  # the same math in the input dtype, for the error budget (the same on every machine)
+        A = Arith(dt)
+        s = A.i(A.mm(q.double(), k.double().transpose(-1, -2)) * scale)
         keep = torch.ones(L, S, dtype=torch.bool)
         if causal:
             keep &= torch.ones_like(keep).tril()
         if mask is not None:
             keep &= mask
-        lowp = (torch.softmax(s.masked_fill(~keep, -math.inf), -1).nan_to_num(0).to(dt) @ v).double()
+        lowp = A.mm(A.r(torch.softmax(s.masked_fill(~keep, -math.inf), -1).nan_to_num(0)), v.double())
     return o, lse, ref, ref_lse, lowp, st
 
 

@@ -24,16 +24,19 @@ __all__ = ["plan_forward", "plan_backward", "plan_prefill", "forward_tile", "for
            "FAMILIES"]
 
 
-def plan_forward(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor, family: str = "apple8",
-                 pipeline_info: Optional[PipelineInfo] = None) -> Union[Plan, Unsupported]:
+def plan_forward(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor, aux: Optional[torch.Tensor] = None,
+                 family: str = "apple8", pipeline_info: Optional[PipelineInfo] = None) -> Union[Plan, Unsupported]:
     """Decode-shaped problems (few query rows per KV head, long keys) take the
     split-K decode kernels, which read each K/V row once per GQA group; all
     others, and whatever those decline, the prefill kernels -- but for K/V only
     the decode kernels read (quantized, or float16/bfloat16 under a float32 q),
-    whatever the shape.  ``pipeline_info``: the backend's pipeline limits (:mod:`.limits`)."""
-    only_decode = decode.only_decode_kernels(spec)
-    if only_decode or decode.route_reason(spec) is None:
+    whatever the shape.  A call that keeps ``aux`` for a backward takes the
+    prefill kernels (the backward kernels recompute their scores bit for bit;
+    a problem they decline falls back to the reference path, which writes aux).
+    ``pipeline_info``: the backend's pipeline limits (:mod:`.limits`)."""
+    only_decode = aux is None and decode.only_decode_kernels(spec)
+    if only_decode or (aux is None and decode.route_reason(spec) is None):
         plan = decode.plan_decode_spec(spec, out, lse, pipeline_info=pipeline_info)
         if only_decode or not isinstance(plan, Unsupported):
             return plan
-    return plan_prefill(spec, out, lse, family, pipeline_info)
+    return plan_prefill(spec, out, lse, aux, family, pipeline_info)

@@ -1,12 +1,14 @@
 """Planner for the fused backward kernels in ``shaders/flash_bwd.metal``.
 
 ``plan_backward`` turns an :class:`~torch_metal_flash.spec.AttentionSpec`, the
-saved forward results and the preallocated gradients into an ordered plan:
+saved forward results (``out`` and the row state ``aux``, see
+:mod:`torch_metal_flash.spec`) and the preallocated gradients into an ordered
+plan:
 
-1. ``flash_bwd_pre_<dt>``: ``delta = rowsum(dO * O) - dlse`` and
-   ``lse2 = lse * log2(e)`` (with a finite sentinel for rows that see
-   nothing) into two float32 scratch vectors of B*Hq*Lq elements: the only
-   extra memory of the backward, O(B*H*L).
+1. ``flash_bwd_pre_<dt>``: ``delta = rowsum(dO * O) - dlse`` (O from aux for
+   fp16/bf16: the float32 output before rounding) and ``stats = (m, 1 / l)``
+   (``(0, 0)`` for rows that pass no gradient) into float32 scratch of
+   3 * B*Hq*Lq elements: the only extra memory of the backward, O(B*H*L).
 2. ``flash_bwd_dq_*``: dQ (and dbias = dS when requested) per query block.
 3. ``flash_bwd_dkv_*``: dK and dV per key block and KV head, looping over
    the query heads of the GQA group and the query blocks of the band (one
@@ -17,7 +19,7 @@ No atomics anywhere: every output element has one writer and every
 reduction runs in a fixed order, so results are bitwise reproducible.
 Tensors are bound as they are (no copies of q/k/v/out/mask): ``dout`` must
 have a contiguous last dim and ``dlse`` be contiguous float32 (the autograd
-formula in :mod:`torch_metal_flash.ops` makes them so); delta and lse2 are
+formula in :mod:`torch_metal_flash.ops` makes them so); delta and stats are
 the plan's scratch.
 """
 from __future__ import annotations
@@ -31,12 +33,11 @@ from ..plan import Launch, Plan, Unsupported
 from ..spec import AttentionSpec
 from .backward_tiles import (DSINKS_KERNEL, DSINKS_THREADS, PRE_ROWS_PER_GROUP, PRE_THREADS, BackwardTiles,
                              backward_candidates, backward_tiles)
-from .forward import MASK_KINDS, _last_dim_contiguous, check_problem, effective_band
+from .forward import MASK_KINDS, _last_dim_contiguous, check_aux, check_problem, effective_band, score_scale
 from .limits import PipelineInfo, first_fitting
 from .params import FlashFwdParams
 
 SOURCE = "flash_bwd.metal"
-LOG2E = 1.4426950408889634
 
 # [[function_constant(i)]] indices of flash_bwd.metal
 FC_HAS_MASK = 0
@@ -51,13 +52,13 @@ FC_HAS_DLSE = 8
 
 # [[buffer(i)]] indices
 # preprocess
-BUF_PRE_DOUT, BUF_PRE_OUT, BUF_PRE_LSE, BUF_PRE_DLSE, BUF_PRE_DELTA, BUF_PRE_LSE2, BUF_PRE_PARAMS = range(7)
+BUF_PRE_DOUT, BUF_PRE_OUT, BUF_PRE_AUX, BUF_PRE_DLSE, BUF_PRE_DELTA, BUF_PRE_STATS, BUF_PRE_PARAMS = range(7)
 # dq / dkv
-BUF_Q, BUF_K, BUF_V, BUF_DOUT, BUF_LSE2, BUF_DELTA, BUF_PARAMS, BUF_MASK, BUF_ALIBI = range(9)
+BUF_Q, BUF_K, BUF_V, BUF_DOUT, BUF_STATS, BUF_DELTA, BUF_PARAMS, BUF_MASK, BUF_ALIBI = range(9)
 BUF_DQ, BUF_DBIAS = 9, 10
 BUF_DK, BUF_DV = 9, 10
 # dsinks
-BUF_S_LSE2, BUF_S_DELTA, BUF_S_SINKS, BUF_S_DSINKS, BUF_S_PARAMS = 0, 1, 2, 3, 6
+BUF_S_STATS, BUF_S_DELTA, BUF_S_SINKS, BUF_S_DSINKS, BUF_S_PARAMS = 0, 1, 2, 3, 6
 
 _I64 = ctypes.c_int64
 _I32 = ctypes.c_int32
@@ -74,8 +75,7 @@ class FlashBwdParams(ctypes.Structure):
         ("dk_stride_b", _I64), ("dk_stride_h", _I64), ("dk_stride_l", _I64),
         ("dv_stride_b", _I64), ("dv_stride_h", _I64), ("dv_stride_l", _I64),
         ("db_stride_b", _I64), ("db_stride_h", _I64), ("db_stride_q", _I64),
-        ("rows", _I32), ("num_k_blocks", _I32),
-        ("qk_scale2", _F32), ("cap_log2", _F32), ("scale", _F32), ("softcap", _F32),
+        ("rows", _I32), ("num_k_blocks", _I32), ("scale", _F32), ("pad_i", _I32),
     ]
 
     def to_bytes(self) -> bytes:
@@ -92,7 +92,7 @@ def _set(struct: ctypes.Structure, **fields) -> None:
         setattr(struct, name, value)
 
 
-def _check(spec: AttentionSpec, dout, out, lse, dlse, dq, dk, dv, dbias, dsinks) -> Optional[str]:
+def _check(spec: AttentionSpec, dout, out, aux, dlse, dq, dk, dv, dbias, dsinks) -> Optional[str]:
     reason = check_problem(spec)
     if reason is not None:
         return reason
@@ -109,8 +109,9 @@ def _check(spec: AttentionSpec, dout, out, lse, dlse, dq, dk, dv, dbias, dsinks)
         return f"out must be {q.dtype} of shape {(B, Hq, Lq, Dv)}"
     if tuple(dout.shape) != (B, Hq, Lq, Dv) or dout.dtype != q.dtype:
         return f"dout must be {q.dtype} of shape {(B, Hq, Lq, Dv)}"
-    if tuple(lse.shape) != (B, Hq, Lq) or lse.dtype != torch.float32 or not lse.is_contiguous():
-        return "lse must be contiguous float32 (B, Hq, Lq)"
+    reason = check_aux(spec, aux)
+    if reason is not None:
+        return reason
     if not _last_dim_contiguous(dout):
         return f"dout last dim is not contiguous (stride {dout.stride(-1)})"
     if dlse is not None and (tuple(dlse.shape) != (B, Hq, Lq) or dlse.dtype != torch.float32
@@ -126,14 +127,14 @@ def _check(spec: AttentionSpec, dout, out, lse, dlse, dq, dk, dv, dbias, dsinks)
     return None
 
 
-def plan_backward(spec: AttentionSpec, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+def plan_backward(spec: AttentionSpec, dout: torch.Tensor, out: torch.Tensor, aux: torch.Tensor,
                   dlse: Optional[torch.Tensor], dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
                   dbias: Optional[torch.Tensor], dsinks: Optional[torch.Tensor],
                   family: str = "apple8", pipeline_info: Optional[PipelineInfo] = None) -> Union[Plan, Unsupported]:
     """The backward launches; with ``pipeline_info`` (the backend's) the table's tiles
     are checked against their pipelines' limits and those of a larger bucket taken
     when they do not fit (:mod:`.limits`)."""
-    reason = _check(spec, dout, out, lse, dlse, dq, dk, dv, dbias, dsinks)
+    reason = _check(spec, dout, out, aux, dlse, dq, dk, dv, dbias, dsinks)
     if reason is not None:
         return Unsupported(reason)
     try:
@@ -142,7 +143,7 @@ def plan_backward(spec: AttentionSpec, dout: torch.Tensor, out: torch.Tensor, ls
         return Unsupported(str(e))
     if spec.batch == 0 or spec.heads == 0 or spec.seqlen_q == 0 or spec.seqlen_k == 0:
         return Unsupported("empty problem (the reference fills the zeros)")
-    return first_fitting((_plan_tiles(spec, dout, out, lse, dlse, dq, dk, dv, dbias, dsinks, tiles)
+    return first_fitting((_plan_tiles(spec, dout, out, aux, dlse, dq, dk, dv, dbias, dsinks, tiles)
                           for tiles in candidates), pipeline_info)
 
 
@@ -168,7 +169,7 @@ FEATURE_VALUES = {"mask_kind": (0, *MASK_KINDS.values()), "alibi": (False, True)
                   "dbias": (False, True), "dlse": (False, True)}
 
 
-def _plan_tiles(spec: AttentionSpec, dout, out, lse, dlse, dq, dk, dv, dbias, dsinks, tiles: BackwardTiles) -> Plan:
+def _plan_tiles(spec: AttentionSpec, dout, out, aux, dlse, dq, dk, dv, dbias, dsinks, tiles: BackwardTiles) -> Plan:
     q, k, v = spec.q, spec.k, spec.v
     B, Hq, Lq, D = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -176,6 +177,7 @@ def _plan_tiles(spec: AttentionSpec, dout, out, lse, dlse, dq, dk, dv, dbias, ds
 
     wl, wr, has_band = effective_band(spec)
     has_softcap = spec.softcap > 0
+    qk_scale, softcap = score_scale(spec)
 
     p = FlashBwdParams()
     f = p.f
@@ -185,14 +187,12 @@ def _plan_tiles(spec: AttentionSpec, dout, out, lse, dlse, dq, dk, dv, dbias, ds
          o_stride_b=out.stride(0), o_stride_h=out.stride(1), o_stride_l=out.stride(2),
          batch=B, heads=Hq, kv_heads=Hkv, gqa=Hq // Hkv, seqlen_q=Lq, seqlen_k=Lk, head_dim=D, head_dim_v=Dv,
          diag_offset=spec.diag_offset, window_left=wl, window_right=wr,
-         num_q_blocks=-(-Lq // tiles.dq.bq))
+         num_q_blocks=-(-Lq // tiles.dq.bq), qk_scale=qk_scale, softcap=softcap)
     _set(p, do_stride_b=dout.stride(0), do_stride_h=dout.stride(1), do_stride_l=dout.stride(2),
          dq_stride_b=dq.stride(0), dq_stride_h=dq.stride(1), dq_stride_l=dq.stride(2),
          dk_stride_b=dk.stride(0), dk_stride_h=dk.stride(1), dk_stride_l=dk.stride(2),
          dv_stride_b=dv.stride(0), dv_stride_h=dv.stride(1), dv_stride_l=dv.stride(2),
-         rows=B * Hq * Lq, num_k_blocks=-(-Lk // tiles.dkv[0].bk),
-         qk_scale2=spec.scale / spec.softcap if has_softcap else spec.scale * LOG2E,
-         cap_log2=spec.softcap * LOG2E, scale=spec.scale, softcap=spec.softcap)
+         rows=B * Hq * Lq, num_k_blocks=-(-Lk // tiles.dkv[0].bk), scale=spec.scale)
     if compute_dbias:
         _set(p, db_stride_b=dbias.stride(0), db_stride_h=dbias.stride(1), db_stride_q=dbias.stride(2))
 
@@ -212,13 +212,13 @@ def _plan_tiles(spec: AttentionSpec, dout, out, lse, dlse, dq, dk, dv, dbias, ds
     constants = function_constants(mask_kind, spec.alibi_slopes is not None, spec.sinks is not None, has_softcap,
                                    has_band, D == tiles.dq.bd and Dv == tiles.dq.bd, compute_dbias, dlse is not None)
 
-    # The only scratch: two float32 vectors of B*Hq*Lq.
+    # The only scratch: delta and (m, 1 / l) per row, float32.
     delta = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
-    lse2 = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
+    stats = torch.empty((B, Hq, Lq, 2), dtype=torch.float32, device=q.device)
 
     launches = []
-    pre_bufs = {BUF_PRE_DOUT: dout, BUF_PRE_OUT: out, BUF_PRE_LSE: lse, BUF_PRE_DELTA: delta,
-                BUF_PRE_LSE2: lse2, BUF_PRE_PARAMS: params}
+    pre_bufs = {BUF_PRE_DOUT: dout, BUF_PRE_OUT: out, BUF_PRE_AUX: aux, BUF_PRE_DELTA: delta,
+                BUF_PRE_STATS: stats, BUF_PRE_PARAMS: params}
     if dlse is not None:
         pre_bufs[BUF_PRE_DLSE] = dlse
     launches.append(Launch(source=SOURCE, kernel=tiles.pre_kernel,
@@ -226,7 +226,7 @@ def _plan_tiles(spec: AttentionSpec, dout, out, lse, dlse, dq, dk, dv, dbias, ds
                            threadgroup=(PRE_THREADS, 1, 1), buffers=pre_bufs,
                            function_constants=dict(constants)))
 
-    common = {BUF_Q: q, BUF_K: k, BUF_V: v, BUF_DOUT: dout, BUF_LSE2: lse2, BUF_DELTA: delta,
+    common = {BUF_Q: q, BUF_K: k, BUF_V: v, BUF_DOUT: dout, BUF_STATS: stats, BUF_DELTA: delta,
               BUF_PARAMS: params, **shared}
     dq_bufs = dict(common)
     dq_bufs[BUF_DQ] = dq
@@ -245,10 +245,10 @@ def _plan_tiles(spec: AttentionSpec, dout, out, lse, dlse, dq, dk, dv, dbias, ds
     if spec.sinks is not None:
         launches.append(Launch(source=SOURCE, kernel=DSINKS_KERNEL, threadgroups=(Hq, 1, 1),
                                threadgroup=(DSINKS_THREADS, 1, 1),
-                               buffers={BUF_S_LSE2: lse2, BUF_S_DELTA: delta, BUF_S_SINKS: spec.sinks,
+                               buffers={BUF_S_STATS: stats, BUF_S_DELTA: delta, BUF_S_SINKS: spec.sinks,
                                         BUF_S_DSINKS: dsinks, BUF_S_PARAMS: params},
                                function_constants=dict(constants)))
-    return Plan(launches=tuple(launches), scratch=(delta, lse2))
+    return Plan(launches=tuple(launches), scratch=(delta, stats))
 
 
 def backward_tiles_for(spec: AttentionSpec, family: str = "apple8") -> BackwardTiles:
@@ -257,5 +257,5 @@ def backward_tiles_for(spec: AttentionSpec, family: str = "apple8") -> BackwardT
 
 
 def scratch_bytes(spec: AttentionSpec) -> int:
-    """Bytes the plan allocates beyond the gradients (the delta and lse2 scratch)."""
-    return 4 * spec.batch * spec.heads * spec.seqlen_q * 2
+    """Bytes the plan allocates beyond the gradients (the delta and stats scratch)."""
+    return 4 * spec.batch * spec.heads * spec.seqlen_q * 3

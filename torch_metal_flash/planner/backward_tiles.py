@@ -7,7 +7,7 @@ Two tiled kernels of ``shaders/flash_bwd.metal`` per problem:
   elements in threadgroup memory.
 * dK/dV kernel ``flash_bwd_dkv_<dt>_d<BD>_k<BK>_q<BQ>_m<MODE>``: ``BK`` key
   rows per threadgroup (8 per simdgroup), Q and dO tiles of
-  ``BQ x (BD + pad)`` elements plus ``2 * BQ`` floats (lse2, delta).
+  ``BQ x (BD + pad)`` elements plus ``3 * BQ`` floats (row stats m, 1/l and delta).
   ``MODE`` 0 computes dK and dV in one kernel; for head dims above 64 the
   work is split into a dK kernel (MODE 1) and a dV kernel (MODE 2): the
   fused kernel keeps four head-dim-wide accumulators/operands per simdgroup
@@ -78,7 +78,7 @@ class DKVTile:
     @property
     def threadgroup_memory(self) -> int:
         pad = 16 // _ELEM_SIZE[self.dtype]
-        return 2 * self.bq * (self.bd + pad) * _ELEM_SIZE[self.dtype] + 2 * self.bq * 4
+        return 2 * self.bq * (self.bd + pad) * _ELEM_SIZE[self.dtype] + 3 * self.bq * 4
 
 
 @dataclasses.dataclass(frozen=True)

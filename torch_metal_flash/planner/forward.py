@@ -1,7 +1,8 @@
 """Planner for the fused forward kernels in ``shaders/flash_fwd.metal``.
 
 ``plan_forward`` turns an :class:`~torch_metal_flash.spec.AttentionSpec` plus
-preallocated ``out`` / ``lse`` into one launch: the tile from the table
+preallocated ``out`` / ``lse`` (and ``aux``, the backward's row state, when
+gradients are needed) into one launch: the tile from the table
 (:mod:`.tiles`), the grid ``(ceil(pack * Lq / BQ), Hq / pack, B)`` (``pack``
 query heads of a GQA group share a threadgroup when their rows are short),
 the function constants that switch features on, and the params struct with
@@ -19,7 +20,7 @@ from typing import Optional, Union
 import torch
 
 from ..plan import Launch, Plan, Unsupported
-from ..spec import AttentionSpec
+from ..spec import AttentionSpec, aux_width
 from .limits import PipelineInfo, first_fitting
 from .params import FlashFwdParams
 from .tiles import DTYPE_NAMES, MAX_HEAD_DIM, ForwardTile, forward_candidates, forward_tile
@@ -35,11 +36,12 @@ FC_HAS_SOFTCAP = 4
 FC_HAS_BAND = 5
 FC_DIMS_ALIGNED = 6
 FC_KV_VEC_ALIGNED = 7
+FC_HAS_AUX = 8
 
 MASK_KINDS = {torch.bool: 1, torch.float32: 2, torch.float16: 3, torch.bfloat16: 4}
 
 # [[buffer(i)]] indices
-BUF_Q, BUF_K, BUF_V, BUF_O, BUF_LSE, BUF_PARAMS, BUF_MASK, BUF_ALIBI, BUF_SINKS = range(9)
+BUF_Q, BUF_K, BUF_V, BUF_O, BUF_LSE, BUF_PARAMS, BUF_MASK, BUF_ALIBI, BUF_SINKS, BUF_AUX = range(10)
 
 _INT32_MAX = 2**31 - 1
 # Positions, offsets and windows are 32-bit ints in the kernel; with sizes and
@@ -103,7 +105,17 @@ def check_problem(spec: AttentionSpec) -> Optional[str]:
     return None
 
 
-def _check(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor) -> Optional[str]:
+def check_aux(spec: AttentionSpec, aux: torch.Tensor) -> Optional[str]:
+    """Why ``aux`` is not the row state the kernels read and write, or None."""
+    B, Hq, Lq, _ = spec.q.shape
+    shape = (B, Hq, Lq, aux_width(spec.q.dtype, spec.head_dim_v))
+    if tuple(aux.shape) != shape or aux.dtype != torch.float32 or not aux.is_contiguous():
+        return f"aux must be contiguous float32 {shape}, got {aux.dtype} {tuple(aux.shape)}"
+    return None
+
+
+def _check(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor,
+           aux: Optional[torch.Tensor]) -> Optional[str]:
     reason = check_problem(spec)
     if reason is not None:
         return reason
@@ -115,7 +127,16 @@ def _check(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor) -> Optiona
         return f"out must be {spec.q.dtype} of shape {(B, Hq, Lq, Dv)}"
     if tuple(lse.shape) != (B, Hq, Lq) or lse.dtype != torch.float32 or not lse.is_contiguous():
         return "lse must be contiguous float32 (B, Hq, Lq)"
-    return None
+    return None if aux is None else check_aux(spec, aux)
+
+
+def score_scale(spec: AttentionSpec) -> tuple[float, float]:
+    """(qk_scale, softcap) of FlashFwdParams: q is multiplied by qk_scale when
+    loaded (scale, or scale / softcap with softcap: the tanh argument).  The
+    backward kernels compute the scores with the same values."""
+    if spec.softcap > 0:
+        return spec.scale / spec.softcap, spec.softcap
+    return spec.scale, 0.0
 
 
 def _vec4_aligned(t: torch.Tensor) -> bool:
@@ -145,17 +166,18 @@ def effective_band(spec: AttentionSpec) -> tuple[int, int, bool]:
     return wl, wr, wl >= 0 or wr >= 0
 
 
-def plan_forward(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor, family: str = "apple8",
-                 pipeline_info: Optional[PipelineInfo] = None) -> Union[Plan, Unsupported]:
+def plan_forward(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor, aux: Optional[torch.Tensor] = None,
+                 family: str = "apple8", pipeline_info: Optional[PipelineInfo] = None) -> Union[Plan, Unsupported]:
     """The ``flash_fwd.metal`` launch for the op's forward (the prefill kernel).
 
-    ``torch_metal_flash.planner.plan_forward`` sends decode-shaped problems to
-    the split-K decode kernels first and everything else here.  With
-    ``pipeline_info`` (the backend's), the table's tile is checked against its
-    pipeline's limits and a fitting one of larger buckets taken when it does
-    not fit (:mod:`.limits`).
+    ``aux`` (see :mod:`torch_metal_flash.spec`), when given, receives the row
+    state the backward kernels need.  ``torch_metal_flash.planner.plan_forward``
+    sends decode-shaped problems without ``aux`` to the split-K decode kernels
+    first and everything else here.  With ``pipeline_info`` (the backend's),
+    the table's tile is checked against its pipeline's limits and a fitting
+    one of larger buckets taken when it does not fit (:mod:`.limits`).
     """
-    reason = _check(spec, out, lse)
+    reason = _check(spec, out, lse, aux)
     if reason is not None:
         return Unsupported(reason)
     try:
@@ -164,11 +186,11 @@ def plan_forward(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor, fami
         return Unsupported(str(e))
     if spec.batch == 0 or spec.heads == 0 or spec.seqlen_q == 0:
         return Plan(launches=())
-    return first_fitting((_plan_tile(spec, out, lse, tile) for tile in tiles), pipeline_info)
+    return first_fitting((_plan_tile(spec, out, lse, aux, tile) for tile in tiles), pipeline_info)
 
 
 def function_constants(mask_kind: int, alibi: bool, sinks: bool, softcap: bool, band: bool, dims_aligned: bool,
-                       kv_vec_aligned: bool) -> dict:
+                       kv_vec_aligned: bool, aux: bool) -> dict:
     """The ``[[function_constant]]`` values of ``flash_fwd.metal`` for these features."""
     return {
         FC_HAS_MASK: mask_kind != 0,
@@ -179,16 +201,18 @@ def function_constants(mask_kind: int, alibi: bool, sinks: bool, softcap: bool, 
         FC_HAS_BAND: band,
         FC_DIMS_ALIGNED: dims_aligned,
         FC_KV_VEC_ALIGNED: dims_aligned and kv_vec_aligned,
+        FC_HAS_AUX: aux,
     }
 
 
 # Every value plan_forward can pass to function_constants() (the doctor enumerates the variants from these).
 FEATURE_VALUES = {"mask_kind": (0, *MASK_KINDS.values()), "alibi": (False, True), "sinks": (False, True),
                   "softcap": (False, True), "band": (False, True), "dims_aligned": (False, True),
-                  "kv_vec_aligned": (False, True)}
+                  "kv_vec_aligned": (False, True), "aux": (False, True)}
 
 
-def _plan_tile(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor, tile: ForwardTile) -> Plan:
+def _plan_tile(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor, aux: Optional[torch.Tensor],
+               tile: ForwardTile) -> Plan:
     q, k, v = spec.q, spec.k, spec.v
     B, Hq, Lq, D = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -206,14 +230,11 @@ def _plan_tile(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor, tile: 
     G = Hq // Hkv
     p.pack = gqa_pack(G, Lq, tile.bq)
     p.num_q_blocks = -(-(p.pack * Lq) // tile.bq)
-    if has_softcap:
-        p.qk_scale = spec.scale / spec.softcap
-        p.softcap = spec.softcap
-    else:
-        p.qk_scale = spec.scale
-        p.softcap = 0.0
+    p.qk_scale, p.softcap = score_scale(spec)
 
     buffers: dict = {BUF_Q: q, BUF_K: k, BUF_V: v, BUF_O: out, BUF_LSE: lse}
+    if aux is not None:
+        buffers[BUF_AUX] = aux
     mask_kind = 0
     if spec.mask is not None:
         m = spec.mask
@@ -229,7 +250,8 @@ def _plan_tile(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor, tile: 
 
     dims_aligned = D == tile.bd and Dv == tile.bd
     constants = function_constants(mask_kind, spec.alibi_slopes is not None, spec.sinks is not None, has_softcap,
-                                   has_band, dims_aligned, dims_aligned and _vec4_aligned(k) and _vec4_aligned(v))
+                                   has_band, dims_aligned, dims_aligned and _vec4_aligned(k) and _vec4_aligned(v),
+                                   aux is not None)
     launch = Launch(
         source=SOURCE,
         kernel=tile.kernel,
