@@ -44,7 +44,9 @@ def _run(tname, d, bk, L, S, H=2, causal=False, with_mask=False, order="forward"
     lse = torch.zeros(H, L)
     scale = 1 / math.sqrt(d)
     p = AttnParams(L, S, L * d, S * d, S * d, L * d, d, d, d, d, scale * math.log2(math.e))
-    lib = emulator.compile_shader(KERNELS / "attention.metal",
+    # The kernel masks with -INFINITY, so it is only defined where Metal honours infinities
+    # (relaxed / safe math; under fast math, the default, rows that see nothing are undefined).
+    lib = emulator.compile_shader(KERNELS / "attention.metal", math_mode="relaxed",
                                   function_constants={"has_mask": with_mask, "is_causal": causal})
     kern = lib[f"attention_{tname}_bq16_bk{bk}_d{d}"]
     args = [q, k, v, o, lse, p] + ([mask] if with_mask else [])
