@@ -38,8 +38,8 @@ def lowered(monkeypatch, request):
 
     def encode(self, launches):  # what the C++ core's emulator encoder calls, per plan
         ran.append(types.SimpleNamespace(launches=[
-            types.SimpleNamespace(kernel=kernel.name, threadgroup=tg, threadgroups=tuple(g // t for g, t in zip(grid, tg)))
-            for (kernel, grid, tg, _), _ in launches]))
+            types.SimpleNamespace(kernel=kernel, threadgroup=tg, threadgroups=tuple(g // t for g, t in zip(grid, tg)))
+            for (_, kernel, _, grid, tg, _), _ in launches]))
         return original_encode(self, launches)
 
     def install(overrides):
