@@ -284,4 +284,142 @@ inline float read_float_mask(const device uchar* base, long off, int kind, threa
   return kind == kMaskF16 ? float(as_type<half>(bits)) : float(as_type<bfloat>(bits));
 }
 
+
+// ---------------------------------------------------------------------------
+// One batch entry's rows and keys.  A padded problem's are the params'; a
+// varlen problem's (cu_seqlens) sequence b owns rows [q0, q0 + lq) of the one
+// packed batch of q/o/lse/aux and keys [k0, k0 + lk) of k/v (or, paged, keys
+// 0..lk-1 through its block-table row), its band aligned to its own
+// bottom-right corner (diag_offset counts from there).  Values out of range
+// are clamped to the tensors, never used to address memory outside them.
+// ---------------------------------------------------------------------------
+struct Seq {
+  int bt;       // batch index into the tensors (b; 0 for varlen: one packed batch)
+  int q0;       // first row in q / o / lse / aux
+  int lq;       // query rows
+  int k0;       // first key row in k / v (contiguous K/V)
+  int lk;       // keys (seqused_k when given)
+  int lk_rows;  // key rows of k / v it owns (>= lk: the backward zeroes dK/dV past lk)
+  int diag;     // the band's diagonal offset
+};
+
+// cu_q / cu_k / used: the varlen index vectors (read only when varlen / has_used).
+inline Seq seq_of(constant FlashFwdParams& p, int b, bool varlen, bool paged, bool has_used,
+                  const device int* cu_q, const device int* cu_k, const device int* used) {
+  Seq s;
+  if (!varlen) {
+    s.bt = b;
+    s.q0 = 0;
+    s.lq = p.seqlen_q;
+    s.k0 = 0;
+    s.lk = p.seqlen_k;
+    s.lk_rows = p.seqlen_k;
+    s.diag = p.diag_offset;
+    return s;
+  }
+  s.bt = 0;
+  s.q0 = clamp(cu_q[b], 0, p.seqlen_q);
+  s.lq = min(clamp(cu_q[b + 1], s.q0, p.seqlen_q) - s.q0, p.max_seqlen_q);
+  if (paged) {
+    const int capacity = p.max_blocks * p.page_size;
+    s.k0 = 0;
+    s.lk_rows = min(clamp(cu_k[b + 1] - cu_k[b], 0, capacity), p.max_seqlen_k);
+  } else {
+    s.k0 = clamp(cu_k[b], 0, p.seqlen_k);
+    s.lk_rows = min(clamp(cu_k[b + 1], s.k0, p.seqlen_k) - s.k0, p.max_seqlen_k);
+  }
+  s.lk = has_used ? clamp(used[b], 0, s.lk_rows) : s.lk_rows;
+  s.diag = p.diag_offset + s.lk - s.lq;
+  return s;
+}
+
+// Paged K/V: the element offset of key `pos` of a sequence (its block-table
+// row bt_row) in a (num_blocks, Hkv, page_size, D)-indexed cache; a block
+// index out of range is clamped (memory safety; debug mode validates).
+inline long paged_row(const device int* bt_row, int pos, int page, int num_blocks, long stride_b,
+                      long stride_l) {
+  const int blk = clamp(bt_row[pos / page], 0, num_blocks - 1);
+  return long(blk) * stride_b + long(pos % page) * stride_l;
+}
+
+// Tile loader for paged K/V: ROWS x COLS elements of keys kb.. (row
+// addresses through the block table), zero past rows_valid / cols_valid.
+template <typename T, int ROWS, int COLS, int NT>
+inline void load_tile_paged(threadgroup T* dst, int dst_ld, const device T* base, long stride_b, long stride_l,
+                            const device int* bt_row, int page, int num_blocks, int kb, int rows_valid,
+                            int cols_valid, ushort tid) {
+  for (int idx = tid; idx < ROWS * COLS; idx += NT) {
+    const int r = idx / COLS;
+    const int c = idx - r * COLS;
+    T x = T(0.0f);
+    if (r < rows_valid && c < cols_valid) {
+      x = base[paged_row(bt_row, kb + r, page, num_blocks, stride_b, stride_l) + c];
+    }
+    dst[r * dst_ld + c] = x;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Dropout: Philox 4x32-10 (Salmon et al. 2011, Random123), keyed by the
+// call's (seed, offset) and counted by (batch entry, head, row, column), so
+// the backward regenerates the forward's mask without storing it.  Element
+// (i, j) of batch entry b, head h takes word j % 4 of
+//   philox(counter = (j / 4, i, b * Hq + h, offset_lo), key = (seed_lo, seed_hi ^ offset_hi))
+// and is dropped when that word is below p * 2^32 (torch_metal_flash/philox.py
+// is the same generator on the host: the reference path and the tests).
+// ---------------------------------------------------------------------------
+inline uint4 philox4x32_10(uint4 ctr, uint2 key) {
+  for (int r = 0; r < 10; ++r) {
+    if (r > 0) {
+      key.x += 0x9E3779B9u;
+      key.y += 0xBB67AE85u;
+    }
+    const ulong p0 = ulong(0xD2511F53u) * ulong(ctr.x);
+    const ulong p1 = ulong(0xCD9E8D57u) * ulong(ctr.z);
+    ctr = uint4(uint(p1 >> 32) ^ ctr.y ^ key.x, uint(p1), uint(p0 >> 32) ^ ctr.w ^ key.y, uint(p0));
+  }
+  return ctr;
+}
+
+struct Dropout {
+  uint2 key;
+  uint offset;
+  uint bh;
+  uint threshold;
+
+  // Whether elements (i, j) and (i, j + 1) are kept, j even (a lane's two
+  // fragment columns: one Philox call).
+  void keep2(int i, int j, thread bool& k0, thread bool& k1) const {
+    const uint4 w = philox4x32_10(uint4(uint(j) >> 2, uint(i), bh, offset), key);
+    const bool lo = (j & 2) == 0;
+    k0 = (lo ? w.x : w.z) >= threshold;
+    k1 = (lo ? w.y : w.w) >= threshold;
+  }
+
+  bool keep(int i, int j) const {
+    const uint4 w = philox4x32_10(uint4(uint(j) >> 2, uint(i), bh, offset), key);
+    const int e = j & 3;
+    return (e == 0 ? w.x : e == 1 ? w.y : e == 2 ? w.z : w.w) >= threshold;
+  }
+};
+
+// rng = (seed, offset) as two int64 (the op's rng_state); b, h: batch entry and query head.
+inline Dropout dropout_of(const device long* rng, int b, int heads, int h, uint threshold) {
+  const ulong seed = ulong(rng[0]);
+  const ulong offset = ulong(rng[1]);
+  Dropout d;
+  d.key = uint2(uint(seed), uint(seed >> 32) ^ uint(offset >> 32));
+  d.offset = uint(offset);
+  d.bh = uint(b) * uint(heads) + uint(h);
+  d.threshold = threshold;
+  return d;
+}
+
+// The probability written to flash-attn's S_dmask: sign bit set when the
+// element is dropped (set on the bits, so that a zero keeps its sign under
+// fast math, which may treat -0 as 0).
+inline float dropped_sign(float x, bool kept) {
+  return as_type<float>(as_type<uint>(x) | (kept ? 0u : 0x80000000u));
+}
+
 }  // namespace flash

@@ -4,11 +4,47 @@ Schemas (flat: tensors, optional tensors, int, float, bool)::
 
     fwd(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? alibi_slopes, Tensor? sinks,
         float scale, int diag_offset, int window_left, int window_right, float softcap,
-        bool return_aux) -> (Tensor out, Tensor lse, Tensor aux)
+        bool return_aux, float dropout_p=0., Tensor? rng_state=None, Tensor? cu_seqlens_q=None,
+        Tensor? cu_seqlens_k=None, Tensor? seqused_k=None, Tensor? block_table=None,
+        int max_seqlen_q=0, int max_seqlen_k=0) -> (Tensor out, Tensor lse, Tensor aux)
     bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor aux, Tensor? dlse,
         Tensor? attn_mask, Tensor? alibi_slopes, Tensor? sinks, float scale, int diag_offset,
-        int window_left, int window_right, float softcap, bool compute_dbias)
+        int window_left, int window_right, float softcap, bool compute_dbias, float dropout_p=0.,
+        Tensor? rng_state=None, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None,
+        Tensor? seqused_k=None, int max_seqlen_q=0, int max_seqlen_k=0)
         -> (Tensor dq, Tensor dk, Tensor dv, Tensor dbias, Tensor dsinks)
+    fwd_probs(<fwd's arguments without return_aux>) -> Tensor probs
+
+Dropout and varlen are optional trailing arguments of the same two ops, not
+ops of their own: both are features of the one pair of kernels (function
+constants of flash_fwd.metal / flash_bwd.metal), so the autograd formula, the
+plan cache, the fallbacks and the reference path stay one path; the existing
+calls keep their meaning (the defaults switch both off).
+
+* ``dropout_p`` > 0 drops attention probabilities, each by Philox
+  (:mod:`torch_metal_flash.philox`) from ``rng_state`` = (seed, offset), int64
+  (2,) on q's device, and rescales the kept ones by 1 / (1 - p); the backward
+  regenerates the mask from the same ``rng_state`` (nothing stored: memory stays
+  O(L)).  The faces draw ``rng_state`` from the device's default generator per
+  call (``philox.new_rng_state``).
+* ``cu_seqlens_q``/``cu_seqlens_k`` (int32 (num_seqs + 1,)) make the call varlen:
+  ``q`` (1, Hq, total_q, D), ``k``/``v`` (1, Hkv, total_k, D) views of packed
+  sequences, each attended on its own with its band aligned to its bottom-right
+  corner (``diag_offset`` counts from there), ``alibi_slopes`` (num_seqs, Hq) or
+  (Hq,); outputs (1, Hq, total_q, ...).  ``max_seqlen_q``/``max_seqlen_k`` (ints:
+  no data-dependent shapes) bound the sequence lengths; ``seqused_k``
+  (num_seqs,) uses only the first keys of each sequence; ``block_table``
+  (num_seqs, max_blocks) makes ``k``/``v`` paged caches (num_blocks, Hkv,
+  page_size, D)-indexed (inference only).  The kernels read these index vectors
+  on the GPU (no host synchronisation; out-of-range values are clamped to the
+  tensors, ``TORCH_METAL_FLASH_DEBUG=1`` validates them on the host).  No
+  ``attn_mask`` with varlen.
+* ``fwd_probs`` (debug) returns flash-attn's ``S_dmask`` of a ``fwd`` call with
+  the same arguments: (num_seqs, Hq, max_seqlen_q, max_seqlen_k) in q's dtype
+  (padded problems: (B, Hq, Lq, Lk)), ``exp(s - m)`` per element with ``m`` the
+  row's max, the sign bit set where dropout drops it, 0 where nothing is seen:
+  ``probs >= 0`` (``~signbit``) recovers the keep mask, ``|probs| * exp(m - lse)``
+  the probabilities.  It is O(L^2): for tests.
 
 ``aux`` is the row state the backward needs (:mod:`torch_metal_flash.spec`:
 row max and sum, and the unrounded output for fp16/bf16), written only when
@@ -55,21 +91,79 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import backends, core, kvcache_reference, planner, reference
+from . import backends, checks, core, kvcache_reference, planner, reference
 from .layout import empty_in_layout
+from .plan import Unsupported
 from .planner.kvcache import KvCacheProblem, plan_kvcache
 from .quant import from_flat
 from .spec import AttentionSpec, aux_width, make_spec, stats_dtype
 
 
 def _spec(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right,
-          softcap) -> AttentionSpec:
+          softcap, dropout_p=0.0, rng_state=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None,
+          block_table=None, max_seqlen_q=0, max_seqlen_k=0) -> AttentionSpec:
+    check_dropout_varlen(q, k, v, attn_mask, dropout_p, rng_state, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                         block_table, max_seqlen_q, max_seqlen_k)
     return make_spec(q, k, v, attn_mask, alibi_slopes, sinks, scale=scale, diag_offset=diag_offset,
-                     window_left=window_left, window_right=window_right, softcap=softcap)
+                     window_left=window_left, window_right=window_right, softcap=softcap, dropout_p=dropout_p,
+                     rng_state=rng_state, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                     seqused_k=seqused_k, block_table=block_table, max_seqlen_q=max_seqlen_q,
+                     max_seqlen_k=max_seqlen_k)
+
+
+def _index_vector(name: str, t, shape, device) -> None:
+    checks.tensor(name, t, ndim=(len(shape),))
+    if t.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name}: expected dtype int32, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name}: expected device {device}, got {t.device}")
+    if any(isinstance(n, int) and n != want for n, want in zip(t.shape, shape) if want is not None):
+        raise ValueError(f"{name}: expected shape {tuple('*' if n is None else n for n in shape)}, "
+                         f"got {tuple(t.shape)}")
+
+
+def check_dropout_varlen(q, k, v, attn_mask, dropout_p, rng_state, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                         block_table, max_seqlen_q, max_seqlen_k) -> None:
+    """Clear errors for the dropout and varlen arguments of the ops (shapes, dtypes,
+    devices; index values are read on the GPU only)."""
+    if isinstance(dropout_p, (int, float)) and not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"dropout_p: expected a float in [0, 1], got {dropout_p!r}")
+    if rng_state is not None:
+        checks.tensor("rng_state", rng_state, ndim=(1,))
+        if rng_state.dtype != torch.int64 or rng_state.shape[0] != 2 or rng_state.device != q.device:
+            raise ValueError(f"rng_state: expected an int64 (seed, offset) pair on {q.device}, got "
+                             f"{rng_state.dtype} {tuple(rng_state.shape)} on {rng_state.device}")
+    elif dropout_p > 0:
+        raise ValueError("rng_state: required when dropout_p > 0 (an int64 (seed, offset) pair; "
+                         "torch_metal_flash.philox.new_rng_state(device) draws one)")
+    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+        raise ValueError("cu_seqlens_q, cu_seqlens_k: pass both (varlen) or neither")
+    if cu_seqlens_q is None:
+        for name, t in (("seqused_k", seqused_k), ("block_table", block_table)):
+            if t is not None:
+                raise ValueError(f"{name}: only with cu_seqlens_q / cu_seqlens_k (varlen)")
+        return
+    _index_vector("cu_seqlens_q", cu_seqlens_q, (None,), q.device)
+    n = cu_seqlens_q.shape[0] - 1
+    if n < 0:
+        raise ValueError("cu_seqlens_q: expected at least one offset (0)")
+    _index_vector("cu_seqlens_k", cu_seqlens_k, (n + 1,), q.device)
+    if seqused_k is not None:
+        _index_vector("seqused_k", seqused_k, (n,), q.device)
+    if block_table is not None:
+        _index_vector("block_table", block_table, (n, None), q.device)
+    if q.shape[0] != 1 or (block_table is None and (k.shape[0] != 1 or v.shape[0] != 1)):
+        raise ValueError(f"q, k, v: varlen takes (1, H, total, D) views of the packed sequences, got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if attn_mask is not None:
+        raise ValueError("attn_mask: not supported with cu_seqlens (varlen)")
+    for name, x in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(x, bool) or (isinstance(x, int) and x < 0):
+            raise ValueError(f"{name}: expected an int >= 0, got {x!r}")
 
 
 def unsupported_reason(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right,
-                       softcap) -> Optional[str]:
+                       softcap, dropout_p: float = 0.0) -> Optional[str]:
     """None when the selected backend would run the kernels for this call (and,
     when an input requires grad, for its backward); else why the op would take
     the reference path.  Answered from the plan cache; warns about nothing."""
@@ -77,8 +171,9 @@ def unsupported_reason(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offs
     if backend is None:
         return why or "the reference backend is selected"
     grad = needs_grad(q, k, v, attn_mask, sinks)
+    rng_state = torch.zeros(2, dtype=torch.int64, device=q.device) if dropout_p > 0 else None  # values unread
     args = (q, k, v, attn_mask, alibi_slopes, sinks, float(scale), int(diag_offset), int(window_left),
-            int(window_right), float(softcap), grad)
+            int(window_right), float(softcap), grad, float(dropout_p), rng_state, None, None, None, None, 0, 0)
     reason = core.probe(FWD, backend.name, args)
     if reason is not None:
         return reason
@@ -86,7 +181,8 @@ def unsupported_reason(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offs
         out, lse, aux = _fwd_outputs(*args)
         compute_dbias = attn_mask is not None and attn_mask.requires_grad
         reason = core.probe(BWD, backend.name, (torch.empty_like(out), q, k, v, out, aux, None, *args[3:11],
-                                                compute_dbias))
+                                                compute_dbias, float(dropout_p), rng_state, None, None, None, 0,
+                                                0))
         if reason is not None:
             return f"backward: {reason}"
     return None
@@ -110,13 +206,21 @@ def _fwd_buffers(q: Tensor, v: Tensor, return_aux: bool):
 
 
 def _fwd_outputs(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right, softcap,
-                 return_aux):
+                 return_aux, dropout_p=0.0, rng_state=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None,
+                 block_table=None, max_seqlen_q=0, max_seqlen_k=0):
+    check_dropout_varlen(q, k, v, attn_mask, dropout_p, rng_state, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                         block_table, max_seqlen_q, max_seqlen_k)
     return _fwd_buffers(q, v, return_aux)
 
 
+def _fwd_spec(args: tuple) -> AttentionSpec:
+    """The spec of fwd's arguments (all but return_aux)."""
+    return _spec(*args[:11], *args[12:])
+
+
 def _fwd_plan(backend, args: tuple, outputs: tuple):
-    spec = _spec(*args[:11])
-    if spec.q.numel() == 0 or spec.seqlen_k == 0:
+    spec = _fwd_spec(args)
+    if spec.varlen is None and (spec.q.numel() == 0 or spec.seqlen_k == 0):
         return None  # nothing for a kernel to do: the reference fills zeros / lse / aux
     out, lse, aux = outputs
     # Launches are checked against the pipelines' limits here, before any is encoded.
@@ -126,21 +230,58 @@ def _fwd_plan(backend, args: tuple, outputs: tuple):
 
 def _fwd_reference(*args):
     out, lse, aux = _fwd_outputs(*args)
-    ref_out, ref_lse = reference.forward(_spec(*args[:11]), aux if args[11] else None)
+    ref_out, ref_lse = reference.forward(_fwd_spec(args), aux if args[11] else None)
     out.copy_(ref_out)
     lse.copy_(ref_lse)
     return out, lse, aux
 
 
+def _fwd_debug_check(*args) -> None:
+    _check_index_values(_fwd_spec(args))
+
+
+def _check_index_values(spec: AttentionSpec) -> None:
+    """TORCH_METAL_FLASH_DEBUG=1: the varlen index vectors' values, on the host (a GPU sync)."""
+    vl = spec.varlen
+    if vl is None:
+        return
+    for name, cu, total, longest in (("cu_seqlens_q", vl.cu_seqlens_q, spec.seqlen_q, vl.max_seqlen_q),
+                                     ("cu_seqlens_k", vl.cu_seqlens_k, None if vl.block_table is not None
+                                      else spec.seqlen_k, vl.max_seqlen_k)):
+        cu = cu.tolist()
+        if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])) or (total is not None and cu[-1] != total):
+            want = f"from 0 to {total}" if total is not None else "from 0"
+            raise ValueError(f"{name}: expected non-decreasing offsets {want}, got {cu}")
+        if any(b - a > longest for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"{name}: a sequence is longer than the max_seqlen given ({longest})")
+    lens_k = [b - a for a, b in zip(vl.cu_seqlens_k.tolist(), vl.cu_seqlens_k.tolist()[1:])]
+    if vl.seqused_k is not None:
+        used = vl.seqused_k.tolist()
+        if any(not 0 <= u <= n for u, n in zip(used, lens_k)):
+            raise ValueError(f"seqused_k: expected values in [0, sequence length], got {used}")
+        lens_k = used
+    if vl.block_table is not None:
+        page, blocks = spec.k.shape[2], vl.block_table.tolist()
+        for b, n in enumerate(lens_k):
+            pages = blocks[b][:-(-n // page)] if n else []
+            if n > len(blocks[b]) * page or any(not 0 <= x < spec.k.shape[0] for x in pages):
+                raise ValueError(f"block_table: row {b} must name {-(-n // page)} blocks in [0, "
+                                 f"{spec.k.shape[0]}) for its {n} keys, got {blocks[b]}")
+
+
 @torch.library.custom_op("metal_flash::fwd", mutates_args=())
 def fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], alibi_slopes: Optional[Tensor],
         sinks: Optional[Tensor], scale: float, diag_offset: int, window_left: int, window_right: int,
-        softcap: float, return_aux: bool) -> tuple[Tensor, Tensor, Tensor]:
+        softcap: float, return_aux: bool, dropout_p: float = 0.0, rng_state: Optional[Tensor] = None,
+        cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
+        seqused_k: Optional[Tensor] = None, block_table: Optional[Tensor] = None, max_seqlen_q: int = 0,
+        max_seqlen_k: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """Attention forward on (B, H, L, D)-indexed tensors; see :mod:`torch_metal_flash.spec`.
     Returns ``out``, ``lse`` and ``aux`` (the backward's row state when
-    ``return_aux``, else empty)."""
+    ``return_aux``, else empty).  Dropout and varlen: see the module doc."""
     return core.call_slow(FWD, (q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left,
-                                window_right, softcap, return_aux))
+                                window_right, softcap, return_aux, dropout_p, rng_state, cu_seqlens_q,
+                                cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k))
 
 
 fwd.register_fake(_fwd_outputs)
@@ -158,20 +299,29 @@ def _bwd_buffers(spec: AttentionSpec, compute_dbias: bool):
             q.new_empty((H,) if spec.sinks is not None else (0,), dtype=stats_dtype(q.dtype)))
 
 
+def _bwd_spec(args: tuple) -> AttentionSpec:
+    """The spec of bwd's arguments (no block_table: paged K/V is inference only)."""
+    q, k, v = args[1:4]
+    return _spec(q, k, v, *args[7:15], *args[16:21], None, *args[21:23])
+
+
 def _bwd_outputs(dout, q, k, v, out, aux, dlse, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left,
-                 window_right, softcap, compute_dbias):
+                 window_right, softcap, compute_dbias, dropout_p=0.0, rng_state=None, cu_seqlens_q=None,
+                 cu_seqlens_k=None, seqused_k=None, max_seqlen_q=0, max_seqlen_k=0):
     want = (*q.shape[:3], aux_width(q.dtype, v.shape[-1]))
     if tuple(aux.shape) != want:
         raise ValueError(f"metal_flash.bwd: aux must be the forward's aux of shape {want} (fwd with "
                          f"return_aux=True), got {tuple(aux.shape)}")
-    return _bwd_buffers(_spec(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left,
-                              window_right, softcap), compute_dbias)
+    args = (dout, q, k, v, out, aux, dlse, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left,
+            window_right, softcap, compute_dbias, dropout_p, rng_state, cu_seqlens_q, cu_seqlens_k, seqused_k,
+            max_seqlen_q, max_seqlen_k)
+    return _bwd_buffers(_bwd_spec(args), compute_dbias)
 
 
 def _bwd_plan(backend, args: tuple, outputs: tuple):
+    spec = _bwd_spec(args)
     dout, q, k, v, out, aux, dlse = args[:7]
-    spec = _spec(q, k, v, *args[7:15])
-    if q.numel() == 0 or spec.seqlen_k == 0:
+    if spec.varlen is None and (q.numel() == 0 or spec.seqlen_k == 0):
         return None
     return planner.plan_backward(spec, dout, out, aux, dlse, *outputs, family=backend.family,
                                  pipeline_info=backend.pipeline_info)
@@ -181,8 +331,7 @@ def _bwd_reference(*args):
     dout, q, k, v, out, aux, dlse = args[:7]
     compute_dbias = args[15]
     grads = _bwd_outputs(*args)
-    for buf, ref in zip(grads, reference.backward(_spec(q, k, v, *args[7:15]), dout, out, aux, dlse,
-                                                  compute_dbias)):
+    for buf, ref in zip(grads, reference.backward(_bwd_spec(args), dout, out, aux, dlse, compute_dbias)):
         buf.copy_(ref)
     return grads
 
@@ -190,14 +339,19 @@ def _bwd_reference(*args):
 @torch.library.custom_op("metal_flash::bwd", mutates_args=())
 def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, aux: Tensor, dlse: Optional[Tensor],
         attn_mask: Optional[Tensor], alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], scale: float,
-        diag_offset: int, window_left: int, window_right: int, softcap: float,
-        compute_dbias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        diag_offset: int, window_left: int, window_right: int, softcap: float, compute_dbias: bool,
+        dropout_p: float = 0.0, rng_state: Optional[Tensor] = None, cu_seqlens_q: Optional[Tensor] = None,
+        cu_seqlens_k: Optional[Tensor] = None, seqused_k: Optional[Tensor] = None, max_seqlen_q: int = 0,
+        max_seqlen_k: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of :func:`fwd` from its ``out`` and ``aux`` (``return_aux=True``):
-    ``dq, dk, dv`` in the inputs' dtypes and layouts, ``dbias`` (B, H, Lq, Lk)
-    when ``compute_dbias`` else empty, ``dsinks`` (H,) when ``sinks`` is given
-    else empty; both float32 (float64 for float64 inputs)."""
+    ``dq, dk, dv`` in the inputs' dtypes and layouts, ``dbias`` (B, H, Lq, Lk) when
+    ``compute_dbias`` else empty, ``dsinks`` (H,) when ``sinks`` is given else
+    empty; both float32 (float64 for float64 inputs).  The dropout and varlen
+    arguments must be the forward's (the same ``rng_state`` regenerates its mask);
+    varlen dK/dV rows of keys a sequence does not use (seqused_k) are zero."""
     return core.call_slow(BWD, (dout, q, k, v, out, aux, dlse, attn_mask, alibi_slopes, sinks, scale, diag_offset,
-                                window_left, window_right, softcap, compute_dbias))
+                                window_left, window_right, softcap, compute_dbias, dropout_p, rng_state,
+                                cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k))
 
 
 bwd.register_fake(_bwd_outputs)
@@ -208,38 +362,94 @@ bwd.register_fake(_bwd_outputs)
 # ---------------------------------------------------------------------------
 
 _FWD_ARGS = ("q", "k", "v", "attn_mask", "alibi_slopes", "sinks", "scale", "diag_offset", "window_left",
-             "window_right", "softcap", "return_aux")
+             "window_right", "softcap", "return_aux", "dropout_p", "rng_state", "cu_seqlens_q", "cu_seqlens_k",
+             "seqused_k", "block_table", "max_seqlen_q", "max_seqlen_k")
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, attn_mask, alibi_slopes, sinks = inputs[:6]
+    rng_state, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table = inputs[13:18]
     out, lse, aux = output
     ctx.mark_non_differentiable(aux)
-    ctx.save_for_backward(q, k, v, out, aux, attn_mask, alibi_slopes, sinks)
+    ctx.save_for_backward(q, k, v, out, aux, attn_mask, alibi_slopes, sinks, rng_state, cu_seqlens_q,
+                          cu_seqlens_k, seqused_k)
     ctx.scalars = inputs[6:11]
+    ctx.dropout_p, ctx.max_seqlens = inputs[12], inputs[18:20]
+    ctx.paged = block_table is not None
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dout, dlse, _daux):
-    q, k, v, out, aux, attn_mask, alibi_slopes, sinks = ctx.saved_tensors
+    q, k, v, out, aux, attn_mask, alibi_slopes, sinks, *extra = ctx.saved_tensors
+    rng_state, cu_seqlens_q, cu_seqlens_k, seqused_k = extra
     needs = dict(zip(_FWD_ARGS, ctx.needs_input_grad))
     if needs["alibi_slopes"]:
         raise NotImplementedError("metal_flash.fwd: gradients for alibi_slopes are not supported")
+    if ctx.paged:
+        raise NotImplementedError("metal_flash.fwd: paged K/V (block_table) is inference-only (no backward); "
+                                  "pass k/v packed along cu_seqlens_k to train")
     if dout is None:
         dout = torch.zeros_like(out)
     elif dout.shape[-1] > 1 and dout.stride(-1) != 1:
         dout = dout.contiguous()  # e.g. the expanded gradient of a sum(): the kernels read rows
     if dlse is not None:
         dlse = dlse.contiguous()
+    varlen = (cu_seqlens_q, cu_seqlens_k, seqused_k)
     if aux.dim() == 1:
         # fwd ran with return_aux=False (a direct op call): recompute the row state.
-        _, _, aux = torch.ops.metal_flash.fwd(q, k, v, attn_mask, alibi_slopes, sinks, *ctx.scalars, True)
+        _, _, aux = torch.ops.metal_flash.fwd(q, k, v, attn_mask, alibi_slopes, sinks, *ctx.scalars, True,
+                                              ctx.dropout_p, rng_state, *varlen, None, *ctx.max_seqlens)
     compute_dbias = bool(needs["attn_mask"])
     dq, dk, dv, dbias, dsinks = torch.ops.metal_flash.bwd(
-        dout, q, k, v, out, aux, dlse, attn_mask, alibi_slopes, sinks, *ctx.scalars, compute_dbias)
+        dout, q, k, v, out, aux, dlse, attn_mask, alibi_slopes, sinks, *ctx.scalars, compute_dbias, ctx.dropout_p,
+        rng_state, *varlen, *ctx.max_seqlens)
     dmask = dbias.sum_to_size(attn_mask.shape).to(attn_mask.dtype) if compute_dbias else None
     dsinks = dsinks.to(sinks.dtype) if needs["sinks"] else None
-    return dq, dk, dv, dmask, None, dsinks, None, None, None, None, None, None
+    return (dq, dk, dv, dmask, None, dsinks) + (None,) * (len(_FWD_ARGS) - 6)
+
+
+# ---------------------------------------------------------------------------
+# fwd_probs (debug): flash-attn's S_dmask of a fwd call
+# ---------------------------------------------------------------------------
+
+def _probs_spec(args: tuple) -> AttentionSpec:
+    return _spec(*args)
+
+
+def _probs_outputs(*args):
+    spec = _probs_spec(args)
+    return (spec.q.new_empty(planner.forward.probs_shape(spec)),)
+
+
+def _probs_plan(backend, args: tuple, outputs: tuple):
+    spec = _probs_spec(args)
+    if spec.varlen is None and (spec.q.numel() == 0 or spec.seqlen_k == 0):
+        return None
+    out, lse, _ = _fwd_buffers(spec.q, spec.v, False)  # the forward's results are not returned: scratch
+    plan = planner.plan_prefill(spec, out, lse, None, family=backend.family, pipeline_info=backend.pipeline_info,
+                                probs=outputs[0])
+    return plan if isinstance(plan, Unsupported) else dataclasses.replace(plan, scratch=(out, lse))
+
+
+def _probs_reference(*args):
+    return (reference.probs(_probs_spec(args)),)
+
+
+@torch.library.custom_op("metal_flash::fwd_probs", mutates_args=())
+def fwd_probs(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], alibi_slopes: Optional[Tensor],
+              sinks: Optional[Tensor], scale: float, diag_offset: int, window_left: int, window_right: int,
+              softcap: float, dropout_p: float = 0.0, rng_state: Optional[Tensor] = None,
+              cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
+              seqused_k: Optional[Tensor] = None, block_table: Optional[Tensor] = None, max_seqlen_q: int = 0,
+              max_seqlen_k: int = 0) -> Tensor:
+    """flash-attn's ``S_dmask`` of :func:`fwd` with the same arguments (debug, O(L^2);
+    see the module doc).  Not differentiable."""
+    return core.call_slow(FWD_PROBS, (q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left,
+                                      window_right, softcap, dropout_p, rng_state, cu_seqlens_q, cu_seqlens_k,
+                                      seqused_k, block_table, max_seqlen_q, max_seqlen_k))[0]
+
+
+fwd_probs.register_fake(lambda *args: _probs_outputs(*args)[0])
 
 
 # ---------------------------------------------------------------------------
@@ -396,7 +606,10 @@ fwd_kvcache_quantized.register_fake(_kvcache_outputs)
 # ---------------------------------------------------------------------------
 
 FWD = core.register(core.CoreOp("metal_flash::fwd", outputs=_fwd_outputs, plan=_fwd_plan, reference=_fwd_reference,
-                                setup_context=_setup_context, backward=_backward))
+                                setup_context=_setup_context, backward=_backward, debug_check=_fwd_debug_check))
+FWD_PROBS = core.register(core.CoreOp("metal_flash::fwd_probs", outputs=_probs_outputs, plan=_probs_plan,
+                                      reference=_probs_reference, debug_check=lambda *args: _check_index_values(
+                                          _probs_spec(args))))
 BWD = core.register(core.CoreOp("metal_flash::bwd", outputs=_bwd_outputs, plan=_bwd_plan, reference=_bwd_reference))
 FWD_KVCACHE = core.register(core.CoreOp("metal_flash::fwd_kvcache", outputs=_kvcache_outputs, plan=_kvcache_plan,
                                         reference=_kvcache_reference, debug_check=_kvcache_debug_check))

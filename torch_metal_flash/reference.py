@@ -4,14 +4,18 @@ Implements every feature of :class:`~torch_metal_flash.spec.AttentionSpec`
 exactly, in float32 (float64 for float64 inputs).  Query rows are processed in
 chunks so that no more than ``_CHUNK_ELEMENTS`` scores exist at once: memory is
 O(L) for long sequences, never B·H·L·S.  GQA broadcasts K/V per group in the
-matmul; nothing is repeated in memory.
+matmul; nothing is repeated in memory.  Dropout draws the kernels' Philox mask
+(:mod:`.philox`) per chunk; a varlen problem runs sequence by sequence (its
+boundaries read on the host: this is the fallback, not the kernel path).
 """
 from __future__ import annotations
 
-from typing import Optional
+import dataclasses
+from typing import Iterator, Optional
 
 import torch
 
+from . import philox
 from .layout import empty_in_layout
 from .spec import AttentionSpec, stats_dtype
 
@@ -70,6 +74,7 @@ class _Chunk:
             else:
                 s = s + m.to(ct)
         s = s.masked_fill(~visible, float("-inf"))
+        self.visible = s > float("-inf")  # a -inf float mask entry hides its key too
         row_max = s.amax(dim=-1, keepdim=True) if s.shape[-1] else s.new_full((*s.shape[:-1], 1), float("-inf"))
         sink = None
         if spec.sinks is not None:
@@ -87,6 +92,18 @@ class _Chunk:
         self.p = torch.where(nonempty, e / total, 0.0)
         # lse = +inf marks a row with nothing visible (exp(s - lse) = 0 there).
         self.lse = torch.where(nonempty, row_max + torch.log(total), float("inf")).squeeze(-1)
+        # Dropout: which probabilities survive, and their factor (keep / (1 - p)); else None.
+        self.keep = self.drop = None
+        if spec.dropout is not None:
+            d = spec.dropout
+            B, H = spec.batch, spec.heads
+            bh = ((torch.arange(B) + d.batch_offset) * H)[:, None, None, None] + torch.arange(H)[None, :, None, None]
+            self.keep = philox.keep_mask(d.rng_state, d.p, bh, i[None, None], j[None, None, None], device=s.device)
+            self.drop = self.keep.to(ct) * philox.keep_scale(d.p)
+
+    def dropped(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (probabilities or their gradient) through the dropout mask."""
+        return x if self.drop is None else x * self.drop
 
     def sink_probs(self) -> torch.Tensor:
         return torch.where(self.total > 0, self.sink_e / self.total, 0.0).squeeze(-1)
@@ -100,13 +117,15 @@ def forward(spec: AttentionSpec, aux: Optional[torch.Tensor] = None) -> tuple[to
     rounded to the input dtype), which either backward (reference or kernels)
     can take.
     """
+    if spec.varlen is not None:
+        return _varlen_forward(spec, aux)
     ct = compute_dtype(spec.q)
     kf, vf = spec.k.to(ct), spec.v.to(ct)
     out = empty_in_layout(spec.q, spec.head_dim_v)
     lse = torch.empty(spec.q.shape[:3], dtype=stats_dtype(spec.q.dtype), device=spec.q.device)
     for r0, r1 in _row_chunks(spec):
         c = _Chunk(spec, r0, r1, kf)
-        o = (_grouped(c.p, spec.kv_heads) @ vf.unsqueeze(2)).flatten(1, 2)
+        o = (_grouped(c.dropped(c.p), spec.kv_heads) @ vf.unsqueeze(2)).flatten(1, 2)
         out[:, :, r0:r1] = o
         lse[:, :, r0:r1] = c.lse
         if aux is not None:
@@ -128,6 +147,8 @@ def backward(spec: AttentionSpec, dout: torch.Tensor, out: torch.Tensor, aux: to
     ``dbias`` (B, Hq, Lq, Lk) when ``compute_dbias`` (else empty) and ``dsinks``
     (Hq,) when the spec has sinks (else empty), in the compute dtype.
     """
+    if spec.varlen is not None:
+        return _varlen_backward(spec, dout, out, aux, dlse)
     ct = compute_dtype(spec.q)
     kf, vf = spec.k.to(ct), spec.v.to(ct)
     Hkv = spec.kv_heads
@@ -146,7 +167,7 @@ def backward(spec: AttentionSpec, dout: torch.Tensor, out: torch.Tensor, aux: to
         delta = (do * o.to(ct)).sum(-1)  # D = rowsum(dO * O)
         if dlse is not None:
             delta = delta - dlse[:, :, r0:r1].to(ct)
-        dp = (_grouped(do, Hkv) @ vf.unsqueeze(2).transpose(-1, -2)).flatten(1, 2)
+        dp = c.dropped((_grouped(do, Hkv) @ vf.unsqueeze(2).transpose(-1, -2)).flatten(1, 2))
         ds = c.p * (dp - delta.unsqueeze(-1))  # gradient of the final score
         if compute_dbias:
             dbias[:, :, r0:r1] = ds
@@ -155,7 +176,7 @@ def backward(spec: AttentionSpec, dout: torch.Tensor, out: torch.Tensor, aux: to
         if c.tanh is not None:
             ds = ds * (1 - c.tanh * c.tanh)
         ds = ds * spec.scale
-        dsg, pg = _grouped(ds, Hkv), _grouped(c.p, Hkv)
+        dsg, pg = _grouped(ds, Hkv), _grouped(c.dropped(c.p), Hkv)
         dq[:, :, r0:r1] = (dsg @ kf.unsqueeze(2)).flatten(1, 2)
         dk += (dsg.transpose(-1, -2) @ _grouped(c.qc, Hkv)).sum(2)
         dv += (pg.transpose(-1, -2) @ _grouped(do, Hkv)).sum(2)
@@ -167,15 +188,92 @@ def _like(x: torch.Tensor, template: torch.Tensor) -> torch.Tensor:
     return empty_in_layout(template).copy_(x)
 
 
-def dropout_attention(spec: AttentionSpec, dropout_p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention with dropout on the probabilities, as composite torch ops.
-
-    Autograd differentiates it directly; it materialises the scores (dropout
-    needs the mask in the backward), so it is only used when dropout is asked for.
-    """
+def probs(spec: AttentionSpec) -> torch.Tensor:
+    """flash-attn's ``S_dmask`` of the kernels' probs output: ``exp(s - m)`` per
+    element (``m`` the row's max, sink included), the sign bit set where dropout
+    drops it, 0 where invisible; (num_seqs, Hq, max_seqlen_q, max_seqlen_k) in q's dtype."""
+    if spec.varlen is not None:
+        vl = spec.varlen
+        out = spec.q.new_zeros((vl.num_seqs, spec.heads, vl.max_seqlen_q, vl.max_seqlen_k))
+        for b, sub, (q0, q1), _ in _sequences(spec):
+            out[b:b + 1, :, :q1 - q0, :sub.seqlen_k] = probs(sub)
+        return out
     ct = compute_dtype(spec.q)
     kf = spec.k.to(ct)
-    c = _Chunk(spec, 0, spec.seqlen_q, kf)
-    p = torch.nn.functional.dropout(c.p, dropout_p, training=True)
-    out = (_grouped(p, spec.kv_heads) @ spec.v.to(ct).unsqueeze(2)).flatten(1, 2)
-    return out.to(spec.q.dtype), c.lse.detach().to(stats_dtype(spec.q.dtype))
+    out = spec.q.new_zeros((spec.batch, spec.heads, spec.seqlen_q, spec.seqlen_k))
+    for r0, r1 in _row_chunks(spec):
+        c = _Chunk(spec, r0, r1, kf)
+        x = torch.where(c.visible, c.p * c.total, 0.0)  # exp(s - m)
+        if c.keep is not None:
+            x = torch.where(c.visible & ~c.keep, -x, x)  # -0.0 for a dropped exp(s - m) that underflows
+        out[:, :, r0:r1] = x
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Varlen: one padded problem per sequence (boundaries read on the host).
+# ---------------------------------------------------------------------------
+
+def _sequences(spec: AttentionSpec) -> Iterator[tuple[int, AttentionSpec, tuple[int, int], tuple[int, int]]]:
+    """Per sequence b: (b, its padded spec (batch 1), its q rows, its key rows [k0, k0 + lk_rows)),
+    with the kernels' clamping of out-of-range index values (shaders/flash_common.h, flash::seq_of)."""
+    vl = spec.varlen
+    total_q, total_k = spec.seqlen_q, spec.seqlen_k
+    cu_q, cu_k = vl.cu_seqlens_q.tolist(), vl.cu_seqlens_k.tolist()
+    used = vl.seqused_k.tolist() if vl.seqused_k is not None else None
+    clamp = (lambda x, lo, hi: max(lo, min(x, hi)))
+    for b in range(vl.num_seqs):
+        q0 = clamp(cu_q[b], 0, total_q)
+        lq = min(clamp(cu_q[b + 1], q0, total_q) - q0, vl.max_seqlen_q)
+        if vl.block_table is not None:
+            page = spec.k.shape[2]
+            k0, lk_rows = 0, min(clamp(cu_k[b + 1] - cu_k[b], 0, vl.block_table.shape[1] * page), vl.max_seqlen_k)
+        else:
+            k0 = clamp(cu_k[b], 0, total_k)
+            lk_rows = min(clamp(cu_k[b + 1], k0, total_k) - k0, vl.max_seqlen_k)
+        lk = clamp(used[b], 0, lk_rows) if used is not None else lk_rows
+        if vl.block_table is not None:
+            pos = torch.arange(lk, device=spec.k.device)
+            blocks = vl.block_table[b].to(spec.k.device)[pos // page].clamp(0, spec.k.shape[0] - 1)
+            k, v = (t[blocks, :, pos % page].transpose(0, 1)[None] for t in (spec.k, spec.v))
+        else:
+            k, v = spec.k[:, :, k0:k0 + lk], spec.v[:, :, k0:k0 + lk]
+        sub = dataclasses.replace(
+            spec, q=spec.q[:, :, q0:q0 + lq], k=k, v=v,
+            alibi_slopes=None if spec.alibi_slopes is None else spec.alibi_slopes[b:b + 1],
+            diag_offset=spec.diag_offset + lk - lq, varlen=None,
+            dropout=None if spec.dropout is None else dataclasses.replace(spec.dropout, batch_offset=b))
+        yield b, sub, (q0, q0 + lq), (k0, k0 + lk_rows)
+
+
+def _varlen_forward(spec: AttentionSpec, aux: Optional[torch.Tensor]):
+    out = empty_in_layout(spec.q, spec.head_dim_v).zero_()
+    lse = torch.full(spec.q.shape[:3], float("inf"), dtype=stats_dtype(spec.q.dtype), device=spec.q.device)
+    if aux is not None:
+        aux.zero_()
+    for _, sub, (q0, q1), _ in _sequences(spec):
+        o, l_ = forward(sub, None if aux is None else aux[:, :, q0:q1])
+        out[:, :, q0:q1] = o
+        lse[:, :, q0:q1] = l_
+    return out, lse
+
+
+def _varlen_backward(spec: AttentionSpec, dout, out, aux, dlse):
+    if spec.varlen.block_table is not None:
+        raise NotImplementedError("paged K/V (block_table) is inference-only: no backward")
+    ct = compute_dtype(spec.q)
+    dq = empty_in_layout(spec.q).zero_()
+    dk = torch.zeros(spec.k.shape, dtype=ct, device=spec.k.device)
+    dv = torch.zeros(spec.v.shape, dtype=ct, device=spec.v.device)
+    dsinks = torch.zeros((spec.heads,) if spec.sinks is not None else (0,), dtype=ct, device=spec.q.device)
+    for _, sub, (q0, q1), (k0, _) in _sequences(spec):
+        if q1 == q0 or sub.seqlen_k == 0:
+            continue
+        g = backward(sub, dout[:, :, q0:q1], out[:, :, q0:q1], aux[:, :, q0:q1],
+                     None if dlse is None else dlse[:, :, q0:q1])
+        dq[:, :, q0:q1] = g[0]
+        dk[:, :, k0:k0 + sub.seqlen_k] += g[1].to(ct)
+        dv[:, :, k0:k0 + sub.seqlen_k] += g[2].to(ct)
+        if spec.sinks is not None:
+            dsinks += g[4]
+    return dq, _like(dk, spec.k), _like(dv, spec.v), torch.empty((0,), dtype=ct, device=spec.q.device), dsinks

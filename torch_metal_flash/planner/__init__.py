@@ -33,7 +33,13 @@ def plan_forward(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor, aux:
     whatever the shape.  A call that keeps ``aux`` for a backward takes the
     prefill kernels (the backward kernels recompute their scores bit for bit;
     a problem they decline falls back to the reference path, which writes aux).
-    ``pipeline_info``: the backend's pipeline limits (:mod:`.limits`)."""
+    ``pipeline_info``: the backend's pipeline limits (:mod:`.limits`).  Dropout and
+    varlen run on the prefill kernels only."""
+    if spec.dropout is not None or spec.varlen is not None:
+        if decode.only_decode_kernels(spec):
+            return Unsupported("dropout and varlen need K/V in q's dtype (quantized and mixed-precision K/V "
+                               "run on the decode kernels only)")
+        return plan_prefill(spec, out, lse, aux, family, pipeline_info)
     only_decode = aux is None and decode.only_decode_kernels(spec)
     if only_decode or (aux is None and decode.route_reason(spec) is None):
         plan = decode.plan_decode_spec(spec, out, lse, pipeline_info=pipeline_info)

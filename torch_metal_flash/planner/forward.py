@@ -6,7 +6,10 @@ gradients are needed) into one launch: the tile from the table
 (:mod:`.tiles`), the grid ``(ceil(pack * Lq / BQ), Hq / pack, B)`` (``pack``
 query heads of a GQA group share a threadgroup when their rows are short),
 the function constants that switch features on, and the params struct with
-every stride.  Tensors are
+every stride.  A varlen problem (cu_seqlens) is one launch too: the grid covers
+``max_seqlen_q`` rows of every sequence and the kernel reads the sequence
+boundaries on the GPU; dropout regenerates its mask from ``rng_state`` (no
+stored mask).  Tensors are
 bound as they are (no copies of q/k/v/mask; a broadcast mask is read through
 its 0 strides).  The per-head vectors (ALiBi slopes, sinks) must arrive as
 float32 (the faces convert them); the planner derives no tensors (see
@@ -19,6 +22,7 @@ from typing import Optional, Union
 
 import torch
 
+from .. import philox
 from ..plan import Launch, Plan, Unsupported
 from ..spec import AttentionSpec, aux_width
 from .limits import PipelineInfo, first_fitting
@@ -37,11 +41,17 @@ FC_HAS_BAND = 5
 FC_DIMS_ALIGNED = 6
 FC_KV_VEC_ALIGNED = 7
 FC_HAS_AUX = 8
+FC_IS_VARLEN = 9
+FC_HAS_SEQUSED_K = 10
+FC_IS_PAGED = 11
+FC_HAS_DROPOUT = 12
+FC_HAS_PROBS = 13
 
 MASK_KINDS = {torch.bool: 1, torch.float32: 2, torch.float16: 3, torch.bfloat16: 4}
 
 # [[buffer(i)]] indices
-BUF_Q, BUF_K, BUF_V, BUF_O, BUF_LSE, BUF_PARAMS, BUF_MASK, BUF_ALIBI, BUF_SINKS, BUF_AUX = range(10)
+(BUF_Q, BUF_K, BUF_V, BUF_O, BUF_LSE, BUF_PARAMS, BUF_MASK, BUF_ALIBI, BUF_SINKS, BUF_AUX, BUF_CU_Q, BUF_CU_K,
+ BUF_SEQUSED_K, BUF_BLOCK_TABLE, BUF_RNG, BUF_PROBS) = range(16)
 
 _INT32_MAX = 2**31 - 1
 # Positions, offsets and windows are 32-bit ints in the kernel; with sizes and
@@ -66,7 +76,9 @@ def check_problem(spec: AttentionSpec) -> Optional[str]:
     B, Hq, Lq, D = q.shape
     _, Hkv, Lk, _ = k.shape
     Dv = v.shape[3]
-    if k.shape[0] != B or v.shape[0] != B or v.shape[1] != Hkv or v.shape[2] != Lk or k.shape[3] != D:
+    paged = spec.varlen is not None and spec.varlen.block_table is not None
+    if (not paged and (k.shape[0] != B or v.shape[0] != B)) or v.shape[0] != k.shape[0] or v.shape[1] != Hkv \
+            or v.shape[2] != Lk or k.shape[3] != D:
         return f"inconsistent shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
     if Hkv == 0 or Hq % Hkv != 0:
         return f"query heads {Hq} not a multiple of KV heads {Hkv}"
@@ -90,7 +102,7 @@ def check_problem(spec: AttentionSpec) -> Optional[str]:
         if tuple(m.shape) != (B, Hq, Lq, Lk):
             return f"mask must be a (B, Hq, Lq, Lk) broadcast view, got {tuple(m.shape)}"
     if spec.alibi_slopes is not None:
-        if tuple(spec.alibi_slopes.shape) != (B, Hq):
+        if tuple(spec.alibi_slopes.shape) != (spec.num_seqs, Hq):
             return f"alibi_slopes must be a (B, Hq) view, got {tuple(spec.alibi_slopes.shape)}"
         if spec.alibi_slopes.dtype != torch.float32:
             return f"alibi_slopes must be float32 for the kernels, got {spec.alibi_slopes.dtype}"
@@ -102,6 +114,52 @@ def check_problem(spec: AttentionSpec) -> Optional[str]:
             return f"sinks must be a contiguous float32 vector for the kernels, got {s.dtype}, strides {s.stride()}"
     if not (math.isfinite(spec.scale) and math.isfinite(spec.softcap)) or spec.softcap < 0:
         return "scale and softcap must be finite (softcap >= 0)"
+    return _check_dropout(spec) or _check_varlen(spec)
+
+
+def _int32_vector(name: str, t: torch.Tensor, shape: tuple) -> Optional[str]:
+    if t.dtype != torch.int32 or tuple(t.shape) != shape or not t.is_contiguous():
+        return f"{name} must be a contiguous int32 tensor of shape {shape} for the kernels, got {t.dtype} " \
+               f"{tuple(t.shape)}"
+    return None
+
+
+def _check_dropout(spec: AttentionSpec) -> Optional[str]:
+    d = spec.dropout
+    if d is None:
+        return None
+    if not 0.0 < d.p <= 1.0:
+        return f"dropout_p must be in (0, 1], got {d.p}"
+    r = d.rng_state
+    if r is None or r.dtype != torch.int64 or tuple(r.shape) != (2,) or not r.is_contiguous():
+        return "rng_state must be a contiguous int64 (seed, offset) pair for the kernels"
+    return None
+
+
+def _check_varlen(spec: AttentionSpec) -> Optional[str]:
+    vl = spec.varlen
+    if vl is None:
+        return None
+    n = vl.num_seqs
+    if spec.q.shape[0] != 1 or (vl.block_table is None and spec.k.shape[0] != 1):
+        return "varlen q/k/v must be (1, H, total, D) views"
+    if spec.mask is not None:
+        return "attn_mask is not supported with cu_seqlens"
+    for name, t, shape in (("cu_seqlens_q", vl.cu_seqlens_q, (n + 1,)), ("cu_seqlens_k", vl.cu_seqlens_k, (n + 1,)),
+                           ("seqused_k", vl.seqused_k, (n,))):
+        if t is not None:
+            reason = _int32_vector(name, t, shape)
+            if reason is not None:
+                return reason
+    bt = vl.block_table
+    if bt is not None and (bt.dtype != torch.int32 or bt.dim() != 2 or bt.shape[0] != n
+                           or not _last_dim_contiguous(bt)):
+        return f"block_table must be int32 ({n}, max_blocks) with a contiguous last dim, got {bt.dtype} " \
+               f"{tuple(bt.shape)}"
+    if not 0 <= vl.max_seqlen_q <= _POS_LIMIT or not 0 <= vl.max_seqlen_k <= _POS_LIMIT:
+        return "max_seqlen_q / max_seqlen_k must be in [0, 2^28]"
+    if bt is not None and bt.shape[1] * spec.k.shape[2] > _POS_LIMIT:
+        return "paged capacity beyond 2^28 keys"
     return None
 
 
@@ -161,13 +219,17 @@ def gqa_pack(gqa: int, seqlen_q: int, bq: int) -> int:
 def effective_band(spec: AttentionSpec) -> tuple[int, int, bool]:
     """(window_left, window_right, has_band) for the kernels: a window side wider
     than every (i, j) distance constrains nothing and becomes -1."""
-    reach = spec.seqlen_q + spec.seqlen_k + abs(spec.diag_offset) + 1
+    if spec.varlen is not None:  # per sequence: diag_offset + Lk_b - Lq_b
+        reach = 2 * (spec.varlen.max_seqlen_q + spec.varlen.max_seqlen_k) + abs(spec.diag_offset) + 1
+    else:
+        reach = spec.seqlen_q + spec.seqlen_k + abs(spec.diag_offset) + 1
     wl, wr = (-1 if w < 0 or w >= reach else w for w in (spec.window_left, spec.window_right))
     return wl, wr, wl >= 0 or wr >= 0
 
 
 def plan_forward(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor, aux: Optional[torch.Tensor] = None,
-                 family: str = "apple8", pipeline_info: Optional[PipelineInfo] = None) -> Union[Plan, Unsupported]:
+                 family: str = "apple8", pipeline_info: Optional[PipelineInfo] = None,
+                 probs: Optional[torch.Tensor] = None) -> Union[Plan, Unsupported]:
     """The ``flash_fwd.metal`` launch for the op's forward (the prefill kernel).
 
     ``aux`` (see :mod:`torch_metal_flash.spec`), when given, receives the row
@@ -176,23 +238,51 @@ def plan_forward(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor, aux:
     first and everything else here.  With ``pipeline_info`` (the backend's),
     the table's tile is checked against its pipeline's limits and a fitting
     one of larger buckets taken when it does not fit (:mod:`.limits`).
+    ``probs`` (debug: flash-attn's ``S_dmask``, (num_seqs, Hq, max_seqlen_q,
+    max_seqlen_k) in q's dtype) receives every element's ``exp(s - m)`` with the
+    row's final max ``m``, its sign bit set when dropout drops it.
     """
-    reason = _check(spec, out, lse, aux)
+    reason = _check(spec, out, lse, aux) or _check_probs(spec, probs)
     if reason is not None:
         return Unsupported(reason)
     try:
         tiles = forward_candidates(spec.q.dtype, max(spec.head_dim, spec.head_dim_v), family)
     except (KeyError, ValueError) as e:
         return Unsupported(str(e))
-    if spec.batch == 0 or spec.heads == 0 or spec.seqlen_q == 0:
+    max_q, _ = max_seqlens(spec)
+    if spec.num_seqs == 0 or spec.heads == 0 or spec.seqlen_q == 0 or max_q == 0:
         return Plan(launches=())
-    return first_fitting((_plan_tile(spec, out, lse, aux, tile) for tile in tiles), pipeline_info)
+    return first_fitting((_plan_tile(spec, out, lse, aux, tile, probs) for tile in tiles), pipeline_info)
+
+
+def max_seqlens(spec: AttentionSpec) -> tuple[int, int]:
+    """The longest query and key lengths the grids cover (the sizes, or varlen's maxima)."""
+    if spec.varlen is not None:
+        return spec.varlen.max_seqlen_q, spec.varlen.max_seqlen_k
+    return spec.seqlen_q, spec.seqlen_k
+
+
+def probs_shape(spec: AttentionSpec) -> tuple[int, int, int, int]:
+    return (spec.num_seqs, spec.heads, *max_seqlens(spec))
+
+
+def _check_probs(spec: AttentionSpec, probs: Optional[torch.Tensor]) -> Optional[str]:
+    if probs is not None and (tuple(probs.shape) != probs_shape(spec) or probs.dtype != spec.q.dtype
+                              or not probs.is_contiguous()):
+        return f"probs must be contiguous {spec.q.dtype} {probs_shape(spec)}"
+    return None
 
 
 def function_constants(mask_kind: int, alibi: bool, sinks: bool, softcap: bool, band: bool, dims_aligned: bool,
-                       kv_vec_aligned: bool, aux: bool) -> dict:
+                       kv_vec_aligned: bool, aux: bool, varlen: bool = False, seqused_k: bool = False,
+                       paged: bool = False, dropout: bool = False, probs: bool = False) -> dict:
     """The ``[[function_constant]]`` values of ``flash_fwd.metal`` for these features."""
     return {
+        FC_IS_VARLEN: varlen,
+        FC_HAS_SEQUSED_K: varlen and seqused_k,
+        FC_IS_PAGED: varlen and paged,
+        FC_HAS_DROPOUT: dropout,
+        FC_HAS_PROBS: probs,
         FC_HAS_MASK: mask_kind != 0,
         FC_MASK_KIND: mask_kind,
         FC_HAS_ALIBI: alibi,
@@ -208,14 +298,17 @@ def function_constants(mask_kind: int, alibi: bool, sinks: bool, softcap: bool, 
 # Every value plan_forward can pass to function_constants() (the doctor enumerates the variants from these).
 FEATURE_VALUES = {"mask_kind": (0, *MASK_KINDS.values()), "alibi": (False, True), "sinks": (False, True),
                   "softcap": (False, True), "band": (False, True), "dims_aligned": (False, True),
-                  "kv_vec_aligned": (False, True), "aux": (False, True)}
+                  "kv_vec_aligned": (False, True), "aux": (False, True), "varlen": (False, True),
+                  "seqused_k": (False, True), "paged": (False, True), "dropout": (False, True),
+                  "probs": (False, True)}
 
 
 def _plan_tile(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor, aux: Optional[torch.Tensor],
-               tile: ForwardTile) -> Plan:
+               tile: ForwardTile, probs: Optional[torch.Tensor] = None) -> Plan:
     q, k, v = spec.q, spec.k, spec.v
     B, Hq, Lq, D = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    max_q, max_k = max_seqlens(spec)
     wl, wr, has_band = effective_band(spec)
     has_softcap = spec.softcap > 0
 
@@ -228,13 +321,29 @@ def _plan_tile(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor, aux: O
     p.seqlen_q, p.seqlen_k, p.head_dim, p.head_dim_v = Lq, Lk, D, Dv
     p.diag_offset, p.window_left, p.window_right = spec.diag_offset, wl, wr
     G = Hq // Hkv
-    p.pack = gqa_pack(G, Lq, tile.bq)
-    p.num_q_blocks = -(-(p.pack * Lq) // tile.bq)
+    p.pack = 1 if probs is not None else gqa_pack(G, max_q, tile.bq)  # the probs pass writes unpacked rows
+    p.num_q_blocks = -(-(p.pack * max_q) // tile.bq)
+    p.num_seqs, p.max_seqlen_q, p.max_seqlen_k = spec.num_seqs, max_q, max_k
     p.qk_scale, p.softcap = score_scale(spec)
 
     buffers: dict = {BUF_Q: q, BUF_K: k, BUF_V: v, BUF_O: out, BUF_LSE: lse}
     if aux is not None:
         buffers[BUF_AUX] = aux
+    if probs is not None:
+        buffers[BUF_PROBS] = probs
+    vl = spec.varlen
+    if vl is not None:
+        buffers[BUF_CU_Q], buffers[BUF_CU_K] = vl.cu_seqlens_q, vl.cu_seqlens_k
+        if vl.seqused_k is not None:
+            buffers[BUF_SEQUSED_K] = vl.seqused_k
+        if vl.block_table is not None:
+            buffers[BUF_BLOCK_TABLE] = vl.block_table
+            p.bt_stride_b = vl.block_table.stride(0)
+            p.page_size, p.num_blocks, p.max_blocks = Lk, k.shape[0], vl.block_table.shape[1]
+    if spec.dropout is not None:
+        buffers[BUF_RNG] = spec.dropout.rng_state
+        p.dropout_threshold = philox.threshold(spec.dropout.p)
+        p.dropout_scale = philox.keep_scale(spec.dropout.p)
     mask_kind = 0
     if spec.mask is not None:
         m = spec.mask
@@ -251,11 +360,13 @@ def _plan_tile(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor, aux: O
     dims_aligned = D == tile.bd and Dv == tile.bd
     constants = function_constants(mask_kind, spec.alibi_slopes is not None, spec.sinks is not None, has_softcap,
                                    has_band, dims_aligned, dims_aligned and _vec4_aligned(k) and _vec4_aligned(v),
-                                   aux is not None)
+                                   aux is not None, vl is not None, vl is not None and vl.seqused_k is not None,
+                                   vl is not None and vl.block_table is not None, spec.dropout is not None,
+                                   probs is not None)
     launch = Launch(
         source=SOURCE,
         kernel=tile.kernel,
-        threadgroups=(p.num_q_blocks, Hq // p.pack, B),
+        threadgroups=(p.num_q_blocks, Hq // p.pack, spec.num_seqs),
         threadgroup=(tile.threads, 1, 1),
         buffers=buffers,
         function_constants=constants,
