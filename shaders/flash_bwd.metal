@@ -38,8 +38,19 @@
 //   x = scale * q.k; x = cap * tanh(x / cap); x -= slope |i + diag - j|;
 //   x += bias[i, j]; visible iff band and bool mask.
 //
+// Varlen (is_varlen, has_seqused_k: function constants 9 and 10, as in
+// flash_fwd.metal): grid entry z is a sequence (flash::seq_of); the dQ kernel
+// covers max_seqlen_q rows, the dK/dV kernel max_seqlen_k key rows of each
+// sequence, threadgroups past a sequence's rows return at once, and dK/dV rows
+// of keys past seqused_k are written as zeros.  The preprocess and dsinks
+// kernels run over the tensors' rows as they are.  Dropout (has_dropout, 12):
+// the forward's Philox mask is regenerated per element (flash::Dropout): with
+// Z = keep / (1 - p), dP = (dO V^T) Z, dS = P (dP - delta), dV += (P Z)^T dO
+// (delta = rowsum(dO * O) of the dropped output O).
+//
 // Function constants: 0-6 as in flash_fwd.metal (mask, mask kind, ALiBi,
-// sinks, softcap, band, dims aligned), 7 has_dbias, 8 has_dlse.
+// sinks, softcap, band, dims aligned), 7 has_dbias, 8 has_dlse, 9 is_varlen,
+// 10 has_seqused_k, 12 has_dropout.
 // Threadgroup memory per variant: planner/backward_tiles.py and
 // bench/results/backward.md (all <= 17.4 KiB).
 #include "flash_common.h"
@@ -55,6 +66,9 @@ constant bool has_band [[function_constant(5)]];
 constant bool dims_aligned [[function_constant(6)]];
 constant bool has_dbias [[function_constant(7)]];
 constant bool has_dlse [[function_constant(8)]];
+constant bool is_varlen [[function_constant(9)]];
+constant bool has_seqused_k [[function_constant(10)]];
+constant bool has_dropout [[function_constant(12)]];
 
 namespace flash_bwd {
 
@@ -76,7 +90,7 @@ struct Score {
 // pre-scaled by f.qk_scale), written exactly as flash_fwd.metal writes it so
 // that both compile to the same operations; and the tanh for the softcap
 // chain rule.  `vis` is and-ed with the bool mask.
-inline Score transform(float x, int i, int j, float slope, long mask_off,
+inline Score transform(float x, int i, int j, float slope, int diag, long mask_off,
                        const device uchar* mask, constant FlashFwdParams& f, thread bool& vis) {
   Score r;
   r.th = 0.0f;
@@ -85,7 +99,7 @@ inline Score transform(float x, int i, int j, float slope, long mask_off,
     r.th = flash::tanh_stable(x);  // finite for any x under fast math
     s = r.th * f.softcap;
   }
-  if (has_alibi) s -= slope * float(abs(i + f.diag_offset - j));
+  if (has_alibi) s -= slope * float(abs(i + diag - j));
   if (has_mask && vis) {
     if (mask_kind == flash::kMaskBool) {
       vis = mask[mask_off] != 0;
@@ -186,6 +200,13 @@ template <typename T>
   }
 }
 
+// The varlen index vectors and the dropout state, bound to the dQ and dK/dV kernels.
+#define FLASH_BWD_VARLEN_ARGS                                                    \
+  const device int* cu_q [[buffer(11), function_constant(is_varlen)]],           \
+      const device int* cu_k [[buffer(12), function_constant(is_varlen)]],       \
+      const device int* seqused [[buffer(13), function_constant(has_seqused_k)]], \
+      const device long* rng [[buffer(14), function_constant(has_dropout)]],
+
 // ---------------------------------------------------------------------------
 // 2. dQ (and dbias).
 // ---------------------------------------------------------------------------
@@ -198,6 +219,7 @@ template <typename T>
       const device float* alibi [[buffer(8), function_constant(has_alibi)]],     \
       device T* dq [[buffer(9)]],                                                \
       device float* dbias [[buffer(10), function_constant(has_dbias)]],          \
+      FLASH_BWD_VARLEN_ARGS                                                      \
       uint3 tgid [[threadgroup_position_in_grid]],                               \
       ushort tid [[thread_index_in_threadgroup]],                                \
       ushort sg [[simdgroup_index_in_threadgroup]],                              \
@@ -219,21 +241,24 @@ template <typename T, int BD, int BQ, int BK>
   constant FlashFwdParams& f = p.f;
   const bool aligned = dims_aligned;  // (a plain bool argument below)
   const int b = int(tgid.z);
+  const flash::Seq sq = flash::seq_of(f, b, is_varlen, false, has_seqused_k, cu_q, cu_k, seqused);
   const int h = int(tgid.y);
   const int kvh = h / f.gqa;
-  const int Lq = f.seqlen_q;
-  const int Lk = f.seqlen_k;
+  const int Lq = sq.lq;
+  const int Lk = sq.lk;
   const int q0 = int(tgid.x) * BQ;
+  if (q0 >= Lq) return;  // past this sequence's rows (varlen); all threads alike
   const int r0 = q0 + int(sg) * 8;
   const flash::FragCoord fc = flash::frag_coord(lane);
   const int my_row = r0 + fc.row;
   const bool row_ok = my_row < Lq;
   const int i_last = min(q0 + BQ, Lq) - 1;
 
-  const device T* qp = q + long(b) * f.q_stride_b + long(h) * f.q_stride_h + long(r0) * f.q_stride_l;
-  const device T* dop = dout + long(b) * p.do_stride_b + long(h) * p.do_stride_h + long(r0) * p.do_stride_l;
-  const device T* kp = k + long(b) * f.k_stride_b + long(kvh) * f.k_stride_h;
-  const device T* vp = v + long(b) * f.v_stride_b + long(kvh) * f.v_stride_h;
+  const long row0 = long(sq.q0 + r0);  // the simdgroup's first row in the tensors
+  const device T* qp = q + long(sq.bt) * f.q_stride_b + long(h) * f.q_stride_h + row0 * f.q_stride_l;
+  const device T* dop = dout + long(sq.bt) * p.do_stride_b + long(h) * p.do_stride_h + row0 * p.do_stride_l;
+  const device T* kp = k + long(sq.bt) * f.k_stride_b + long(kvh) * f.k_stride_h + long(sq.k0) * f.k_stride_l;
+  const device T* vp = v + long(sq.bt) * f.v_stride_b + long(kvh) * f.v_stride_h + long(sq.k0) * f.v_stride_l;
 
   simdgroup_float8x8 Qf[NF];
   simdgroup_float8x8 dOf[NF];
@@ -246,9 +271,11 @@ template <typename T, int BD, int BQ, int BK>
     dQf[dd] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
   }
 
-  const long row_idx = (long(b) * f.heads + h) * long(Lq) + my_row;
+  const long row_idx = (long(sq.bt) * f.heads + h) * long(f.seqlen_q) + sq.q0 + my_row;
   const float2 my_stats = row_ok ? stats[row_idx] : float2(0.0f, 0.0f);
   const float my_delta = row_ok ? delta[row_idx] : 0.0f;
+  flash::Dropout drop{};
+  if (has_dropout) drop = flash::dropout_of(rng, b, f.heads, h, f.dropout_threshold);
 
   float slope = 0.0f;
   if (has_alibi) slope = alibi[long(b) * f.a_stride_b + long(h) * f.a_stride_h];
@@ -259,7 +286,7 @@ template <typename T, int BD, int BQ, int BK>
     db_row = dbias + long(b) * p.db_stride_b + long(h) * p.db_stride_h + long(my_row) * p.db_stride_q;
   }
 
-  const flash::Band band{f.diag_offset, f.window_left, f.window_right};
+  const flash::Band band{sq.diag, f.window_left, f.window_right};
   int k_lo = 0;
   int k_hi = Lk;
   if (has_band) band.key_range(q0, i_last, Lk, k_lo, k_hi);
@@ -311,17 +338,25 @@ template <typename T, int BD, int BQ, int BK>
       // dS, element-wise (kept in S).
       const bool need_bounds = kb + BK > Lk;
       for (int kk = 0; kk < NK; ++kk) {
+        float zs[2] = {1.0f, 1.0f};  // dropout: keep / (1 - p)
+        if (has_dropout) {
+          bool keep0, keep1;
+          drop.keep2(my_row, kb + kk * 8 + fc.col, keep0, keep1);
+          zs[0] = keep0 ? f.dropout_scale : 0.0f;
+          zs[1] = keep1 ? f.dropout_scale : 0.0f;
+        }
         for (int e = 0; e < 2; ++e) {
           const int j = kb + kk * 8 + fc.col + e;
           bool vis = row_ok;
           if (need_bounds) vis = vis && j < Lk;
           if (need_band) vis = vis && band.visible(my_row, j);
           const flash_bwd::Score sc = flash_bwd::transform(
-              S[kk].thread_elements()[e], my_row, j, slope, mask_row + long(j) * f.m_stride_k, mask, f, vis);
+              S[kk].thread_elements()[e], my_row, j, slope, sq.diag, mask_row + long(j) * f.m_stride_k, mask, f,
+              vis);
           float ds = 0.0f;
           if (vis) {
             const float pr = flash_bwd::prob(sc.s, my_stats);
-            ds = pr * (dP[kk].thread_elements()[e] - my_delta);
+            ds = pr * (dP[kk].thread_elements()[e] * zs[e] - my_delta);
           }
           if (has_dbias && row_ok && j < Lk) db_row[j] = ds;
           if (has_softcap) ds *= 1.0f - sc.th * sc.th;
@@ -362,7 +397,7 @@ template <typename T, int BD, int BQ, int BK>
     }
   }
 
-  device T* dqp = dq + long(b) * p.dq_stride_b + long(h) * p.dq_stride_h + long(r0) * p.dq_stride_l;
+  device T* dqp = dq + long(sq.bt) * p.dq_stride_b + long(h) * p.dq_stride_h + row0 * p.dq_stride_l;
   for (int dd = 0; dd < NF; ++dd) {
     flash::store_frag_device(dQf[dd], dqp + dd * 8, p.dq_stride_l, Lq - r0, f.head_dim - dd * 8, fc, 1.0f);
   }
@@ -379,6 +414,7 @@ template <typename T, int BD, int BQ, int BK>
       const device uchar* mask [[buffer(7), function_constant(has_mask)]],       \
       const device float* alibi [[buffer(8), function_constant(has_alibi)]],     \
       device T* dk [[buffer(9)]], device T* dv [[buffer(10)]],                   \
+      FLASH_BWD_VARLEN_ARGS                                                      \
       uint3 tgid [[threadgroup_position_in_grid]],                               \
       ushort tid [[thread_index_in_threadgroup]],                                \
       ushort sg [[simdgroup_index_in_threadgroup]],                              \
@@ -404,17 +440,21 @@ template <typename T, int BD, int BK, int BQ, int MODE>
   constant FlashFwdParams& f = p.f;
   const bool aligned = dims_aligned;  // (a plain bool argument below)
   const int b = int(tgid.z);
+  const flash::Seq sq = flash::seq_of(f, b, is_varlen, false, has_seqused_k, cu_q, cu_k, seqused);
   const int kvh = int(tgid.y);
-  const int Lq = f.seqlen_q;
-  const int Lk = f.seqlen_k;
+  const int Lq = sq.lq;
+  const int Lk = sq.lk;
   const int kb0 = int(tgid.x) * BK;
+  // Past this sequence's key rows (varlen); key rows in [lk, lk_rows) get zero gradients.
+  if (kb0 >= sq.lk_rows) return;
   const int c0 = kb0 + int(sg) * 8;  // first key row of this simdgroup
   const flash::FragCoord fc = flash::frag_coord(lane);
   const int my_key = c0 + fc.row;
   const bool key_ok = my_key < Lk;
 
-  const device T* kp = k + long(b) * f.k_stride_b + long(kvh) * f.k_stride_h + long(c0) * f.k_stride_l;
-  const device T* vp = v + long(b) * f.v_stride_b + long(kvh) * f.v_stride_h + long(c0) * f.v_stride_l;
+  const long key0 = long(sq.k0 + c0);  // the simdgroup's first key row in the tensors
+  const device T* kp = k + long(sq.bt) * f.k_stride_b + long(kvh) * f.k_stride_h + key0 * f.k_stride_l;
+  const device T* vp = v + long(sq.bt) * f.v_stride_b + long(kvh) * f.v_stride_h + key0 * f.v_stride_l;
 
   simdgroup_float8x8 Kf[NF];
   simdgroup_float8x8 Vf[NF];
@@ -430,10 +470,10 @@ template <typename T, int BD, int BK, int BQ, int MODE>
   }
 
   // Query rows whose band reaches this threadgroup's keys, and this simdgroup's.
-  const flash::Band band{f.diag_offset, f.window_left, f.window_right};
+  const flash::Band band{sq.diag, f.window_left, f.window_right};
   const int kb_last = min(kb0 + BK, Lk) - 1;
   int q_lo = 0;
-  int q_hi = Lq;
+  int q_hi = kb0 < Lk ? Lq : 0;  // keys past seqused_k see no query
   if (has_band) flash::query_range(band, kb0, kb_last, Lq, q_lo, q_hi);
   const int qb_begin = (q_lo / BQ) * BQ;
   const int sg_klast = min(c0 + 7, Lk - 1);
@@ -443,9 +483,11 @@ template <typename T, int BD, int BK, int BQ, int MODE>
 
   for (int g = 0; g < f.gqa; ++g) {
     const int h = kvh * f.gqa + g;
-    const device T* qp = q + long(b) * f.q_stride_b + long(h) * f.q_stride_h;
-    const device T* dop = dout + long(b) * p.do_stride_b + long(h) * p.do_stride_h;
-    const long stat_base = (long(b) * f.heads + h) * long(Lq);
+    const device T* qp = q + long(sq.bt) * f.q_stride_b + long(h) * f.q_stride_h + long(sq.q0) * f.q_stride_l;
+    const device T* dop = dout + long(sq.bt) * p.do_stride_b + long(h) * p.do_stride_h + long(sq.q0) * p.do_stride_l;
+    const long stat_base = (long(sq.bt) * f.heads + h) * long(f.seqlen_q) + sq.q0;
+    flash::Dropout drop{};
+    if (has_dropout) drop = flash::dropout_of(rng, b, f.heads, h, f.dropout_threshold);
     float slope = 0.0f;
     if (has_alibi) slope = alibi[long(b) * f.a_stride_b + long(h) * f.a_stride_h];
     long mask_base = 0;
@@ -509,16 +551,19 @@ template <typename T, int BD, int BK, int BQ, int MODE>
             if (need_bounds) vis = key_ok && i < Lq;
             if (need_band) vis = vis && band.visible(i, my_key);
             const flash_bwd::Score sc = flash_bwd::transform(
-                St[qq].thread_elements()[e], i, my_key, slope, mask_base + long(i) * f.m_stride_q, mask, f, vis);
+                St[qq].thread_elements()[e], i, my_key, slope, sq.diag, mask_base + long(i) * f.m_stride_q, mask,
+                f, vis);
             float pr = 0.0f;
             float ds = 0.0f;
             if (vis) {
               pr = flash_bwd::prob(sc.s, stat_tile[ii]);
+              const float zs = has_dropout ? (drop.keep(i, my_key) ? f.dropout_scale : 0.0f) : 1.0f;
               if (kDK) {
-                ds = pr * (dPt[qq].thread_elements()[e] - delta_tile[ii]);
+                ds = pr * (dPt[qq].thread_elements()[e] * zs - delta_tile[ii]);
                 if (has_softcap) ds *= 1.0f - sc.th * sc.th;
                 ds *= p.scale;
               }
+              pr *= zs;  // dV takes the dropped probabilities
             }
             St[qq].thread_elements()[e] = pr;
             if (kDK) dPt[qq].thread_elements()[e] = ds;
@@ -552,16 +597,17 @@ template <typename T, int BD, int BK, int BQ, int MODE>
     }
   }
 
+  const int rows_out = sq.lk_rows - c0;  // zeros past seqused_k
   if (kDK) {
-    device T* dkp = dk + long(b) * p.dk_stride_b + long(kvh) * p.dk_stride_h + long(c0) * p.dk_stride_l;
+    device T* dkp = dk + long(sq.bt) * p.dk_stride_b + long(kvh) * p.dk_stride_h + key0 * p.dk_stride_l;
     for (int dd = 0; dd < NF; ++dd) {
-      flash::store_frag_device(dKf[dd], dkp + dd * 8, p.dk_stride_l, Lk - c0, f.head_dim - dd * 8, fc, 1.0f);
+      flash::store_frag_device(dKf[dd], dkp + dd * 8, p.dk_stride_l, rows_out, f.head_dim - dd * 8, fc, 1.0f);
     }
   }
   if (kDV) {
-    device T* dvp = dv + long(b) * p.dv_stride_b + long(kvh) * p.dv_stride_h + long(c0) * p.dv_stride_l;
+    device T* dvp = dv + long(sq.bt) * p.dv_stride_b + long(kvh) * p.dv_stride_h + key0 * p.dv_stride_l;
     for (int dd = 0; dd < NF; ++dd) {
-      flash::store_frag_device(dVf[dd], dvp + dd * 8, p.dv_stride_l, Lk - c0, f.head_dim_v - dd * 8, fc, 1.0f);
+      flash::store_frag_device(dVf[dd], dvp + dd * 8, p.dv_stride_l, rows_out, f.head_dim_v - dd * 8, fc, 1.0f);
     }
   }
 }

@@ -15,6 +15,11 @@ plan:
    fused kernel, or a dK and a dV kernel for head dims above 64).
 4. ``flash_bwd_dsinks`` when the spec has sinks.
 
+Varlen problems take the same launches, the dQ and dK/dV grids covering
+``max_seqlen_q`` / ``max_seqlen_k`` rows of every sequence (the kernels read
+cu_seqlens on the GPU); dropout regenerates the forward's mask from
+``rng_state`` in the dQ and dK/dV kernels.
+
 No atomics anywhere: every output element has one writer and every
 reduction runs in a fixed order, so results are bitwise reproducible.
 Tensors are bound as they are (no copies of q/k/v/out/mask): ``dout`` must
@@ -33,7 +38,9 @@ from ..plan import Launch, Plan, Unsupported
 from ..spec import AttentionSpec
 from .backward_tiles import (DSINKS_KERNEL, DSINKS_THREADS, PRE_ROWS_PER_GROUP, PRE_THREADS, BackwardTiles,
                              backward_candidates, backward_tiles)
-from .forward import MASK_KINDS, _last_dim_contiguous, check_aux, check_problem, effective_band, score_scale
+from .. import philox
+from .forward import (MASK_KINDS, _last_dim_contiguous, check_aux, check_problem, effective_band, max_seqlens,
+                      score_scale)
 from .limits import PipelineInfo, first_fitting
 from .params import FlashFwdParams
 
@@ -49,6 +56,9 @@ FC_HAS_BAND = 5
 FC_DIMS_ALIGNED = 6
 FC_HAS_DBIAS = 7
 FC_HAS_DLSE = 8
+FC_IS_VARLEN = 9
+FC_HAS_SEQUSED_K = 10
+FC_HAS_DROPOUT = 12
 
 # [[buffer(i)]] indices
 # preprocess
@@ -57,6 +67,7 @@ BUF_PRE_DOUT, BUF_PRE_OUT, BUF_PRE_AUX, BUF_PRE_DLSE, BUF_PRE_DELTA, BUF_PRE_STA
 BUF_Q, BUF_K, BUF_V, BUF_DOUT, BUF_STATS, BUF_DELTA, BUF_PARAMS, BUF_MASK, BUF_ALIBI = range(9)
 BUF_DQ, BUF_DBIAS = 9, 10
 BUF_DK, BUF_DV = 9, 10
+BUF_CU_Q, BUF_CU_K, BUF_SEQUSED_K, BUF_RNG = 11, 12, 13, 14
 # dsinks
 BUF_S_STATS, BUF_S_DELTA, BUF_S_SINKS, BUF_S_DSINKS, BUF_S_PARAMS = 0, 1, 2, 3, 6
 
@@ -141,16 +152,22 @@ def plan_backward(spec: AttentionSpec, dout: torch.Tensor, out: torch.Tensor, au
         candidates = backward_candidates(spec.q.dtype, max(spec.head_dim, spec.head_dim_v), family)
     except (KeyError, ValueError) as e:
         return Unsupported(str(e))
-    if spec.batch == 0 or spec.heads == 0 or spec.seqlen_q == 0 or spec.seqlen_k == 0:
+    if spec.varlen is not None and spec.varlen.block_table is not None:
+        return Unsupported("paged K/V (block_table) has no backward")
+    if spec.varlen is None and (spec.batch == 0 or spec.heads == 0 or spec.seqlen_q == 0 or spec.seqlen_k == 0):
         return Unsupported("empty problem (the reference fills the zeros)")
     return first_fitting((_plan_tiles(spec, dout, out, aux, dlse, dq, dk, dv, dbias, dsinks, tiles)
                           for tiles in candidates), pipeline_info)
 
 
 def function_constants(mask_kind: int, alibi: bool, sinks: bool, softcap: bool, band: bool, dims_aligned: bool,
-                       dbias: bool, dlse: bool) -> dict:
+                       dbias: bool, dlse: bool, varlen: bool = False, seqused_k: bool = False,
+                       dropout: bool = False) -> dict:
     """The ``[[function_constant]]`` values of ``flash_bwd.metal`` for these features."""
     return {
+        FC_IS_VARLEN: varlen,
+        FC_HAS_SEQUSED_K: varlen and seqused_k,
+        FC_HAS_DROPOUT: dropout,
         FC_HAS_MASK: mask_kind != 0,
         FC_MASK_KIND: mask_kind,
         FC_HAS_ALIBI: alibi,
@@ -166,7 +183,8 @@ def function_constants(mask_kind: int, alibi: bool, sinks: bool, softcap: bool, 
 # Every value plan_backward can pass to function_constants() (the doctor enumerates the variants from these).
 FEATURE_VALUES = {"mask_kind": (0, *MASK_KINDS.values()), "alibi": (False, True), "sinks": (False, True),
                   "softcap": (False, True), "band": (False, True), "dims_aligned": (False, True),
-                  "dbias": (False, True), "dlse": (False, True)}
+                  "dbias": (False, True), "dlse": (False, True), "varlen": (False, True), "seqused_k": (False, True),
+                  "dropout": (False, True)}
 
 
 def _plan_tiles(spec: AttentionSpec, dout, out, aux, dlse, dq, dk, dv, dbias, dsinks, tiles: BackwardTiles) -> Plan:
@@ -178,6 +196,8 @@ def _plan_tiles(spec: AttentionSpec, dout, out, aux, dlse, dq, dk, dv, dbias, ds
     wl, wr, has_band = effective_band(spec)
     has_softcap = spec.softcap > 0
     qk_scale, softcap = score_scale(spec)
+    max_q, max_k = max_seqlens(spec)
+    vl, drop = spec.varlen, spec.dropout
 
     p = FlashBwdParams()
     f = p.f
@@ -187,12 +207,15 @@ def _plan_tiles(spec: AttentionSpec, dout, out, aux, dlse, dq, dk, dv, dbias, ds
          o_stride_b=out.stride(0), o_stride_h=out.stride(1), o_stride_l=out.stride(2),
          batch=B, heads=Hq, kv_heads=Hkv, gqa=Hq // Hkv, seqlen_q=Lq, seqlen_k=Lk, head_dim=D, head_dim_v=Dv,
          diag_offset=spec.diag_offset, window_left=wl, window_right=wr,
-         num_q_blocks=-(-Lq // tiles.dq.bq), qk_scale=qk_scale, softcap=softcap)
+         num_q_blocks=-(-max_q // tiles.dq.bq), qk_scale=qk_scale, softcap=softcap, pack=1,
+         num_seqs=spec.num_seqs, max_seqlen_q=max_q, max_seqlen_k=max_k)
+    if drop is not None:
+        _set(f, dropout_threshold=philox.threshold(drop.p), dropout_scale=philox.keep_scale(drop.p))
     _set(p, do_stride_b=dout.stride(0), do_stride_h=dout.stride(1), do_stride_l=dout.stride(2),
          dq_stride_b=dq.stride(0), dq_stride_h=dq.stride(1), dq_stride_l=dq.stride(2),
          dk_stride_b=dk.stride(0), dk_stride_h=dk.stride(1), dk_stride_l=dk.stride(2),
          dv_stride_b=dv.stride(0), dv_stride_h=dv.stride(1), dv_stride_l=dv.stride(2),
-         rows=B * Hq * Lq, num_k_blocks=-(-Lk // tiles.dkv[0].bk), scale=spec.scale)
+         rows=B * Hq * Lq, num_k_blocks=-(-max_k // tiles.dkv[0].bk), scale=spec.scale)
     if compute_dbias:
         _set(p, db_stride_b=dbias.stride(0), db_stride_h=dbias.stride(1), db_stride_q=dbias.stride(2))
 
@@ -207,10 +230,17 @@ def _plan_tiles(spec: AttentionSpec, dout, out, aux, dlse, dq, dk, dv, dbias, ds
         a = spec.alibi_slopes
         _set(f, a_stride_b=a.stride(0), a_stride_h=a.stride(1))
         shared[BUF_ALIBI] = a
+    if vl is not None:
+        shared[BUF_CU_Q], shared[BUF_CU_K] = vl.cu_seqlens_q, vl.cu_seqlens_k
+        if vl.seqused_k is not None:
+            shared[BUF_SEQUSED_K] = vl.seqused_k
+    if drop is not None:
+        shared[BUF_RNG] = drop.rng_state
     params = p.to_bytes()
 
     constants = function_constants(mask_kind, spec.alibi_slopes is not None, spec.sinks is not None, has_softcap,
-                                   has_band, D == tiles.dq.bd and Dv == tiles.dq.bd, compute_dbias, dlse is not None)
+                                   has_band, D == tiles.dq.bd and Dv == tiles.dq.bd, compute_dbias, dlse is not None,
+                                   vl is not None, vl is not None and vl.seqused_k is not None, drop is not None)
 
     # The only scratch: delta and (m, 1 / l) per row, float32.
     delta = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
@@ -233,14 +263,14 @@ def _plan_tiles(spec: AttentionSpec, dout, out, aux, dlse, dq, dk, dv, dbias, ds
     if compute_dbias:
         dq_bufs[BUF_DBIAS] = dbias
     launches.append(Launch(source=SOURCE, kernel=tiles.dq.kernel,
-                           threadgroups=(f.num_q_blocks, Hq, B), threadgroup=(tiles.dq.threads, 1, 1),
+                           threadgroups=(f.num_q_blocks, Hq, spec.num_seqs), threadgroup=(tiles.dq.threads, 1, 1),
                            buffers=dq_bufs, function_constants=dict(constants)))
     for t in tiles.dkv:
         bufs = dict(common)
         bufs[BUF_DK] = dk
         bufs[BUF_DV] = dv
         launches.append(Launch(source=SOURCE, kernel=t.kernel,
-                               threadgroups=(-(-Lk // t.bk), Hkv, B), threadgroup=(t.threads, 1, 1),
+                               threadgroups=(-(-max_k // t.bk), Hkv, spec.num_seqs), threadgroup=(t.threads, 1, 1),
                                buffers=bufs, function_constants=dict(constants)))
     if spec.sinks is not None:
         launches.append(Launch(source=SOURCE, kernel=DSINKS_KERNEL, threadgroups=(Hq, 1, 1),
@@ -248,6 +278,8 @@ def _plan_tiles(spec: AttentionSpec, dout, out, aux, dlse, dq, dk, dv, dbias, ds
                                buffers={BUF_S_STATS: stats, BUF_S_DELTA: delta, BUF_S_SINKS: spec.sinks,
                                         BUF_S_DSINKS: dsinks, BUF_S_PARAMS: params},
                                function_constants=dict(constants)))
+    # An empty grid (varlen without rows or sequences) is no launch.
+    launches = [launch for launch in launches if 0 not in launch.threadgroups]
     return Plan(launches=tuple(launches), scratch=(delta, stats))
 
 
