@@ -30,7 +30,9 @@ def _qkv(B=1, H=2, L=9, D=16, dtype=torch.float32, seed=0):
 
 
 def _args(q, k, v, scale=0.3, window_right=0, softcap=0.0, mask=None):
-    return (q, k, v, mask, None, None, scale, 0, -1, window_right, softcap, False)
+    # fwd's arguments, the optional dropout / varlen ones at their defaults (core.call_slow takes them all)
+    return (q, k, v, mask, None, None, scale, 0, -1, window_right, softcap, False, 0.0, None, None, None, None, None,
+            0, 0)
 
 
 def _check(out, lse, aux, args):

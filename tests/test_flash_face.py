@@ -148,17 +148,31 @@ def test_varlen_matches_per_sequence_oracle(causal, window):
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
 
 
-def test_varlen_errors():
+@pytest.mark.parametrize("where", ["reference", "kernels in debug mode"])
+def test_varlen_errors(where, monkeypatch):
+    """Shapes and dtypes are checked on every call; the index values on the host by the
+    reference path and, with TORCH_METAL_FLASH_DEBUG=1, before the kernels run (else the
+    kernels read them on the GPU only)."""
     q, k = torch.randn(5, 2, 8), torch.randn(6, 2, 8)
     good_q, good_k = torch.tensor([0, 5], dtype=torch.int32), torch.tensor([0, 6], dtype=torch.int32)
-    with pytest.raises(ValueError, match="cu_seqlens_q: expected non-decreasing offsets from 0 to 5"):
-        tmf.flash_attn_varlen_func(q, k, k, torch.tensor([0, 4], dtype=torch.int32), good_k, 5, 6)
-    with pytest.raises(ValueError, match="cu_seqlens_k: a sequence is longer than the max_seqlen"):
-        tmf.flash_attn_varlen_func(q, k, k, good_q, good_k, 5, 3)
-    with pytest.raises(TypeError, match="cu_seqlens_q: expected dtype int32"):
-        tmf.flash_attn_varlen_func(q, k, k, good_q.float(), good_k, 5, 6)
-    with pytest.raises(ValueError, match="expected the same batch size"):
-        tmf.flash_attn_varlen_func(q, k, k, good_q, torch.tensor([0, 3, 6], dtype=torch.int32), 5, 6)
+    if where == "reference":
+        context = tmf.backend("reference")
+    else:
+        monkeypatch.setenv("TORCH_METAL_FLASH_DEBUG", "1")
+        context = tmf.backend("emulator", strict=True)
+    with context:
+        with pytest.raises(ValueError, match="cu_seqlens_q: expected non-decreasing offsets from 0 to 5"):
+            tmf.flash_attn_varlen_func(q, k, k, torch.tensor([0, 4], dtype=torch.int32), good_k, 5, 6)
+        with pytest.raises(ValueError, match="cu_seqlens_k: a sequence is longer than the max_seqlen"):
+            tmf.flash_attn_varlen_func(q, k, k, good_q, good_k, 5, 3)
+        with pytest.raises(ValueError, match=r"seqused_k: expected values in \[0, sequence length\]"):
+            tmf.flash_attn_varlen_func(q, k, k, good_q, good_k, 5, 6, seqused_k=torch.tensor([7], dtype=torch.int32))
+        with pytest.raises(TypeError, match="cu_seqlens_q: expected dtype int32"):
+            tmf.flash_attn_varlen_func(q, k, k, good_q.float(), good_k, 5, 6)
+        with pytest.raises(ValueError, match="cu_seqlens_k: expected length equal to cu_seqlens_q's 2, got 3"):
+            tmf.flash_attn_varlen_func(q, k, k, good_q, torch.tensor([0, 3, 6], dtype=torch.int32), 5, 6)
+        with pytest.raises(ValueError, match="max_seqlen_q: expected an int >= 0"):
+            tmf.flash_attn_varlen_func(q, k, k, good_q, good_k, torch.tensor(5), 6)
 
 
 def test_window_wider_than_keys_is_unbounded_like_upstream():

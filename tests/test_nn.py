@@ -122,7 +122,8 @@ def test_backward_matches_torch():
 
 
 def test_torch_path_cases_match_exactly(spy):
-    """need_weights=True and active dropout run torch's own implementation: identical results."""
+    """need_weights=True runs torch's own implementation: identical results; dropout in training
+    runs on ours (tests/test_dropout.py checks its statistics)."""
     ref, ours = _pair(dropout=0.25, batch_first=True)
     ref.eval(), ours.eval()
     x = torch.randn(2, 6, 32)
@@ -131,16 +132,11 @@ def test_torch_path_cases_match_exactly(spy):
         got, g = ours(x, x, x, average_attn_weights=average)
         torch.testing.assert_close(got, want, atol=0, rtol=0)
         torch.testing.assert_close(g, w, atol=0, rtol=0)
-    ref.train(), ours.train()
-    torch.manual_seed(1)
-    want, _ = ref(x, x, x, need_weights=False)
-    torch.manual_seed(1)
-    got, _ = ours(x, x, x, need_weights=False)
-    torch.testing.assert_close(got, want, atol=0, rtol=0)
     assert len(spy) == 0
-    ours.eval()
-    ours(x, x, x, need_weights=False)  # dropout inactive in eval: ours
-    assert len(spy) == 1
+    ours(x, x, x, need_weights=False)  # eval: ours
+    ours.train()
+    ours(x, x, x, need_weights=False)  # dropout active in training: ours too
+    assert len(spy) == 2
 
 
 def test_state_dict_and_signature_compatible():

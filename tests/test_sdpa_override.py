@@ -148,7 +148,7 @@ def test_fully_masked_rows_match_torch():
 
 FALLTHROUGH = {
     "float64": lambda q, k, v: ((q.double(), k.double(), v.double()), {}, "dtype torch.float64"),
-    "dropout": lambda q, k, v: ((q, k, v), dict(dropout_p=0.3), "dropout_p > 0 (no dropout kernel)"),
+    "dropout_above_1": lambda q, k, v: ((q, k, v), dict(dropout_p=1.5), "dropout_p outside [0, 1]"),
     "strided_last_dim": lambda q, k, v: ((q, k.transpose(-1, -2).contiguous().transpose(-1, -2), v), {},
                                          "non-contiguous last dimension"),
     "broadcast_batch": lambda q, k, v: ((q, k[:1], v[:1]), {}, "batch dims differ (broadcast batch)"),

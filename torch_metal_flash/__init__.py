@@ -9,7 +9,8 @@ from . import nn
 from .core import plan_cache_clear, plan_cache_info
 from .flash_attn_shim import install_flash_attn_shim, is_flash_attn_shim_installed, uninstall_flash_attn_shim
 from .functional import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
-                         flash_attn_varlen_func, scaled_dot_product_attention)
+                         flash_attn_varlen_func, flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func,
+                         scaled_dot_product_attention)
 from .kvcache import flash_attn_with_kvcache
 from .quant import QuantizedTensor, quantize, quantized_zeros
 from .sdpa_override import (disable_sdpa, enable_sdpa, is_sdpa_enabled, reset_sdpa_stats, sdpa_override,
@@ -28,6 +29,8 @@ __all__ = [
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",
     "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
     "flash_attn_with_kvcache",
     "install_flash_attn_shim",
     "is_flash_attn_shim_installed",

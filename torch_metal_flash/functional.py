@@ -3,48 +3,71 @@
 one ``metal_flash.fwd`` op without copying or transposing memory -- or, for
 quantized K/V (:class:`~torch_metal_flash.quant.QuantizedTensor`, inference
 only), onto ``metal_flash.fwd_quantized``.  K/V may also be float16 / bfloat16
-under a float32 query (mixed precision)."""
+under a float32 query (mixed precision).  Dropout runs in the kernels, each
+call drawing its Philox (seed, offset) from the device's default generator
+(:mod:`torch_metal_flash.philox`); the varlen faces make one op call for all
+their sequences, reading ``cu_seqlens`` on the GPU only."""
 from __future__ import annotations
 
 import math
-import warnings
+from typing import NamedTuple, Optional
+
 import torch
 
-from . import checks, ops, reference  # noqa: F401  (ops registers torch.ops.metal_flash)
+from . import checks, ops, philox, reference  # noqa: F401  (ops registers torch.ops.metal_flash)
 from .quant import QuantizedTensor, flat_format
-from .spec import make_spec, stats_dtype
-
-_dropout_warned = False
+from .spec import stats_dtype
 
 
-def _warn_dropout() -> None:
-    global _dropout_warned
-    if not _dropout_warned:
-        _dropout_warned = True
-        warnings.warn("torch_metal_flash: dropout_p > 0 runs on the reference path (no dropout kernel yet); "
-                      "it materialises the attention scores", UserWarning, stacklevel=3)
+class Varlen(NamedTuple):
+    """The varlen arguments of the ops (see :mod:`torch_metal_flash.ops`)."""
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    seqused_k: Optional[torch.Tensor]
+    block_table: Optional[torch.Tensor]
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+_NO_VARLEN = Varlen(None, None, None, None, 0, 0)
 
 
 def _attention(q, k, v, mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right, softcap,
-               dropout_p):
-    """(out, lse) for (B, H, L, D)-indexed views (K/V tensors or QuantizedTensors)."""
+               dropout_p, varlen: Optional[Varlen] = None, return_probs: bool = False):
+    """(out, lse) for (B, H, L, D)-indexed views (K/V tensors or QuantizedTensors), or
+    (1, H, total, D) views of packed sequences with ``varlen``; with ``return_probs``
+    and dropout also flash-attn's ``S_dmask`` (:func:`torch.ops.metal_flash.fwd_probs`,
+    None without dropout, as flash-attn)."""
     quantized = isinstance(k, QuantizedTensor)
     if sinks is not None and (sinks.dtype != stats_dtype(q.dtype) or not sinks.is_contiguous()):
         sinks = sinks.to(stats_dtype(q.dtype)).contiguous()  # the kernels read float32 sinks
     if dropout_p > 0:
-        _warn_dropout()
+        # The dropout kernels read K/V in q's dtype: quantized or mixed-precision K/V
+        # (inference caches) are converted first, a copy.
         if quantized:
             k, v = k.dequantize(), v.dequantize()
-        spec = make_spec(q, k, v, mask, alibi_slopes, sinks, scale=scale, diag_offset=diag_offset,
-                         window_left=window_left, window_right=window_right, softcap=softcap)
-        return reference.dropout_attention(spec, dropout_p)
-    if quantized:
-        return torch.ops.metal_flash.fwd_quantized(q, k.data, v.data, mask, alibi_slopes, sinks, scale, diag_offset,
-                                                   window_left, window_right, softcap, k.scales, k.biases, v.scales,
-                                                   v.biases, *flat_format(k))
+        if k.dtype != q.dtype:
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        quantized = False
+    elif quantized:
+        out, lse = torch.ops.metal_flash.fwd_quantized(q, k.data, v.data, mask, alibi_slopes, sinks, scale,
+                                                       diag_offset, window_left, window_right, softcap, k.scales,
+                                                       k.biases, v.scales, v.biases, *flat_format(k))
+        return (out, lse, None) if return_probs else (out, lse)
+    rng_state = philox.new_rng_state(q.device) if dropout_p > 0 else None
+    vl = varlen or _NO_VARLEN
+    extra = (float(dropout_p), rng_state, vl.cu_seqlens_q, vl.cu_seqlens_k, vl.seqused_k, vl.block_table,
+             vl.max_seqlen_q, vl.max_seqlen_k)
     out, lse, _ = torch.ops.metal_flash.fwd(q, k, v, mask, alibi_slopes, sinks, scale, diag_offset, window_left,
-                                            window_right, softcap, ops.needs_grad(q, k, v, mask, sinks))
-    return out, lse
+                                            window_right, softcap, ops.needs_grad(q, k, v, mask, sinks), *extra)
+    if not return_probs:
+        return out, lse
+    probs = None
+    if dropout_p > 0:
+        detached = (t.detach() if isinstance(t, torch.Tensor) else t for t in (q, k, v, mask, alibi_slopes, sinks))
+        probs = torch.ops.metal_flash.fwd_probs(*detached, scale, diag_offset, window_left, window_right, softcap,
+                                                *extra)
+    return out, lse, probs
 
 
 def _as_4d(t: torch.Tensor) -> torch.Tensor:
@@ -167,7 +190,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     Arguments:
         q: (batch, seqlen_q, nheads, headdim)
         k, v: (batch, seqlen_k, nheads_k, headdim); nheads a multiple of nheads_k (MQA/GQA).
-        dropout_p: dropout probability (reference path for now; 0.0 for evaluation).
+        dropout_p: dropout probability on the attention probabilities (0.0 for evaluation);
+            the mask is drawn per call from the device's default generator.
         softmax_scale: scaling of QK^T before softmax, default 1 / sqrt(headdim).
         causal: causal mask aligned to the bottom-right corner of the score matrix.
         window_size: (left, right); when not (-1, -1), query i attends keys in
@@ -176,10 +200,15 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         alibi_slopes: float32 (nheads,) or (batch, nheads); adds
             ``-slope * |i + seqlen_k - seqlen_q - j|`` to the scores.
         deterministic: accepted for compatibility; the backward is always deterministic.
-        return_attn_probs: also return the log-sum-exp (and None for the probabilities).
+        return_attn_probs: also return the log-sum-exp and, with dropout, ``S_dmask``
+            (for tests; O(L^2)).
     Returns:
         out (batch, seqlen_q, nheads, headdim); with ``return_attn_probs``,
-        ``(out, softmax_lse (batch, nheads, seqlen_q) float32, None)``.
+        ``(out, softmax_lse (batch, nheads, seqlen_q) float32, S_dmask)``: ``S_dmask``
+        (batch, nheads, seqlen_q, seqlen_k) in q's dtype is flash-attn 2's: the
+        unnormalised probability ``exp(s - m)`` (``m`` the row's max) of every
+        element, negated where dropout drops it (the sign bit: ``S_dmask >= 0`` is the
+        keep mask), 0 where nothing is seen; None without dropout.
 
     ``k``/``v`` may be quantized (:class:`~torch_metal_flash.quant.QuantizedTensor`,
     inference only), or float16 / bfloat16 under a float32 ``q`` (mixed precision).
@@ -222,10 +251,10 @@ def _flash_arguments(q, dropout_p, softmax_scale, causal, window_size, softcap, 
 
 def _flash_attn(q, k, v, alibi_slopes, return_attn_probs, dropout_p, scale, left, right, softcap):
     """flash_attn_func on checked arguments."""
-    out, lse = _attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, alibi_slopes, None, scale,
-                          k.shape[1] - q.shape[1], left, right, softcap, dropout_p)
-    out = out.transpose(1, 2)
-    return (out, lse, None) if return_attn_probs else out
+    res = _attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, alibi_slopes, None, scale,
+                     k.shape[1] - q.shape[1], left, right, softcap, dropout_p, return_probs=return_attn_probs)
+    out = res[0].transpose(1, 2)
+    return (out, res[1], res[2]) if return_attn_probs else out
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -248,58 +277,104 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, block_table=None):
+                           deterministic=False, return_attn_probs=False, block_table=None, seqused_k=None):
     """``flash_attn.flash_attn_varlen_func``: sequences of different lengths packed along dim 0.
 
     Arguments:
-        q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim).
+        q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim), or with
+            ``block_table`` paged caches (num_blocks, page_block_size, nheads_k, headdim).
         cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) cumulative sequence lengths, starting at 0.
-        max_seqlen_q, max_seqlen_k: the largest lengths (checked against cu_seqlens).
+        max_seqlen_q, max_seqlen_k: ints, the largest lengths (bound the kernels' grids; as
+            flash-attn, window sizes >= max_seqlen_k mean unbounded).
+        block_table: int32 (batch, max_num_blocks_per_seq): sequence b's key j is row
+            j % page_block_size of block block_table[b, j // page_block_size] (inference only).
+        seqused_k: int32 (batch,) (flash-attn 3's argument): only the first seqused_k[b]
+            keys of sequence b are attended (causal/windows aligned to them).
         The other arguments are those of :func:`flash_attn_func`, applied per sequence
-        (causal and windows aligned to each sequence's bottom-right corner).
+        (causal and windows aligned to each sequence's bottom-right corner, ALiBi slopes
+        (nheads,) or (batch, nheads), dropout drawn per sequence).
     Returns:
         out (total_q, nheads, headdim); with ``return_attn_probs``,
-        ``(out, softmax_lse (nheads, total_q) float32, None)``.
+        ``(out, softmax_lse (nheads, total_q) float32, S_dmask)``, ``S_dmask`` (batch,
+        nheads, max_seqlen_q, max_seqlen_k) as in :func:`flash_attn_func` (None without
+        dropout).
 
-    Each sequence runs as its own call on views of the packed tensors (no
-    copies of q/k/v; the sequence boundaries are read on the host).
+    One op call for all the sequences: the kernels read ``cu_seqlens`` on the GPU (no
+    host synchronisation, nothing copied, traceable by ``torch.compile``).  Index values
+    are not checked on the host (out-of-range ones are clamped to the tensors);
+    ``TORCH_METAL_FLASH_DEBUG=1`` validates them (one GPU sync per call).
     """
-    if block_table is not None:
-        raise NotImplementedError("flash_attn_varlen_func: paged KV (block_table) is not supported yet")
+    paged = block_table is not None
     checks.tensor("q", q, ndim=(3,))
+    checks.float_dtype("q", q)
     for name, t in (("k", k), ("v", v)):
-        checks.kv_tensor(name, t, ndim=(3,))
+        checks.kv_tensor(name, t, ndim=(4,) if paged else (3,))
+        if isinstance(t, torch.Tensor):
+            checks.last_dim_contiguous(name, t)
+    checks.last_dim_contiguous("q", q)
     if checks.kv_dtypes("q", q, ("k", "v"), k, v):
         checks.inference_only("quantized k/v", (("q", q),))
-    bounds = []
-    for name, cu, total, longest in (("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q),
-                                     ("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)):
-        checks.tensor(name, cu, ndim=(1,))
-        if cu.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"{name}: expected dtype int32, got {cu.dtype}")
-        cu = cu.tolist()
-        if len(cu) < 1 or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] != total:
-            raise ValueError(f"{name}: expected non-decreasing offsets from 0 to {total}, got {cu}")
-        if any(b - a > longest for a, b in zip(cu, cu[1:])):
-            raise ValueError(f"{name}: a sequence is longer than the max_seqlen given ({longest})")
-        bounds.append(cu)
-    if len(bounds[0]) != len(bounds[1]):
-        raise ValueError(f"cu_seqlens_q, cu_seqlens_k: expected the same batch size, got "
-                         f"{len(bounds[0]) - 1} and {len(bounds[1]) - 1}")
-    batch = len(bounds[0]) - 1
+    checks.dim_equal("k", k.shape[-1], q.shape[-1], "head dim equal to q's")
+    checks.dim_equal("v", v.shape[-2], k.shape[-2], "number of heads equal to k's")
+    checks.dim_equal("v", v.shape[0], k.shape[0], "first dim equal to k's")
+    if paged:
+        checks.dim_equal("v", v.shape[1], k.shape[1], "page size equal to k's")
+        checks.inference_only("paged k/v (block_table)", (("q", q), ("k", k), ("v", v)))
+    checks.gqa_heads(q.shape[1], k.shape[-2], "q", "k/v")
+    dropout_p = checks.dropout(dropout_p)
+    cu_q, cu_k = (_index_vector(name, t, q.device) for name, t in (("cu_seqlens_q", cu_seqlens_q),
+                                                                  ("cu_seqlens_k", cu_seqlens_k)))
+    batch = cu_q.shape[0] - 1
+    checks.dim_equal("cu_seqlens_k", cu_k.shape[0], batch + 1, "length equal to cu_seqlens_q's")
+    used = None if seqused_k is None else _index_vector("seqused_k", seqused_k, q.device)
+    if used is not None:
+        checks.dim_equal("seqused_k", used.shape[0], batch, "length (the batch size)")
+    table = None if block_table is None else _index_vector("block_table", block_table, q.device, ndim=2)
+    if table is not None:
+        checks.dim_equal("block_table", table.shape[0], batch, "rows (the batch size)")
+    for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(n, bool) or not isinstance(n, (int, torch.SymInt)) or (isinstance(n, int) and n < 0):
+            raise ValueError(f"{name}: expected an int >= 0 (a tensor would need a host sync), got {n!r}")
+    left, right = checks.window(window_size, causal=causal, seqlen_k=max_seqlen_k)
+    softcap = checks.softcap(softcap)
     alibi_slopes = checks.alibi(alibi_slopes, batch, q.shape[1], q.device)
-    outs, lses = [], []
-    for b in range(batch):
-        (q0, q1), (k0, k1) = bounds[0][b:b + 2], bounds[1][b:b + 2]
-        slopes = alibi_slopes[b] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
-        qb = q[None, q0:q1]
-        out, lse, _ = _flash_attn(qb, k[None, k0:k1], v[None, k0:k1], slopes, True,
-                                  *_flash_arguments(qb, dropout_p, softmax_scale, causal, window_size, softcap, slopes,
-                                                    seqlen_k=max_seqlen_k))
-        outs.append(out[0])
-        lses.append(lse[0])
-    if batch == 0:
-        out, lse = q.new_empty(q.shape), q.new_empty((q.shape[1], 0), dtype=torch.float32)
-    else:
-        out, lse = torch.cat(outs), torch.cat(lses, dim=1)
-    return (out, lse, None) if return_attn_probs else out
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    # (1, H, total, D) views of the packed tensors; paged caches as (num_blocks, Hkv, page, D)
+    kv_view = (lambda t: t.transpose(1, 2)) if paged else (lambda t: t.transpose(0, 1).unsqueeze(0))
+    varlen = Varlen(cu_q, cu_k, used, table, max_seqlen_q, max_seqlen_k)
+    res = _attention(q.transpose(0, 1).unsqueeze(0), kv_view(k), kv_view(v), None, alibi_slopes, None, scale, 0,
+                     left, right, softcap, dropout_p, varlen=varlen, return_probs=return_attn_probs)
+    out = res[0][0].transpose(0, 1)
+    return (out, res[1][0], res[2]) if return_attn_probs else out
+
+
+def _index_vector(name: str, t, device, ndim: int = 1) -> torch.Tensor:
+    """An index tensor of a varlen call, int32 (int64 is converted on the device: no sync)."""
+    checks.tensor(name, t, ndim=(ndim,))
+    if t.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name}: expected dtype int32, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name}: expected device {device}, got {t.device}")
+    return t if t.dtype == torch.int32 and t.stride(-1) == 1 else t.to(torch.int32).contiguous()
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """``flash_attn.flash_attn_varlen_kvpacked_func``: ``kv`` is (total_k, 2, nheads_k, headdim)."""
+    checks.kv_tensor("kv", kv, ndim=(4,))
+    checks.dim_equal("kv", kv.shape[1], 2, "size of dim 1 (k and v)")
+    return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                  dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                  deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
+                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False):
+    """``flash_attn.flash_attn_varlen_qkvpacked_func``: ``qkv`` is (total, 3, nheads, headdim)."""
+    checks.tensor("qkv", qkv, ndim=(4,))
+    checks.dim_equal("qkv", qkv.shape[1], 3, "size of dim 1 (q, k and v)")
+    return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                  dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                  deterministic, return_attn_probs)

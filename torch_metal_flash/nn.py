@@ -7,7 +7,8 @@ checks keep working).  Its ``need_weights=False`` path runs the attention on
 torch_metal_flash (the Metal kernels on MPS; on CPU the selected backend:
 reference or emulator), with ``key_padding_mask``, ``attn_mask`` (bool or
 float, 2-D or 3-D), ``is_causal``, ``batch_first``, unbatched inputs,
-``kdim``/``vdim``, ``add_bias_kv`` and ``add_zero_attn``.  Q, K and V stay views
+``kdim``/``vdim``, ``add_bias_kv``, ``add_zero_attn`` and, in training mode,
+``dropout`` (in the kernels, as torch applies it: on the attention weights).  Q, K and V stay views
 of the projections (no transposes or copies), the output comes back in the
 layout ``out_proj`` wants.
 
@@ -17,7 +18,6 @@ construction) when:
 * ``need_weights=True`` (torch's default!): the weights are the L x S matrix a
   fused kernel exists to avoid, torch computes them explicitly either way;
   pass ``need_weights=False`` to get the fused path;
-* dropout is active (``training`` and ``dropout > 0``): no dropout kernel yet;
 * the input is a nested tensor.
 
 :func:`swap_attention` converts the ``nn.MultiheadAttention`` modules of a
@@ -48,8 +48,6 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             return "need_weights=True"
         if query.is_nested or key.is_nested or value.is_nested:
             return "nested tensors"
-        if self.training and self.dropout > 0.0:
-            return "dropout"
         return None
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Optional[Tensor] = None,
@@ -110,7 +108,8 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             t = t.unflatten(-1, (H, t.shape[-1] // H))
             return t.transpose(1, 2) if batch_dim == 0 else t.permute(1, 2, 0, 3)
 
-        out = scaled_dot_product_attention(heads(q), heads(k), heads(v), attn_mask=mask, is_causal=bool(is_causal))
+        out = scaled_dot_product_attention(heads(q), heads(k), heads(v), attn_mask=mask,
+                                           dropout_p=self.dropout if self.training else 0.0, is_causal=bool(is_causal))
         # (B, H, L, D) dense in the query's (B, L, H, D) / (L, B, H, D) memory order: flattening is free
         out = out.transpose(1, 2) if batch_dim == 0 else out.permute(2, 0, 1, 3)
         out = F.linear(out.flatten(-2), self.out_proj.weight, self.out_proj.bias)

@@ -230,7 +230,9 @@ def _fwd_plan(backend, args: tuple, outputs: tuple):
 
 def _fwd_reference(*args):
     out, lse, aux = _fwd_outputs(*args)
-    ref_out, ref_lse = reference.forward(_fwd_spec(args), aux if args[11] else None)
+    spec = _fwd_spec(args)
+    _check_index_values(spec)  # the reference path reads them on the host anyway
+    ref_out, ref_lse = reference.forward(spec, aux if args[11] else None)
     out.copy_(ref_out)
     lse.copy_(ref_lse)
     return out, lse, aux
@@ -241,7 +243,8 @@ def _fwd_debug_check(*args) -> None:
 
 
 def _check_index_values(spec: AttentionSpec) -> None:
-    """TORCH_METAL_FLASH_DEBUG=1: the varlen index vectors' values, on the host (a GPU sync)."""
+    """The varlen index vectors' values, on the host (a GPU sync on MPS): on the reference
+    path, and before the kernels with TORCH_METAL_FLASH_DEBUG=1."""
     vl = spec.varlen
     if vl is None:
         return
@@ -331,7 +334,9 @@ def _bwd_reference(*args):
     dout, q, k, v, out, aux, dlse = args[:7]
     compute_dbias = args[15]
     grads = _bwd_outputs(*args)
-    for buf, ref in zip(grads, reference.backward(_bwd_spec(args), dout, out, aux, dlse, compute_dbias)):
+    spec = _bwd_spec(args)
+    _check_index_values(spec)
+    for buf, ref in zip(grads, reference.backward(spec, dout, out, aux, dlse, compute_dbias)):
         buf.copy_(ref)
     return grads
 
@@ -432,7 +437,9 @@ def _probs_plan(backend, args: tuple, outputs: tuple):
 
 
 def _probs_reference(*args):
-    return (reference.probs(_probs_spec(args)),)
+    spec = _probs_spec(args)
+    _check_index_values(spec)
+    return (reference.probs(spec),)
 
 
 @torch.library.custom_op("metal_flash::fwd_probs", mutates_args=())

@@ -30,10 +30,10 @@ A call is served by torch_metal_flash when:
   emulator backend is selected (``backend("emulator")``), or CPU routing was
   forced with ``enable_sdpa(cpu=True)`` (runs our reference path: for tests
   and comparisons);
-* dtypes are float16/bfloat16/float32, ``dropout_p == 0`` (no dropout kernel
-  yet; our fallback would materialise the scores exactly like torch's math
-  path), tensors are dense (not nested), the last dim is contiguous, shapes,
-  dtypes and the mask are valid.
+* dtypes are float16/bfloat16/float32 (dropout too: in the kernels, each call
+  drawing its mask's Philox seed from the device's default generator), tensors
+  are dense (not nested), the last dim is contiguous, shapes, dtypes and the
+  mask are valid.
 
 Everything else goes to torch's original implementation, unchanged (including
 invalid input, so errors are torch's own).  ``sdpa_stats()`` counts both and
@@ -232,7 +232,7 @@ def _why_not(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_g
             _CHECKED.put(signature, checked)
     if checked[0] is not None:
         return checked[0]
-    return _kernel_reason(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+    return _kernel_reason(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
 _CHECKED = checks.Memo()
@@ -245,8 +245,8 @@ def _argument_reason(query, key, value, attn_mask, dropout_p, is_causal, scale, 
         return "non-tensor query/key/value"
     if any(t.is_nested for t in tensors) or (attn_mask is not None and attn_mask.is_nested):
         return "nested tensors"
-    if dropout_p != 0.0:
-        return "dropout_p > 0 (no dropout kernel)"
+    if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p <= 1.0:
+        return "dropout_p outside [0, 1]"
     if query.dtype not in _KERNEL_DTYPES:
         return f"dtype {query.dtype}"
     if key.dtype != query.dtype or value.dtype != query.dtype:
@@ -286,7 +286,7 @@ def _argument_reason(query, key, value, attn_mask, dropout_p, is_causal, scale, 
     return None
 
 
-def _kernel_reason(query, key, value, attn_mask, is_causal, scale, enable_gqa) -> Optional[str]:
+def _kernel_reason(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> Optional[str]:
     """Ask the ops layer whether the kernels serve this call (a call they do not serve would run
     on our reference path, which is no better than torch's original)."""
     if query.device.type == "cpu" and _cpu_mode() is True:
@@ -297,7 +297,8 @@ def _kernel_reason(query, key, value, attn_mask, is_causal, scale, enable_gqa) -
         mask = _as_4d(attn_mask.expand(tuple(query.shape[:-2]) + (query.shape[-2], key.shape[-2])))
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
     try:
-        return ops.unsupported_reason(q, k, v, mask, None, None, scale, 0, -1, 0 if is_causal else -1, 0.0)
+        return ops.unsupported_reason(q, k, v, mask, None, None, scale, 0, -1, 0 if is_causal else -1, 0.0,
+                                      dropout_p=float(dropout_p))
     except Exception as exc:  # noqa: BLE001
         if _is_tracing():
             return None  # e.g. fake tensors have no data pointer: the op decides at run time

@@ -62,6 +62,7 @@ from typing import Optional
 
 import torch
 
+from . import philox
 from .spec import AttentionSpec
 
 UNIT_ROUNDOFF = {torch.float64: 2.0 ** -53, torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11,
@@ -174,13 +175,22 @@ def _inputs(spec: AttentionSpec):
 
 
 def plain_attention(spec: AttentionSpec, dtype: torch.dtype, dout: Optional[torch.Tensor] = None,
-                    dlse: Optional[torch.Tensor] = None, compute_dbias: bool = False) -> Attention:
+                    dlse: Optional[torch.Tensor] = None, compute_dbias: bool = False,
+                    keep: Optional[torch.Tensor] = None) -> Attention:
     """Attention of ``spec`` (its inputs taken exactly) computed as plain math in
     ``dtype`` with :class:`Arith`: softmax(scores) @ V, and with ``dout`` the
     textbook gradients (autograd's softmax backward: dS = P (dP - rowsum(P dP))).
     ``dtype=torch.float64`` is the oracle, which also returns the magnitudes of
-    the rule."""
+    the rule.  With dropout (``spec.dropout``), ``keep`` (bool, broadcast to
+    (B, H, Lq, Lk)) is the mask to apply -- the kernel's own, recovered from its
+    ``fwd_probs`` -- as torch's dropout does: P' = P * keep / (1 - p), one
+    operation in ``dtype``, and its gradient through the same factor."""
     A = Arith(dtype)
+    drop = None
+    if spec.dropout is not None:
+        if keep is None:
+            raise ValueError("plain_attention: a spec with dropout needs the keep mask")
+        drop = keep.detach().cpu().to(torch.float64) * philox.keep_scale(spec.dropout.p)
     q, k, v, mask, slopes, sinks = _inputs(spec)
     B, H, Lq, Lk = spec.batch, spec.heads, spec.seqlen_q, spec.seqlen_k
     G = H // spec.kv_heads
@@ -220,7 +230,8 @@ def plain_attention(spec: AttentionSpec, dtype: torch.dtype, dout: Optional[torc
     seen = l > 0
     p_all = torch.where(seen, A.r(terms / torch.where(seen, l, 1.0)), 0.0)
     p = p_all[..., :Lk]
-    out = A.mm(p, vv)
+    pd = p if drop is None else A.r(p * drop)  # the probabilities after dropout
+    out = A.mm(pd, vv)
     lse = torch.where(seen, A.r(m + A.fn(torch.log, torch.where(seen, l, 1.0))), math.inf).squeeze(-1)
     res = Attention(out=out, lse=lse)
 
@@ -232,7 +243,7 @@ def plain_attention(spec: AttentionSpec, dtype: torch.dtype, dout: Optional[torc
             amag = amag + slopes.abs()[:, :, None, None] * dist
         if mask is not None and mask.dtype != torch.bool:
             amag = amag + mask.abs()
-        res.magnitude = {"out": p @ vv.abs(),
+        res.magnitude = {"out": pd @ vv.abs(),
                          "lse": torch.where(seen.squeeze(-1), lse.abs() + torch.where(p > 0, p * amag, 0.0).sum(-1),
                                             0.0)}
     if dout is None:
@@ -242,8 +253,10 @@ def plain_attention(spec: AttentionSpec, dtype: torch.dtype, dout: Optional[torc
     # softmax backward is one operation.
     live = seen & (m > SATURATED)
     p = torch.where(live, p, 0.0)
+    pd = torch.where(live, pd, 0.0)
     do = dout.detach().cpu().to(torch.float64)
-    dp = A.mm(do, vv.transpose(-1, -2))
+    dpd = A.mm(do, vv.transpose(-1, -2))
+    dp = dpd if drop is None else A.r(dpd * drop)  # the gradient of P through dropout
     delta = A.isum(A.i(p * dp), -1).unsqueeze(-1)
     if dlse is not None:
         delta = A.i(delta - torch.where(live, dlse.detach().cpu().to(torch.float64).unsqueeze(-1), 0.0))
@@ -261,18 +274,19 @@ def plain_attention(spec: AttentionSpec, dtype: torch.dtype, dout: Optional[torc
         return A.sum(x.unflatten(1, (spec.kv_heads, G)), 2)
 
     res.dk = group_sum(A.mm(ds.transpose(-1, -2), q))
-    res.dv = group_sum(A.mm(p.transpose(-1, -2), do))
+    res.dv = group_sum(A.mm(pd.transpose(-1, -2), do))
     if A.exact:
         # Magnitudes of the backward's last reductions.  delta's terms are
         # dO * O (how FlashAttention computes it), dP's dO * V.
         o_mag = (do.abs() * out.abs()).sum(-1, keepdim=True)
         d_mag = o_mag if dlse is None else o_mag + dlse.detach().cpu().to(torch.float64).abs().unsqueeze(-1)
-        s_mag = p * (do.abs() @ vv.abs().transpose(-1, -2) + d_mag)
+        dp_mag = do.abs() @ vv.abs().transpose(-1, -2)
+        s_mag = p * ((dp_mag if drop is None else dp_mag * drop) + d_mag)
         M = res.magnitude
         M["dbias"] = s_mag
         M["dq"] = spec.scale * (s_mag @ kk.abs())
         M["dk"] = spec.scale * (s_mag.transpose(-1, -2) @ q.abs()).unflatten(1, (spec.kv_heads, G)).sum(2)
-        M["dv"] = (p.transpose(-1, -2) @ do.abs()).unflatten(1, (spec.kv_heads, G)).sum(2)
+        M["dv"] = (pd.transpose(-1, -2) @ do.abs()).unflatten(1, (spec.kv_heads, G)).sum(2)
         if sinks is not None:
             M["dsinks"] = (torch.where(live, p_all[..., Lk:], 0.0) * d_mag).sum((0, 2, 3))
     return res
@@ -316,14 +330,15 @@ def assert_matches_oracle(name: str, got: torch.Tensor, ref64: torch.Tensor, pla
                              f"(2 x plain {str(dtype)[6:]} math error + rounding floor; torch_metal_flash.testing)")
 
 
-def forward_reference(spec: AttentionSpec) -> tuple[Attention, Attention]:
-    """(oracle, plain math in the inputs' dtype) of the forward."""
-    return plain_attention(spec, torch.float64), plain_attention(spec, spec.q.dtype)
+def forward_reference(spec: AttentionSpec, keep: Optional[torch.Tensor] = None) -> tuple[Attention, Attention]:
+    """(oracle, plain math in the inputs' dtype) of the forward (``keep``: the dropout mask)."""
+    return plain_attention(spec, torch.float64, keep=keep), plain_attention(spec, spec.q.dtype, keep=keep)
 
 
-def check_forward(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor) -> None:
-    """Assert a forward result (out, lse) against the float64 oracle."""
-    ref, low = forward_reference(spec)
+def check_forward(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor,
+                  keep: Optional[torch.Tensor] = None) -> None:
+    """Assert a forward result (out, lse) against the float64 oracle (``keep``: the dropout mask)."""
+    ref, low = forward_reference(spec, keep)
     for name, got in (("out", out), ("lse", lse)):
         assert_matches_oracle(name, got, getattr(ref, name), getattr(low, name), ref.magnitude[name], spec.q.dtype)
 
@@ -332,17 +347,17 @@ GRAD_NAMES = ("dq", "dk", "dv", "dbias", "dsinks")
 
 
 def backward_reference(spec: AttentionSpec, dout: torch.Tensor, dlse: Optional[torch.Tensor] = None,
-                       compute_dbias: bool = False) -> tuple[Attention, Attention]:
+                       compute_dbias: bool = False, keep: Optional[torch.Tensor] = None) -> tuple[Attention, Attention]:
     """(oracle, plain math in the inputs' dtype) of the forward and the gradients."""
-    return (plain_attention(spec, torch.float64, dout, dlse, compute_dbias),
-            plain_attention(spec, spec.q.dtype, dout, dlse, compute_dbias))
+    return (plain_attention(spec, torch.float64, dout, dlse, compute_dbias, keep),
+            plain_attention(spec, spec.q.dtype, dout, dlse, compute_dbias, keep))
 
 
 def grad_errors(spec: AttentionSpec, dout: torch.Tensor, dlse: Optional[torch.Tensor], grads,
-                compute_dbias: bool = False, reference=None) -> dict:
+                compute_dbias: bool = False, reference=None, keep: Optional[torch.Tensor] = None) -> dict:
     """{name: (max error, allowed)} of ``grads = (dq, dk, dv, dbias, dsinks)``
     (dbias checked when ``compute_dbias``, dsinks when the spec has sinks)."""
-    ref, low = reference or backward_reference(spec, dout, dlse, compute_dbias)
+    ref, low = reference or backward_reference(spec, dout, dlse, compute_dbias, keep)
     result = {}
     for name, got in zip(GRAD_NAMES, grads):
         want = getattr(ref, name)
@@ -355,9 +370,9 @@ def grad_errors(spec: AttentionSpec, dout: torch.Tensor, dlse: Optional[torch.Te
 
 
 def check_backward(spec: AttentionSpec, dout: torch.Tensor, dlse: Optional[torch.Tensor], grads,
-                   compute_dbias: bool = False, reference=None) -> None:
+                   compute_dbias: bool = False, reference=None, keep: Optional[torch.Tensor] = None) -> None:
     """Assert gradients ``(dq, dk, dv, dbias, dsinks)`` against the float64 oracle."""
-    for name, (err, allowed) in grad_errors(spec, dout, dlse, grads, compute_dbias, reference).items():
+    for name, (err, allowed) in grad_errors(spec, dout, dlse, grads, compute_dbias, reference, keep).items():
         if not err <= allowed:
             raise AssertionError(f"{name}: max error {err:.3e} > allowed {allowed:.3e} (2 x plain "
                                  f"{str(spec.q.dtype)[6:]} math error + rounding floor; torch_metal_flash.testing)")

@@ -22,6 +22,7 @@ __all__ = [
     "flash_attn_varlen_qkvpacked_func",
     "flash_attn_with_kvcache",
 ]
+# (also _get_block_size_n, which flash-attn's own tests import)
 
 
 # where torch_metal_flash implements each function (looked up at call time, so the shim picks
@@ -81,6 +82,15 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
     return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                                   dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                   deterministic, return_attn_probs)
+
+
+def _get_block_size_n(device, head_dim, is_dropout, is_causal):
+    """The key-block size flash-attn's test helpers (``normalize_flash_attn_S``) split
+    ``S_dmask`` by: flash-attn's CUDA kernels write each block's probabilities
+    relative to the running max of the blocks seen so far; torch_metal_flash writes
+    every element relative to its row's final max, which is one block spanning every
+    key (the helpers' cumulative max is then the row max)."""
+    return 2 ** 31 - 1
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,

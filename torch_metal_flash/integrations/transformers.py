@@ -23,11 +23,26 @@ directly.
 
 What the attention function handles: the interface's layouts ((B, H, L, D)
 in, (B, L, H, D) contiguous out, no attention weights), GQA/MQA without
-repeating K/V, ``scaling``, ``dropout`` (training; runs on the reference path
-until there is a dropout kernel), bool and additive float masks,
-``position_bias``, ``softcap``, ``s_aux`` (attention sinks), ``sliding_window``,
-``is_causal``, and ``attention_mask=None`` meaning top-left causal when the
-module is causal and Lq > 1 (exactly as transformers' ``sdpa``).
+repeating K/V, ``scaling``, ``dropout`` (training; in the kernels), bool and
+additive float masks, ``position_bias``, ``softcap``, ``s_aux`` (attention
+sinks), ``sliding_window``, ``is_causal``, and ``attention_mask=None`` meaning
+top-left causal when the module is causal and Lq > 1 (exactly as transformers'
+``sdpa``).
+
+Packed sequences (padding-free training: TRL / ``DataCollatorWithFlattening``)
+run on the varlen kernels, one call for all sequences, each attended on its
+own (causal and sliding window per sequence), as transformers' flash-attention
+integrations do:
+
+* with the ``cu_seq_lens_q``/``cu_seq_lens_k``/``max_length_q``/``max_length_k``
+  kwargs (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``): no
+  host synchronisation, traceable by ``torch.compile``;
+* with ``position_ids`` alone (restarting at each sequence, batch of 1): the
+  boundaries are read from them (one host synchronisation per mask, as
+  transformers' own flash-attention path), and only when the mask transformers
+  built is exactly causal (or sliding-window) within those sequences -- checked
+  once per mask -- so a mask with padding or any other pattern keeps the mask
+  path.  Eager mode only (a compiled model passes the kwargs above).
 
 :class:`QuantizedKVCache` (``past_key_values=QuantizedKVCache(bits=4)``) keeps
 K/V quantized; its layers hand QuantizedTensor views to this attention
@@ -40,6 +55,7 @@ import logging
 from typing import Optional
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import checks, functional
 from ..quant import QuantizedTensor
@@ -89,8 +105,8 @@ def metal_sdpa_attention_forward(module: torch.nn.Module, query: torch.Tensor, k
     if Hkv == 0 or Hq % Hkv != 0:
         raise ValueError(f"key: {Hkv} key/value heads do not divide the {Hq} query heads")
 
-    causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
-    causal = Lq > 1 and attention_mask is None and causal
+    is_causal_module = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
+    causal = Lq > 1 and attention_mask is None and is_causal_module
 
     mask = attention_mask
     if mask is not None:
@@ -143,9 +159,78 @@ def metal_sdpa_attention_forward(module: torch.nn.Module, query: torch.Tensor, k
                              f"{tuple(s_aux.shape) if isinstance(s_aux, torch.Tensor) else type(s_aux).__name__}")
         sinks = s_aux.reshape(Hq)
     dropout = _as_float("dropout", dropout)
-    out, _ = functional._attention(query, key, value, mask, None, sinks, scale, 0, window_left, window_right, cap,
-                                   dropout)
+    varlen = None
+    if position_bias is None and not isinstance(key, QuantizedTensor):
+        varlen = _packed_sequences(query, key, attention_mask, kwargs, is_causal_module, sliding_window)
+    if varlen is not None:
+        # Each packed sequence on its own: causal (bottom-right = top-left, Lq_b = Lk_b) and the window per sequence.
+        window_left = int(sliding_window) - 1 if (is_causal_module and sliding_window is not None) else -1
+        out, _ = functional._attention(query, key, value, None, None, sinks, scale, 0, window_left,
+                                       0 if is_causal_module else -1, cap, dropout, varlen=varlen)
+    else:
+        out, _ = functional._attention(query, key, value, mask, None, sinks, scale, 0, window_left, window_right,
+                                       cap, dropout)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _packed_sequences(query, key, attention_mask, kwargs: dict, causal: bool,
+                      sliding_window: Optional[int]) -> Optional[functional.Varlen]:
+    """The varlen arguments of a packed batch (see the module doc), or None."""
+    B, _, Lq, _ = query.shape
+    names = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+    cu_q, cu_k, max_q, max_k = (kwargs.get(n) for n in names)
+    if B == 1 and all(x is not None for x in (cu_q, cu_k, max_q, max_k)):
+        # A tensor max length is read on the host (transformers' flash-attention path does the same).
+        max_q, max_k = (int(x) for x in (max_q, max_k))
+        return functional.Varlen(cu_q.to(torch.int32), cu_k.to(torch.int32), None, None, max_q, max_k)
+    position_ids = kwargs.get("position_ids")
+    # transformers builds a mask for packed inputs (and none for unpacked, unpadded ones: mask None
+    # means "not packed" here, with no host synchronisation).
+    if position_ids is None or attention_mask is None or B != 1 or Lq < 2 or key.shape[2] != Lq \
+            or torch.compiler.is_compiling():
+        return None
+    window = int(sliding_window) if (causal and sliding_window is not None) else None
+    return _packed_from_positions(attention_mask, position_ids, causal, window)
+
+
+# The verdict per mask tensor (transformers builds one mask per forward and hands it to every layer).
+_VERDICTS = WeakIdKeyDictionary()
+
+
+def _packed_from_positions(mask, position_ids, causal: bool, window: Optional[int]):
+    """Varlen arguments from position_ids restarting at each sequence, when ``mask`` (a bool
+    (1, 1, L, L) mask) is exactly causal / sliding-window within those sequences."""
+    if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[:2] != (1, 1):
+        return None
+    key = (id(position_ids), causal, window)
+    known = _VERDICTS.get(mask, {})
+    if key in known:
+        return known[key]
+    pos = position_ids.reshape(-1)
+    L = pos.shape[0]
+    starts = torch.ones(L, dtype=torch.bool, device=pos.device)
+    starts[1:] = pos[1:] - pos[:-1] != 1  # a sequence starts where positions do not step by 1
+    first = starts.nonzero().flatten()  # the host synchronisation
+    verdict = None
+    if first.shape[0] > 1:
+        cu = torch.cat([first, first.new_tensor([L])]).to(torch.int32)
+        longest = int((cu[1:] - cu[:-1]).max())
+        if _is_packed_mask(mask[0, 0], starts.cumsum(0), causal, window):
+            verdict = functional.Varlen(cu, cu, None, None, longest, longest)
+    _VERDICTS.setdefault(mask, {})[key] = verdict
+    return verdict
+
+
+def _is_packed_mask(mask: torch.Tensor, seq: torch.Tensor, causal: bool, window: Optional[int]) -> bool:
+    """Whether a bool (L, L) mask is "same sequence", and causal / within the window."""
+    i = torch.arange(seq.shape[0], device=seq.device)[:, None]
+    j = i.T
+    want = seq[:, None] == seq[None, :]
+    if causal:
+        want &= j <= i
+    if window is not None:
+        want &= j > i - window
+    return bool(torch.equal(mask.to(want.device), want))
 
 
 def register(name: str = NAME) -> str:

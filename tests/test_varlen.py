@@ -1,0 +1,225 @@
+"""Varlen attention (packed sequences, ``cu_seqlens``) on the kernels, issue 15.
+
+One launch per kernel covers every sequence; the kernels read the boundaries on the
+GPU.  Each case runs forward and backward through the ops in the emulator, in checked
+mode and two schedule orders (bit-identical results), and every sequence is checked
+against its own float64 oracle call with the rule of ``torch_metal_flash.testing``
+(tests/varlen_cases.py).  Then the faces (flash-attn's varlen functions and their
+packed variants, differentiable, against per-sequence calls), no host synchronisation
+on the varlen path, ``torch.compile(fullgraph=True)`` of a packed training step, and
+transformers' packed-sequence path.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import varlen_cases as vc  # noqa: E402
+import torch_metal_flash as tmf  # noqa: E402
+from torch_metal_flash import backends, emulator  # noqa: E402
+from test_kvcache_op import host_syncs_raise  # noqa: E402
+
+RAGGED_Q, RAGGED_K = [5, 0, 1, 37, 20, 1], [7, 3, 0, 37, 41, 1]
+MANY_SHORT = [1, 3, 2, 6, 1, 4, 5, 2, 1, 3, 6, 2, 1, 1, 4, 3, 2, 5] + [131]  # and one long one
+
+CASES = [
+    dict(dtype="f32", h=4, hkv=2, d=32, lens_q=RAGGED_Q, lens_k=RAGGED_K, window=(-1, 0), alibi="bh"),
+    dict(dtype="f16", h=4, hkv=1, d=64, lens_q=RAGGED_Q, lens_k=RAGGED_K, window=(3, 1), softcap=4.0),
+    dict(dtype="bf16", h=2, hkv=2, d=40, dv=24, lens_q=RAGGED_K, lens_k=RAGGED_Q, alibi="h"),
+    dict(dtype="f16", h=2, hkv=1, d=32, lens_q=MANY_SHORT, lens_k=MANY_SHORT, window=(-1, 0)),
+    dict(dtype="f32", h=2, hkv=1, d=16, lens_q=RAGGED_Q, lens_k=RAGGED_K, window=(-1, 0),
+         seqused=[6, 2, 0, 30, 41, 0]),
+    dict(dtype="f16", h=4, hkv=2, d=32, lens_q=RAGGED_Q, lens_k=RAGGED_K, window=(-1, 0), page=5, sinks=True),
+    dict(dtype="bf16", h=4, hkv=2, d=64, lens_q=RAGGED_Q, lens_k=RAGGED_K, page=16, seqused=[7, 1, 0, 20, 41, 1]),
+    dict(dtype="f32", h=4, hkv=2, d=32, lens_q=RAGGED_Q, lens_k=RAGGED_K, window=(4, 0), alibi="bh", dropout=0.3),
+    dict(dtype="f16", h=2, hkv=1, d=32, lens_q=MANY_SHORT, lens_k=MANY_SHORT, window=(-1, 0), dropout=0.2,
+         softcap=5.0),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=vc.case_id)
+def test_kernels_against_per_sequence_oracle(case):
+    x = vc.build(case)
+    backends.run_counts(reset=True)
+    first = vc.run(x, order="forward")
+    assert "reference" not in backends.run_counts()
+    vc.check(x, first)
+    vc.same_bits(first, vc.run(x, order="reverse"))
+
+
+def test_reference_path_agrees_with_the_kernels():
+    """The fallback (sequence by sequence on the host) computes what the kernels compute."""
+    x = vc.build(CASES[7])
+    kernels, ref = vc.run(x, checked=False), vc.run(x, backend="reference")
+    assert torch.equal(torch.signbit(kernels["probs"]), torch.signbit(ref["probs"]))
+    vc.check(x, ref)
+
+
+def _pack(seqs):
+    return torch.cat(seqs), torch.tensor([0] + torch.tensor([s.shape[0] for s in seqs]).cumsum(0).tolist(),
+                                         dtype=torch.int32)
+
+
+def test_faces_match_per_sequence_calls_and_differentiate():
+    """flash_attn_varlen_func (and its kv/qkv-packed forms) equal flash_attn_func called per
+    sequence, forward and backward, and run as one kernel call."""
+    g = torch.Generator().manual_seed(15)
+    lens = [3, 1, 17, 0, 9]
+    seqs = [torch.randn(n, 3, 4, 16, generator=g) for n in lens]
+    qkv, cu = _pack(seqs)
+    qkv.requires_grad_(True)
+    kw = dict(causal=True, window_size=(5, 0), softcap=3.0, alibi_slopes=torch.rand(len(lens), 4, generator=g))
+    dout = torch.randn(qkv.shape[0], 4, 16, generator=g)
+    with tmf.backend("emulator", strict=True):
+        backends.run_counts(reset=True)
+        out, lse, none = tmf.flash_attn_varlen_qkvpacked_func(qkv, cu, max(lens), return_attn_probs=True, **kw)
+        assert backends.run_counts() == {"emulator": 1} and none is None
+        (got,) = torch.autograd.grad(out, qkv, dout)
+        packed_kv = tmf.flash_attn_varlen_kvpacked_func(qkv[:, 0], qkv[:, 1:], cu, cu, max(lens), max(lens), **kw)
+        torch.testing.assert_close(packed_kv, out, rtol=0, atol=0)
+        for b, (a, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+            if e == a:
+                continue
+            one = qkv[a:e].detach().requires_grad_(True)
+            ref, ref_lse, _ = tmf.flash_attn_qkvpacked_func(one[None], causal=True, window_size=(5, 0), softcap=3.0,
+                                                            alibi_slopes=kw["alibi_slopes"][b:b + 1],
+                                                            return_attn_probs=True)
+            (ref_grad,) = torch.autograd.grad(ref, one, dout[None, a:e])
+            torch.testing.assert_close(out[a:e], ref[0], atol=2e-6, rtol=1e-5)
+            torch.testing.assert_close(lse[:, a:e], ref_lse[0], atol=2e-6, rtol=1e-5)
+            torch.testing.assert_close(got[a:e], ref_grad, atol=1e-5, rtol=1e-5)
+
+
+def test_paged_face_and_inference_only():
+    x = vc.build(CASES[5])
+    c = x["c"]
+    with tmf.backend("emulator", strict=True):
+        out = tmf.flash_attn_varlen_func(x["q"], x["k_cache"], x["v_cache"], x["cu_q"], x["cu_k"], max(c["lens_q"]),
+                                         max(c["lens_k"]), causal=True, block_table=x["table"])
+        plain = tmf.flash_attn_varlen_func(x["q"], x["k"], x["v"], x["cu_q"], x["cu_k"], max(c["lens_q"]),
+                                           max(c["lens_k"]), causal=True)
+    torch.testing.assert_close(out, plain, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="paged k/v \\(block_table\\) are inference-only"):
+        tmf.flash_attn_varlen_func(x["q"].requires_grad_(), x["k_cache"], x["v_cache"], x["cu_q"], x["cu_k"], 37,
+                                   41, block_table=x["table"])
+
+
+def test_no_host_synchronisation():
+    """The varlen path never reads device values on the host: item/tolist/bool/host copies raise."""
+    x = vc.build(CASES[7])
+    c = x["c"]
+    q, k, v = (x[n].clone().requires_grad_(True) for n in ("q", "k", "v"))
+    with emulator.settings(checked=False), tmf.backend("emulator", strict=True), host_syncs_raise():
+        backends.run_counts(reset=True)
+        out = tmf.flash_attn_varlen_func(q, k, v, x["cu_q"], x["cu_k"], max(c["lens_q"]), max(c["lens_k"]),
+                                         dropout_p=0.25, causal=True, alibi_slopes=x["alibi"],
+                                         seqused_k=x["cu_k"][1:] - x["cu_k"][:-1])
+        out.backward(torch.ones_like(out))
+        assert backends.run_counts() == {"emulator": 2}  # one forward and one backward call
+
+
+class _Packed(torch.nn.Module):
+    """A tiny packed-sequence block: projections, varlen attention, output projection."""
+
+    def __init__(self, e=32, h=4, hkv=2):
+        super().__init__()
+        self.h, self.hkv, self.d = h, hkv, e // h
+        self.qkv = torch.nn.Linear(e, (h + 2 * hkv) * self.d)
+        self.o = torch.nn.Linear(e, e)
+
+    def forward(self, x, cu, max_len):
+        q, k, v = self.qkv(x).split([self.h * self.d, self.hkv * self.d, self.hkv * self.d], -1)
+        out = tmf.flash_attn_varlen_func(q.unflatten(-1, (self.h, self.d)), k.unflatten(-1, (self.hkv, self.d)),
+                                         v.unflatten(-1, (self.hkv, self.d)), cu, cu, max_len, max_len, causal=True,
+                                         dropout_p=0.1)
+        return self.o(out.flatten(-2))
+
+
+def test_compiled_packed_training_step_runs_on_the_kernels():
+    """torch.compile(fullgraph=True) of a packed training step: one graph, the metal_flash ops in it
+    (the rng draw too), the kernels run; it equals eager under the same seed."""
+    from test_compile_dropins import Recorder
+    torch.manual_seed(0)
+    model = _Packed()
+    x = torch.randn(41, 32)
+    cu = torch.tensor([0, 5, 6, 30, 41], dtype=torch.int32)
+
+    def loss(m):
+        return m(x, cu, 24).square().mean()
+
+    torch._dynamo.reset()
+    rec = Recorder()
+    compiled = torch.compile(loss, fullgraph=True, backend=rec.backend())
+    with emulator.settings(checked=False), tmf.backend("emulator", strict=True):
+        torch.manual_seed(1)
+        want = loss(model)
+        want.backward()
+        want_grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        torch.manual_seed(1)
+        backends.run_counts(reset=True)
+        got = compiled(model)
+        got.backward()
+    assert backends.run_counts().get("emulator", 0) == 2
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for p, w in zip(model.parameters(), want_grads):
+        torch.testing.assert_close(p.grad, w, rtol=1e-4, atol=1e-6)
+    assert len(rec.graphs["fw"]) == 1 and "metal_flash.fwd.default" in rec.ops("fw"), rec.ops("fw")
+    assert "metal_flash.bwd.default" in rec.ops("bw")
+    torch._dynamo.reset()
+
+
+def test_transformers_packed_sequences_take_the_varlen_kernels():
+    """transformers' padding-free path: position_ids restarting per sequence (and the flash-attention
+    kwargs cu_seq_lens_*/max_length_*) run one varlen call per layer, equal to running each sequence
+    alone; with the kwargs there is no host synchronisation."""
+    transformers = pytest.importorskip("transformers", minversion="5.0")
+    from torch_metal_flash import functional
+    from torch_metal_flash.integrations import transformers as tmf_hf
+    cfg = transformers.MistralConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=4,
+                                     max_position_embeddings=64)
+    torch.manual_seed(3)
+    model = transformers.MistralForCausalLM(cfg).eval()
+    tmf_hf.set_attention(model)
+    lens = [5, 9, 1, 7]
+    ids = torch.randint(1, 61, (1, sum(lens)))
+    pos = torch.cat([torch.arange(n) for n in lens])[None]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    calls = []
+    real = functional._attention
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("varlen"))
+        return real(*args, **kwargs)
+
+    with torch.no_grad(), tmf.backend("emulator", strict=True), emulator.settings(checked=False):
+        alone = torch.cat([model(input_ids=ids[:, a:e]).logits for a, e in zip(cu[:-1], cu[1:])], 1)
+        functional._attention, calls[:] = spy, []
+        try:
+            by_positions = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+            assert len(calls) == 2 and all(c is not None for c in calls)
+            by_kwargs = model(input_ids=ids, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                              max_length_q=max(lens), max_length_k=max(lens), use_cache=False).logits
+            assert len(calls) == 4 and all(c is not None for c in calls)
+            # with a cache (generation) transformers does not pack: the mask path
+            model(input_ids=ids, position_ids=pos)
+            assert len(calls) == 6 and calls[-1] is None
+        finally:
+            functional._attention = real
+    torch.testing.assert_close(by_positions, alone, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(by_kwargs, alone, atol=2e-5, rtol=2e-5)
+    # The attention function with the kwargs reads nothing on the host (transformers' own
+    # packed detection from position_ids does, outside it).
+    q, k, v = torch.randn(1, 4, sum(lens), 8), torch.randn(1, 2, sum(lens), 8), torch.randn(1, 2, sum(lens), 8)
+    module = torch.nn.Module()
+    module.is_causal = True
+    with tmf.backend("emulator", strict=True), emulator.settings(checked=False), host_syncs_raise():
+        out, _ = tmf_hf.metal_sdpa_attention_forward(module, q, k, v, None, dropout=0.1, cu_seq_lens_q=cu,
+                                                     cu_seq_lens_k=cu, max_length_q=max(lens), max_length_k=max(lens))
+    assert out.shape == (1, sum(lens), 4, 8)
