@@ -19,6 +19,7 @@ import test_backward_kernels as bwd  # noqa: E402
 import test_decode_kernels as dec  # noqa: E402
 import test_forward_kernels as fwd  # noqa: E402
 import test_quantized_kernels as quant  # noqa: E402
+import varlen_cases as vc  # noqa: E402
 from torch_metal_flash import emulator  # noqa: E402
 from test_kvcache import make_case  # noqa: E402
 from torch_metal_flash.spec import make_spec  # noqa: E402
@@ -37,6 +38,14 @@ BACKWARD = [
          dbias=True),
 ]
 DECODE = [dec.CASES[0], dec.CASES[3], dec.CASES[6]]  # splits + GQA 4; softcap; ALiBi (b, h), window, leftpad
+# Varlen (ragged, with empty sequences) and dropout (the Philox mask, its S_dmask pass), forward and
+# backward; paged K/V with seqused_k (forward).
+VARLEN = [
+    dict(dtype="f16", h=4, hkv=2, d=32, lens_q=[5, 0, 1, 17], lens_k=[7, 3, 0, 17], window=(3, 0), alibi="bh",
+         softcap=4.0, dropout=0.3),
+    dict(dtype="f32", h=2, hkv=1, d=16, lens_q=[5, 0, 1, 17], lens_k=[7, 3, 0, 17], page=5, sinks=True,
+         seqused=[6, 3, 0, 9]),
+]
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -55,6 +64,14 @@ def test_backward(mode):
             bwd.run_and_check(c, orders=("forward",))
         bwd.test_fully_masked_rows_zero_grads("f32")
         bwd.test_rows_of_finfo_min_scores_pass_no_gradient()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_varlen_and_dropout(mode):
+    with emulator.settings(math_mode=mode):
+        for c in VARLEN:
+            x = vc.build(c)
+            vc.check(x, vc.run(x))
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -123,6 +123,81 @@ def test_no_host_synchronisation():
         assert backends.run_counts() == {"emulator": 2}  # one forward and one backward call
 
 
+def test_bad_arguments_are_named():
+    """Shapes, dtypes and devices of the index tensors (and dropout_p, rng_state) are checked on
+    every call without reading their values; with TORCH_METAL_FLASH_DEBUG=1 the values too
+    (test_flash_face.test_varlen_errors covers cu_seqlens / seqused_k values)."""
+    q, k = torch.randn(5, 2, 8), torch.randn(6, 2, 8)
+    cache = torch.randn(3, 4, 2, 8)
+    cu_q, cu_k = torch.tensor([0, 5], dtype=torch.int32), torch.tensor([0, 6], dtype=torch.int32)
+    table = torch.tensor([[0, 1]], dtype=torch.int32)
+    bad = [
+        (ValueError, "cu_seqlens_q: expected device cpu, got meta", (q, k, k, cu_q.to("meta"), cu_k, 5, 6), {}),
+        (ValueError, r"cu_seqlens_q: expected a 1-D tensor, got shape \(1, 2\)", (q, k, k, cu_q[None], cu_k, 5, 6),
+         {}),
+        (ValueError, "seqused_k: expected length \\(the batch size\\) 1, got 2", (q, k, k, cu_q, cu_k, 5, 6),
+         dict(seqused_k=torch.tensor([1, 2], dtype=torch.int32))),
+        (TypeError, "block_table: expected dtype int32, got torch.float32", (q, cache, cache, cu_q, cu_k, 5, 6),
+         dict(block_table=table.float())),
+        (ValueError, r"block_table: expected a 2-D tensor", (q, cache, cache, cu_q, cu_k, 5, 6),
+         dict(block_table=table[0])),
+        (ValueError, r"block_table: expected rows \(the batch size\) 1, got 2", (q, cache, cache, cu_q, cu_k, 5, 6),
+         dict(block_table=table.expand(2, 2))),
+        (ValueError, r"k: expected a 4-D tensor", (q, k, k, cu_q, cu_k, 5, 6), dict(block_table=table)),
+        (ValueError, r"dropout_p: expected a float in \[0, 1\], got 1.5", (q, k, k, cu_q, cu_k, 5, 6),
+         dict(dropout_p=1.5)),
+    ]
+    for error, message, args, kwargs in bad:
+        with pytest.raises(error, match=message):
+            tmf.flash_attn_varlen_func(*args, **kwargs)
+    fwd = torch.ops.metal_flash.fwd
+    base = (q.transpose(0, 1)[None], k.transpose(0, 1)[None], k.transpose(0, 1)[None], None, None, None, 1.0, 0, -1,
+            -1, 0.0, False)
+    with pytest.raises(ValueError, match="rng_state: required when dropout_p > 0"):
+        fwd(*base, 0.2, None)
+    with pytest.raises(ValueError, match="rng_state: expected an int64 \\(seed, offset\\) pair on cpu"):
+        fwd(*base, 0.2, torch.zeros(2))
+    with pytest.raises(ValueError, match="seqused_k: only with cu_seqlens_q / cu_seqlens_k"):
+        fwd(*base, 0.0, None, None, None, cu_q)
+    with pytest.raises(ValueError, match="cu_seqlens_q, cu_seqlens_k: pass both"):
+        fwd(*base, 0.0, None, cu_q)
+
+
+def test_block_table_values_checked_in_debug_mode(monkeypatch):
+    q, cache = torch.randn(5, 2, 8), torch.randn(3, 4, 2, 8)
+    cu_q, cu_k = torch.tensor([0, 5], dtype=torch.int32), torch.tensor([0, 6], dtype=torch.int32)
+    monkeypatch.setenv("TORCH_METAL_FLASH_DEBUG", "1")
+    with tmf.backend("emulator", strict=True), emulator.settings(checked=False):
+        for table in ([[0, 7]], [[0]], [[-1, 2]]):
+            with pytest.raises(ValueError, match=r"block_table: row 0 must name 2 blocks in \[0, 3\) for its 6 keys"):
+                tmf.flash_attn_varlen_func(q, cache, cache, cu_q, cu_k, 5, 6,
+                                           block_table=torch.tensor(table, dtype=torch.int32))
+
+
+def test_out_of_range_index_values_stay_inside_the_tensors():
+    """Without debug mode the kernels never read index values on the host: nonsense ones
+    (negative, past the tensors, longer than max_seqlen, decreasing at the end; seqused_k
+    past its sequence; block numbers outside the pool) are clamped to the tensors, so the
+    checked emulator (every access bounds-checked) sees none outside them, forward and
+    backward.  (Sequences that overlap after clamping would race on their shared rows:
+    garbage in, garbage out, but never outside the tensors.)"""
+    x = vc.build(CASES[5])
+    assert x["q"].shape[0] == 64 and x["k"].shape[0] == 89
+    q, k, v = (x[n].clone().requires_grad_(True) for n in ("q", "k", "v"))
+    cu_q = torch.tensor([-7, 4, 30, 30, 63, 10 ** 6, 5], dtype=torch.int32)
+    cu_k = torch.tensor([-3, 50, 60, 60, 189, 2 ** 31 - 1, 0], dtype=torch.int32)
+    used = torch.tensor([99, -1, 3, 2 ** 30, 0, 5], dtype=torch.int32)
+    table = x["table"].clone()
+    table[0, 0], table[1, -1] = 10 ** 6, -3
+    with tmf.backend("emulator", strict=True), emulator.settings(checked=True):
+        out = tmf.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 37, 41, causal=True, seqused_k=used, dropout_p=0.2)
+        out.backward(torch.ones_like(out))
+        paged = tmf.flash_attn_varlen_func(q.detach(), x["k_cache"], x["v_cache"], cu_q, cu_k, 37, 41,
+                                           block_table=table, seqused_k=used)
+    for t in (out, q.grad, paged):  # every query row belongs to a (clamped) sequence
+        assert torch.isfinite(t).all()
+
+
 class _Packed(torch.nn.Module):
     """A tiny packed-sequence block: projections, varlen attention, output projection."""
 
