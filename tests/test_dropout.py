@@ -208,7 +208,7 @@ def test_same_state_same_results_other_offset_or_seed_other_mask():
 
 def test_faces_follow_the_default_generator():
     """torch.manual_seed reproduces a call; two calls in a row differ; rng_state comes from the
-    generator of q's device (one draw per call)."""
+    generator of q's device (one draw per call) or a given one."""
     q = torch.randn(2, 9, 2, 16)
     with emulator.settings(checked=False), tmf.backend("emulator", strict=True):
         torch.manual_seed(7)
@@ -224,6 +224,11 @@ def test_faces_follow_the_default_generator():
     with tmf.backend("reference"):
         ref = torch.ops.metal_flash.fwd(*_op_args(spec, False))[0].transpose(1, 2)
     torch.testing.assert_close(a, ref, atol=1e-6, rtol=1e-6)
+    # an explicit generator (ops-level callers): 62-bit seed and offset, reproducible
+    g1, g2 = (torch.Generator().manual_seed(3) for _ in range(2))
+    s1 = philox.new_rng_state("cpu", g1)
+    assert torch.equal(s1, philox.new_rng_state("cpu", g2)) and not torch.equal(s1, philox.new_rng_state("cpu", g1))
+    assert s1.dtype == torch.int64 and s1.shape == (2,) and ((s1 >= 0) & (s1 < 2 ** 62)).all()
 
 
 # ---------------------------------------------------------------------------

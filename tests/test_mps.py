@@ -676,3 +676,37 @@ def test_backward_rebuilds_p_exactly(dtype, features):
                                               3.0 if features != "plain" else 0.0, True)
         dv = torch.autograd.grad(out, leaves[2], dout.to(MPS))[0]
     assert torch.equal(out.cpu(), v) and torch.equal(dv.cpu(), dout)
+
+
+# ---------------------------------------------------------------------------
+# Varlen and dropout on the Metal kernels (issue 15)
+# ---------------------------------------------------------------------------
+
+@needs_backward
+def test_varlen_dropout_on_metal_equals_the_reference_with_the_same_rng_state():
+    """Packed sequences (lengths 0 and 1 among them) with dropout: the Metal kernels and the
+    CPU reference path given the same (seed, offset) apply the same Philox mask, forward and
+    backward; the rng draw of the faces is a GPU op that torch.manual_seed reproduces."""
+    from torch_metal_flash import philox
+    lens = [5, 0, 1, 130, 77]
+    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+    q, k, v = (randn(1, h, sum(lens), 64, dtype=torch.float32, seed=61 + i) for i, h in enumerate((4, 2, 2)))
+    dout = randn(1, 4, sum(lens), 64, dtype=torch.float32, seed=64)
+    rng = torch.tensor([0x1234_5678_9ABC, 7], dtype=torch.int64)
+
+    def run(device, backend):
+        leaves = [t.to(device, copy=True).requires_grad_(True) for t in (q, k, v)]
+        with tmf.backend(backend, strict=True):
+            out, lse, _ = torch.ops.metal_flash.fwd(*leaves, None, None, None, 0.125, 0, -1, 0, 0.0, True, 0.25,
+                                                    rng.to(device), cu.to(device), cu.to(device), None, None, 130,
+                                                    130)
+            out.backward(dout.to(device))
+        return [t.detach().cpu() for t in (out, lse, *(x.grad for x in leaves))]
+
+    for got, want in zip(run(MPS, "metal"), run("cpu", "reference")):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5)
+    torch.manual_seed(3)
+    a, b = philox.new_rng_state(MPS), philox.new_rng_state(MPS)
+    torch.manual_seed(3)
+    assert torch.equal(philox.new_rng_state(MPS).cpu(), a.cpu()) and not torch.equal(a.cpu(), b.cpu())
+    assert a.device.type == "mps" and a.dtype == torch.int64 and ((a >= 0) & (a < 2 ** 62)).all().item()

@@ -344,8 +344,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     varlen = Varlen(cu_q, cu_k, used, table, max_seqlen_q, max_seqlen_k)
     res = _attention(q.transpose(0, 1).unsqueeze(0), kv_view(k), kv_view(v), None, alibi_slopes, None, scale, 0,
                      left, right, softcap, dropout_p, varlen=varlen, return_probs=return_attn_probs)
-    out = res[0][0].transpose(0, 1)
-    return (out, res[1][0], res[2]) if return_attn_probs else out
+    # squeeze, not [0]: select's backward would zero-fill and copy a full-size gradient
+    out = res[0].squeeze(0).transpose(0, 1)
+    return (out, res[1].squeeze(0), res[2]) if return_attn_probs else out
 
 
 def _index_vector(name: str, t, device, ndim: int = 1) -> torch.Tensor:

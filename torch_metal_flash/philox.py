@@ -24,7 +24,10 @@ default generator like any random op.  :func:`new_rng_state` draws
 it consumes the device's default generator like torch's own dropout does
 there, so ``torch.manual_seed`` reproduces a run and two calls in a row get
 different masks; on MPS it is a GPU op (no host synchronisation), and under
-``torch.compile`` it is part of the graph, drawn at run time.
+``torch.compile`` it is part of the graph, drawn at run time.  It draws four
+31-bit words (torch's MPS ``random_`` runs in int32: a full 64-bit range is
+not drawn faithfully there) and joins them into a 62-bit seed and offset on
+the device.
 """
 from __future__ import annotations
 
@@ -101,7 +104,9 @@ def keep_mask(rng_state: torch.Tensor, p: float, bh: torch.Tensor, rows: torch.T
     return out
 
 
-def new_rng_state(device) -> torch.Tensor:
-    """(seed, offset) for one dropout call, int64 (2,) on ``device``, drawn from the
-    device's default generator (see the module doc)."""
-    return torch.randint(-2 ** 63, 2 ** 63 - 1, (2,), dtype=torch.int64, device=device)
+def new_rng_state(device, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """(seed, offset) for one dropout call, int64 (2,) on ``device``, drawn from
+    ``generator`` (default: the device's default generator; see the module doc)."""
+    words = torch.randint(0, 2 ** 31 - 1, (2, 2), dtype=torch.int32, device=device, generator=generator)
+    words = words.to(torch.int64)
+    return words[:, 0] + words[:, 1] * 2 ** 31
