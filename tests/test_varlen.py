@@ -109,6 +109,22 @@ def test_paged_face_and_inference_only():
                                    41, block_table=x["table"])
 
 
+def test_quantized_and_mixed_precision_kv_are_converted():
+    """Quantized or fp16 K/V under fp32 q (inference caches) run the varlen kernels on K/V
+    converted to q's dtype: the same result as passing the converted K/V (a regression: a
+    quantized cache once took the padded quantized op and attended across sequences)."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(23, 2, 64, generator=g) for _ in range(3))
+    cu = torch.tensor([0, 4, 4, 23], dtype=torch.int32)
+    qk, qv = tmf.quantize(k, bits=8, group_size=32), tmf.quantize(v, bits=8, group_size=32)
+    with tmf.backend("emulator", strict=True), emulator.settings(checked=False):
+        for kk, vv, want_k, want_v in ((qk, qv, qk.dequantize(), qv.dequantize()),
+                                       (k.half(), v.half(), k.half().float(), v.half().float())):
+            got = tmf.flash_attn_varlen_func(q, kk, vv, cu, cu, 19, 19, causal=True)
+            want = tmf.flash_attn_varlen_func(q, want_k, want_v, cu, cu, 19, 19, causal=True)
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_no_host_synchronisation():
     """The varlen path never reads device values on the host: item/tolist/bool/host copies raise."""
     x = vc.build(CASES[7])

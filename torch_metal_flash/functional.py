@@ -41,9 +41,9 @@ def _attention(q, k, v, mask, alibi_slopes, sinks, scale, diag_offset, window_le
     quantized = isinstance(k, QuantizedTensor)
     if sinks is not None and (sinks.dtype != stats_dtype(q.dtype) or not sinks.is_contiguous()):
         sinks = sinks.to(stats_dtype(q.dtype)).contiguous()  # the kernels read float32 sinks
-    if dropout_p > 0:
-        # The dropout kernels read K/V in q's dtype: quantized or mixed-precision K/V
-        # (inference caches) are converted first, a copy.
+    if dropout_p > 0 or varlen is not None:
+        # The dropout and varlen kernels read K/V in q's dtype: quantized or mixed-precision
+        # K/V (inference caches) are converted first, a copy.
         if quantized:
             k, v = k.dequantize(), v.dequantize()
         if k.dtype != q.dtype:
@@ -286,6 +286,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) cumulative sequence lengths, starting at 0.
         max_seqlen_q, max_seqlen_k: ints, the largest lengths (bound the kernels' grids; as
             flash-attn, window sizes >= max_seqlen_k mean unbounded).
+        k, v may also be quantized (:class:`~torch_metal_flash.quant.QuantizedTensor`) or
+            float16 / bfloat16 under a float32 ``q``: converted to q's dtype first (a copy).
         block_table: int32 (batch, max_num_blocks_per_seq): sequence b's key j is row
             j % page_block_size of block block_table[b, j // page_block_size] (inference only).
         seqused_k: int32 (batch,) (flash-attn 3's argument): only the first seqused_k[b]
