@@ -36,9 +36,13 @@ calls keep their meaning (the defaults switch both off).
   (num_seqs,) uses only the first keys of each sequence; ``block_table``
   (num_seqs, max_blocks) makes ``k``/``v`` paged caches (num_blocks, Hkv,
   page_size, D)-indexed (inference only).  The kernels read these index vectors
-  on the GPU (no host synchronisation; out-of-range values are clamped to the
-  tensors, ``TORCH_METAL_FLASH_DEBUG=1`` validates them on the host).  No
-  ``attn_mask`` with varlen.
+  on the GPU (no host synchronisation) and clamp what is out of range to the
+  tensors: offsets to [0, total], each length to [0, max_seqlen] (an end before
+  its start: an empty sequence), ``seqused_k`` to [0, the sequence's keys], block
+  numbers to the pool -- never an access outside them (sequences that overlap
+  after clamping race on their shared rows: garbage in, garbage out).
+  ``TORCH_METAL_FLASH_DEBUG=1`` validates the values on the host instead (clear
+  errors, one sync per call).  No ``attn_mask`` with varlen.
 * ``fwd_probs`` (debug) returns flash-attn's ``S_dmask`` of a ``fwd`` call with
   the same arguments: (num_seqs, Hq, max_seqlen_q, max_seqlen_k) in q's dtype
   (padded problems: (B, Hq, Lq, Lk)), ``exp(s - m)`` per element with ``m`` the
