@@ -218,6 +218,13 @@ def test_faces_follow_the_default_generator():
         torch.manual_seed(7)
         state = philox.new_rng_state("cpu")
     assert torch.equal(a, a2) and not torch.equal(a, b)
+    # dropout_p=0: the plain kernels, and the generator is not consumed
+    with emulator.settings(checked=False), tmf.backend("emulator", strict=True):
+        torch.manual_seed(7)
+        zero, after = tmf.flash_attn_func(q, q, q, dropout_p=0.0), torch.rand(3)
+        plain = tmf.flash_attn_func(q, q, q)
+    torch.manual_seed(7)
+    assert torch.equal(zero, plain) and torch.equal(after, torch.rand(3))
     torch.manual_seed(7)
     spec = make_spec(q.transpose(1, 2), q.transpose(1, 2), q.transpose(1, 2), scale=0.25, dropout_p=0.3,
                      rng_state=state)
