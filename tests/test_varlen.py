@@ -125,6 +125,27 @@ def test_quantized_and_mixed_precision_kv_are_converted():
             torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("cu_q,cu_k", [([0, 0, 0], [0, 0, 0]), ([0], [0]), ([0, 0], [0, 5]), ([0, 3], [0, 0])],
+                         ids=["all-empty", "no-sequences", "no-queries", "no-keys"])
+def test_degenerate_batches(cu_q, cu_k):
+    """No sequences, only empty ones, keys without queries, queries without keys: forward and
+    backward (dropout on, the gradient of a sum: a stride-0 dout) on the kernels; rows with no
+    key give zeros and lse = +inf, keys with no query zero gradients."""
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(cu_q[-1], 2, 16, generator=g, requires_grad=True)
+    k, v = (torch.randn(cu_k[-1], 1, 16, generator=g, requires_grad=True) for _ in range(2))
+    cq, ck = (torch.tensor(c, dtype=torch.int32) for c in (cu_q, cu_k))
+    with tmf.backend("emulator", strict=True), emulator.settings(checked=True):
+        backends.run_counts(reset=True)
+        out, lse, _ = tmf.flash_attn_varlen_func(q, k, v, cq, ck, max(cu_q[-1], 1), max(cu_k[-1], 1), dropout_p=0.3,
+                                                 causal=True, return_attn_probs=True)
+        out.sum().backward()
+        assert "reference" not in backends.run_counts()
+    assert out.shape == q.shape and lse.shape == (2, cu_q[-1])
+    assert not out.any() and (lse == float("inf")).all()
+    assert not q.grad.any() and not k.grad.any() and not v.grad.any()
+
+
 def test_no_host_synchronisation():
     """The varlen path never reads device values on the host: item/tolist/bool/host copies raise."""
     x = vc.build(CASES[7])
