@@ -4,28 +4,26 @@ one ``metal_flash.fwd`` op without copying or transposing memory."""
 from __future__ import annotations
 
 import math
-import warnings
+
 import torch
 
-from . import checks, ops, reference  # noqa: F401  (ops registers torch.ops.metal_flash)
+from . import backends, checks, ops, reference  # noqa: F401  (ops registers torch.ops.metal_flash)
 from .spec import make_spec
 
-_dropout_warned = False
-
-
-def _warn_dropout() -> None:
-    global _dropout_warned
-    if not _dropout_warned:
-        _dropout_warned = True
-        warnings.warn("torch_metal_flash: dropout_p > 0 runs on the reference path (no dropout kernel yet); "
-                      "it materialises the attention scores", UserWarning, stacklevel=3)
+DROPOUT_REASON = ("dropout_p > 0 (no dropout kernel yet; the reference path materialises the attention "
+                  "scores)")
 
 
 def _attention(q, k, v, mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right, softcap,
                dropout_p):
     """(out, lse) for (B, H, L, D)-indexed views."""
     if dropout_p > 0:
-        _warn_dropout()
+        # Dropout goes through the backend's fallback policy like any configuration the
+        # kernels do not cover: strict mode raises, run_counts() counts it.
+        backend, why = backends.select(q.device)
+        if backend is not None or why is not None:
+            backends.fallback(why or DROPOUT_REASON)
+        backends.record_run("reference")
         spec = make_spec(q, k, v, mask, alibi_slopes, sinks, scale=scale, diag_offset=diag_offset,
                          window_left=window_left, window_right=window_right, softcap=softcap)
         return reference.dropout_attention(spec, dropout_p)
