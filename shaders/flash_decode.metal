@@ -281,7 +281,7 @@ template <typename T, int BD, int BK>
   if (!row_ok) return;
   const long row_id = (long(b) * P.heads + h) * long(Lq) + i;  // (b, h, i) in lse order
   if (!use_splits) {
-    const float inv_l = l_i > 0.0f ? 1.0f / l_i : 0.0f;
+    const float inv_l = l_i != 0.0f ? 1.0f / l_i : 0.0f;
     const long o_off = long(b) * P.o_stride_b + long(h) * P.o_stride_h + long(i) * P.o_stride_l;
     for (int dd = 0; dd < NF; ++dd) {
       const int c = dd * 8 + fc.col;
@@ -290,11 +290,11 @@ template <typename T, int BD, int BK>
     }
     if (fc.col == 0) {
       const float pos_inf = as_type<float>(0x7f800000u);
-      lse[row_id] = l_i > 0.0f ? (m_i + log2(l_i)) * flash::kLn2 : pos_inf;
+      lse[row_id] = l_i != 0.0f ? (m_i + log2(l_i)) * flash::kLn2 : pos_inf;
     }
   } else {
     const long prow = row_id * P.num_splits + split;
-    if (l_i > 0.0f) {  // the combine reads O only of splits that saw a key
+    if (l_i != 0.0f) {  // the combine reads O only of splits that saw a key
       for (int dd = 0; dd < NF; ++dd) {
         const int c = dd * 8 + fc.col;
         if (c < D) part_o[prow * D + c] = Of[dd].thread_elements()[0];
@@ -351,14 +351,14 @@ template <typename T>
     if (s < S) {
       m[c] = part_ml[(base + s) * 2];
       l[c] = part_ml[(base + s) * 2 + 1];
-      if (l[c] > 0.0f) mx = max(mx, m[c]);
+      if (l[c] != 0.0f) mx = max(mx, m[c]);
     }
   }
   mx = simd_max(mx);
   float w[kMaxSplitChunks];
   float lsum = 0.0f;
   for (int c = 0; c < kMaxSplitChunks; ++c) {
-    w[c] = l[c] > 0.0f ? exp2(m[c] - mx) : 0.0f;
+    w[c] = l[c] != 0.0f ? exp2(m[c] - mx) : 0.0f;
     lsum += w[c] * l[c];
   }
   lsum = simd_sum(lsum);
@@ -375,7 +375,7 @@ template <typename T>
       }
     }
   }
-  const float inv = lsum > 0.0f ? 1.0f / lsum : 0.0f;
+  const float inv = lsum != 0.0f ? 1.0f / lsum : 0.0f;
   const long o_off = long(b) * P.o_stride_b + long(h) * P.o_stride_h + long(i) * P.o_stride_l;
   for (int c = 0; c < kMaxDimChunks; ++c) {
     const int d = c * 32 + int(lane);
@@ -383,7 +383,7 @@ template <typename T>
   }
   if (lane == 0) {
     const float pos_inf = as_type<float>(0x7f800000u);
-    lse[row_id] = lsum > 0.0f ? (mx + log2(lsum)) * flash::kLn2 : pos_inf;
+    lse[row_id] = lsum != 0.0f ? (mx + log2(lsum)) * flash::kLn2 : pos_inf;
   }
 }
 

@@ -248,8 +248,9 @@ template <typename T, int BD, int BQ, int BK, bool KVS>
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
 
-  // Epilogue: O / l in the caller's layout, lse = m + ln(l) (+inf when empty).
-  const float inv_l = l_i > 0.0f ? 1.0f / l_i : 0.0f;
+  // Epilogue: O / l in the caller's layout, lse = m + ln(l) (+inf when empty).  Tested with
+  // != 0 (l >= 0 otherwise) so that a NaN score makes the row NaN, as torch's SDPA does.
+  const float inv_l = l_i != 0.0f ? 1.0f / l_i : 0.0f;
   device T* orow = o + long(b) * p.o_stride_b + long(h) * p.o_stride_h + long(i) * p.o_stride_l;
   for (int dd = 0; dd < NF; ++dd) {
     flash::store_frag_rows(Of[dd], orow + dd * 8, row_ok, p.head_dim_v - dd * 8, fc, inv_l);
@@ -257,7 +258,7 @@ template <typename T, int BD, int BQ, int BK, bool KVS>
   if (fc.col == 0 && row_ok) {
     const float pos_inf = as_type<float>(0x7f800000u);
     lse[(long(b) * p.heads + h) * long(Lq) + i] =
-        l_i > 0.0f ? m_i + log2(l_i) * flash::kLn2 : pos_inf;
+        l_i != 0.0f ? m_i + log2(l_i) * flash::kLn2 : pos_inf;
   }
 }
 
