@@ -22,6 +22,8 @@ from typing import Iterator, Optional
 
 import torch
 
+from .. import caches
+
 BACKENDS = ("auto", "metal", "emulator", "reference")
 
 _choice: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("tmf_backend", default=None)
@@ -80,22 +82,25 @@ def set_strict(strict: bool) -> None:
 
 
 _runs: collections.Counter = collections.Counter()
+_runs_lock = threading.Lock()
 
 
 def record_run(name: str) -> None:
     """Count one op call executed by backend ``name``."""
-    _runs[name] += 1
+    with _runs_lock:
+        _runs[name] += 1
 
 
 def run_counts(reset: bool = False) -> dict[str, int]:
     """How many op calls each backend executed (``reference`` includes fallbacks)."""
-    counts = dict(_runs)
-    if reset:
-        _runs.clear()
+    with _runs_lock:
+        counts = dict(_runs)
+        if reset:
+            _runs.clear()
     return counts
 
 
-_warned: set[str] = set()
+_warned = caches.LRU("fallback_warnings", 1024)  # reasons already warned about
 _warned_lock = threading.Lock()
 
 
@@ -128,9 +133,10 @@ def select(device: torch.device):
         why = None if device.type == "cpu" else f"the emulator backend runs on CPU tensors, got {device.type}"
     if why is not None:
         return None, why
-    if name not in _instances:
-        _instances[name] = metal.MetalBackend() if name == "metal" else emulator.EmulatorBackend()
-    return _instances[name], None
+    with _instances_lock:  # one instance per backend, also when threads race to create it
+        if name not in _instances:
+            _instances[name] = metal.MetalBackend() if name == "metal" else emulator.EmulatorBackend()
+        return _instances[name], None
 
 
 def resolve(device: torch.device):
@@ -142,3 +148,4 @@ def resolve(device: torch.device):
 
 
 _instances: dict = {}
+_instances_lock = threading.Lock()

@@ -9,7 +9,8 @@ launch's buffers by index.  Schedule order, checked mode and seed come from
 (``TORCH_METAL_FLASH_EMULATOR_ORDER`` / ``..._CHECKED`` / ``..._SEED``).
 
 ``last_stats`` holds the :class:`~torch_metal_flash.emulator.LaunchStats` of
-the most recent plan, one per launch (bytes moved, MMA counts ...).
+the most recent plan the calling thread ran, one per launch (bytes moved, MMA
+counts ...).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import threading
 
 from .. import emulator
 from .._paths import shaders_dir
+from ..caches import LRU
 from ..plan import Plan
 
 
@@ -24,18 +26,20 @@ class EmulatorBackend:
     name = "emulator"
 
     def __init__(self):
-        self._libs: dict = {}
-        self._lock = threading.Lock()
-        self.last_stats: list = []
+        self._libs = LRU("emulator.libraries", 256)
+        self._local = threading.local()
+
+    @property
+    def last_stats(self) -> list:
+        """Stats of the most recent plan this thread ran."""
+        return getattr(self._local, "stats", [])
 
     def library(self, source: str, function_constants: dict) -> "emulator.Library":
         key = (source, tuple(sorted(function_constants.items())))
-        with self._lock:
-            lib = self._libs.get(key)
+        lib = self._libs.get(key)
         if lib is None:
             lib = emulator.compile_shader(shaders_dir() / source, function_constants=dict(function_constants))
-            with self._lock:
-                self._libs[key] = lib
+            self._libs.put(key, lib)
         return lib
 
     def run(self, plan: Plan) -> None:
@@ -45,4 +49,4 @@ class EmulatorBackend:
             kernel = lib[launch.kernel]
             stats.append(kernel(buffers=dict(launch.buffers), grid=launch.grid_threads, threadgroup=launch.threadgroup,
                                 threadgroup_memory=dict(launch.threadgroup_memory) or None))
-        self.last_stats = stats
+        self._local.stats = stats
