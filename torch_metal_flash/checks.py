@@ -1,6 +1,7 @@
 """Argument checks shared by the public faces: clear errors naming the argument."""
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 import torch
@@ -101,7 +102,36 @@ def sinks(s, heads: int, device: torch.device) -> Optional[torch.Tensor]:
     return s
 
 
+def _symbolic(value) -> bool:
+    """A torch.compile symbol: checked when the graph runs, not while tracing (no guards)."""
+    return isinstance(value, (torch.SymInt, torch.SymFloat))
+
+
 def softcap(value) -> float:
-    if not isinstance(value, (int, float)) or value < 0:
-        raise ValueError(f"softcap: expected a float >= 0 (0 = off), got {value!r}")
+    if _symbolic(value):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise ValueError(f"softcap: expected a finite float >= 0 (0 = off), got {value!r}")
     return float(value)
+
+
+def scale(name: str, value) -> float:
+    """A softmax scale: a finite number."""
+    if _symbolic(value):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name}: expected a finite float, got {value!r}")
+    return float(value)
+
+
+def head_dim(name: str, t: torch.Tensor) -> None:
+    if t.shape[-1] < 1:
+        raise ValueError(f"{name}: expected a head dim (last dim) >= 1, got shape {tuple(t.shape)}")
+
+
+def window_side(name: str, value) -> int:
+    if _symbolic(value):
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+        raise ValueError(f"{name}: expected an int >= 0 or -1 (unbounded), got {value!r}")
+    return value

@@ -58,6 +58,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             raise ValueError(f"{name}: expected at least 2 dims (..., L, E), got shape {tuple(t.shape)}")
         checks.float_dtype(name, t)
         checks.last_dim_contiguous(name, t)
+        checks.head_dim(name, t)
     checks.same(("query", "key", "value"), (query, key, value), "dtype")
     checks.same(("query", "key", "value"), (query, key, value), "device")
     checks.same(("query", "key", "value"), (query, key, value), "ndim")
@@ -85,25 +86,28 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         checks.same(("query", "attn_mask"), (query, attn_mask), "device")
         checks.broadcastable("attn_mask", attn_mask, tuple(query.shape[:-2]) + (L, S))
         mask = _as_4d(attn_mask.expand(tuple(query.shape[:-2]) + (L, S)))
-    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else checks.scale("scale", scale)
     out, _ = _attention(q, k, v, mask, None, None, scale, 0, -1, 0 if is_causal else -1, 0.0, dropout_p)
     return out.reshape(tuple(query.shape[:-1]) + (value.shape[-1],))
 
 
-def _flash_checks(q, k, v):
+def _flash_checks(q, k, v, ndim=4):
+    """flash-attn inputs: (batch, seqlen, heads, headdim), or (total, heads, headdim) for varlen."""
     for name, t in (("q", q), ("k", k), ("v", v)):
-        checks.tensor(name, t, ndim=(4,))
+        checks.tensor(name, t, ndim=(ndim,))
         checks.float_dtype(name, t)
         checks.last_dim_contiguous(name, t)
+        checks.head_dim(name, t)
     checks.same(("q", "k", "v"), (q, k, v), "dtype")
     checks.same(("q", "k", "v"), (q, k, v), "device")
-    checks.dim_equal("k", k.shape[0], q.shape[0], "batch size equal to q's")
-    checks.dim_equal("v", v.shape[0], q.shape[0], "batch size equal to q's")
-    checks.dim_equal("k", k.shape[3], q.shape[3], "head dim equal to q's")
-    checks.dim_equal("v", v.shape[3], q.shape[3], "head dim equal to q's")
-    checks.dim_equal("v", v.shape[1], k.shape[1], "seqlen equal to k's")
-    checks.dim_equal("v", v.shape[2], k.shape[2], "number of heads equal to k's")
-    checks.gqa_heads(q.shape[2], k.shape[2], "q", "k/v")
+    if ndim == 4:
+        checks.dim_equal("k", k.shape[0], q.shape[0], "batch size equal to q's")
+        checks.dim_equal("v", v.shape[0], q.shape[0], "batch size equal to q's")
+    checks.dim_equal("k", k.shape[-1], q.shape[-1], "head dim equal to q's")
+    checks.dim_equal("v", v.shape[-1], q.shape[-1], "head dim equal to q's")
+    checks.dim_equal("v", v.shape[-3], k.shape[-3], "seqlen equal to k's")
+    checks.dim_equal("v", v.shape[-2], k.shape[-2], "number of heads equal to k's")
+    checks.gqa_heads(q.shape[-2], k.shape[-2], "q", "k/v")
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -141,7 +145,7 @@ def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
     softcap = checks.softcap(softcap)
     batch, seqlen_q, heads, head_dim = q.shape
     alibi_slopes = checks.alibi(alibi_slopes, batch, heads, q.device)
-    scale = head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scale = head_dim ** -0.5 if softmax_scale is None else checks.scale("softmax_scale", softmax_scale)
     out, lse = _attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, alibi_slopes, None, scale,
                           k.shape[1] - seqlen_q, left, right, softcap, dropout_p)
     out = out.transpose(1, 2)
@@ -186,14 +190,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """
     if block_table is not None:
         raise NotImplementedError("flash_attn_varlen_func: paged KV (block_table) is not supported yet")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        checks.tensor(name, t, ndim=(3,))
+    _flash_checks(q, k, v, ndim=3)
     bounds = []
     for name, cu, total, longest in (("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q),
                                      ("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)):
         checks.tensor(name, cu, ndim=(1,))
         if cu.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"{name}: expected dtype int32, got {cu.dtype}")
+        if isinstance(longest, bool) or not isinstance(longest, int) or longest < 0:
+            raise ValueError(f"{'max_seqlen_q' if name.endswith('q') else 'max_seqlen_k'}: expected an int >= 0, "
+                             f"got {longest!r}")
         cu = cu.tolist()
         if len(cu) < 1 or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] != total:
             raise ValueError(f"{name}: expected non-decreasing offsets from 0 to {total}, got {cu}")

@@ -95,6 +95,7 @@ def _check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cac
     checks.tensor("q", q, ndim=(4,))
     checks.float_dtype("q", q)
     checks.last_dim_contiguous("q", q)
+    checks.head_dim("q", q)
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         checks.tensor(name, t, ndim=(4,))
         checks.float_dtype(name, t)

@@ -13,14 +13,49 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import backends, planner, reference
+from . import backends, checks, planner, reference
 from .layout import empty_in_layout
 from .plan import Unsupported
 from .spec import AttentionSpec, make_spec, stats_dtype
 
 
+def check_args(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right,
+               softcap) -> None:
+    """Clear errors, naming the argument, for what the op cannot mean (the faces check
+    their own arguments first; this guards direct calls of the ops)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        checks.tensor(name, t, ndim=(4,))
+        checks.float_dtype(name, t)
+        checks.head_dim(name, t)
+    checks.same(("q", "k", "v"), (q, k, v), "dtype")
+    checks.same(("q", "k", "v"), (q, k, v), "device")
+    B, H, Lq, D = q.shape
+    if k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(f"k: expected shape ({B}, Hkv, Lk, {D}) (q's batch and head dim), got {tuple(k.shape)}")
+    if v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"v: expected shape ({', '.join(map(str, k.shape[:3]))}, Dv) like k's, got {tuple(v.shape)}")
+    checks.gqa_heads(H, k.shape[1], "q", "k/v")
+    if attn_mask is not None:
+        checks.tensor("attn_mask", attn_mask)
+        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+            raise TypeError(f"attn_mask: expected dtype bool or a float dtype, got {attn_mask.dtype}")
+        checks.same(("q", "attn_mask"), (q, attn_mask), "device")
+        checks.broadcastable("attn_mask", attn_mask, (B, H, Lq, k.shape[2]))
+    if alibi_slopes is not None:
+        checks.tensor("alibi_slopes", alibi_slopes)
+        checks.float_dtype("alibi_slopes", alibi_slopes)
+        checks.same(("q", "alibi_slopes"), (q, alibi_slopes), "device")
+        checks.broadcastable("alibi_slopes", alibi_slopes, (B, H))
+    checks.sinks(sinks, H, q.device)
+    checks.scale("scale", scale)
+    checks.window_side("window_left", window_left)
+    checks.window_side("window_right", window_right)
+    checks.softcap(softcap)
+
+
 def _spec(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right,
           softcap) -> AttentionSpec:
+    check_args(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right, softcap)
     return make_spec(q, k, v, attn_mask, alibi_slopes, sinks, scale=scale, diag_offset=diag_offset,
                      window_left=window_left, window_right=window_right, softcap=softcap)
 
@@ -88,6 +123,7 @@ def _fwd_buffers(q: Tensor, v: Tensor):
 
 @fwd.register_fake
 def _(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right, softcap):
+    check_args(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right, softcap)
     return _fwd_buffers(q, v)
 
 
