@@ -225,8 +225,19 @@ ISSUE10_SCORE = 2.0
 _SCORES: contextvars.ContextVar = contextvars.ContextVar("scores", default=None)
 
 
-def _issue10_large_scores(score_max: float) -> bool:
-    return ISSUE10_OPEN and score_max >= ISSUE10_SCORE
+# Its third point: the float32 rule ("2 x the same-dtype math error + 1e-6" asks some
+# float32 results for less than an ulp of their magnitude).  While it is open, a float32
+# miss within ISSUE10_F32_RATIO x the budget is counted too; a larger one fails.
+ISSUE10_F32_RATIO = 10.0
+
+
+def _issue10_known(p: dict, score_max: float) -> Optional[float]:
+    """The largest error / budget ratio counted as issue 10 for this problem (None: none)."""
+    if not ISSUE10_OPEN:
+        return None
+    if score_max >= ISSUE10_SCORE:
+        return math.inf
+    return ISSUE10_F32_RATIO if p["dtype"] == "f32" else None
 
 
 def _fa2_surrogate(logits, lse, out, vv, empty, saturated, rounded: torch.dtype):
@@ -829,7 +840,14 @@ def assert_close(name: str, got, ref64, lowps, dtype, nan_sets=None, atol=None, 
             continue
         allowed = max(allowed, 2 * base)
     allowed += ATOL[dtype] if atol is None else atol
-    assert err <= allowed, f"{name}: max error {err:.3e} > allowed {allowed:.3e} (2 x low-precision error + atol)"
+    if not err <= allowed:
+        raise BudgetError(name, err, allowed)
+
+
+class BudgetError(AssertionError):
+    def __init__(self, name: str, err: float, allowed: float):
+        super().__init__(f"{name}: max error {err:.3e} > allowed {allowed:.3e} (2 x low-precision error + atol)")
+        self.err, self.allowed = err, allowed
 
 
 @contextlib.contextmanager
@@ -901,7 +919,7 @@ def check_problem(p: dict) -> None:
     token = _SCORES.set([])
     try:
         ref = _oracle(face, p, inputs, grads, torch.float64, dout_seed)
-        known_large = _issue10_large_scores(max(_SCORES.get(), default=0.0))
+        known = _issue10_known(p, max(_SCORES.get(), default=0.0))
     finally:
         _SCORES.reset(token)
     low = _oracle(face, p, inputs, grads, dtype, dout_seed)
@@ -910,10 +928,10 @@ def check_problem(p: dict) -> None:
         fa2 = _run(FACES[face.on_reference or face.name], p, inputs, grads, dout_seed)
     nan_sets = _nan_sets(face, p, inputs, grads) if p.get("extreme", "none").startswith("nan") else [None, None]
     assert out.dtype == dtype, f"out dtype {out.dtype}"
-    with _known(p, known_large):
+    with _known(p, known):
         assert_close("out", out, ref[0], [low[0]], dtype, nan_sets[0])
     if lse is not None:
-        with _known(p, known_large):
+        with _known(p, known):
             assert_close("lse", lse, ref[1], [low[1]], dtype, nan_sets[1])
     for n in face.mutated:  # the documented in-place update, exactly
         assert torch.equal(x_used[n], ref[3][n].to(x_used[n].dtype)), f"{n} not updated as documented"
@@ -924,11 +942,9 @@ def check_problem(p: dict) -> None:
             atol = ATOL[dtype] + 1e-6 * p["batch"] * p["lq"] * max(1.0, ref[2][n].abs().max().item())
         baselines = [low[2][n], fa2[2][n]]
         try:
-            assert_close(f"d{n}", g[n], ref[2][n], baselines, dtype, atol=atol)
+            with _known(p, known):
+                assert_close(f"d{n}", g[n], ref[2][n], baselines, dtype, atol=atol)
         except AssertionError:
-            if known_large:
-                p["issue10"] = True
-                continue
             if not ISSUE10_OPEN:
                 raise
             if emulated is None:
@@ -939,18 +955,18 @@ def check_problem(p: dict) -> None:
                     _ISSUE10_EMULATION.reset(token)
             assert_close(f"d{n} (against the issue-10 emulation)", g[n], emulated[n], baselines, dtype,
                          atol=atol, ref_for_budget=ref[2][n])
-            p["issue10"] = True  # counted in the fuzz summary
+            p["issue10"] = max(p.get("issue10", 0.0), 1.0)  # counted in the fuzz summary
 
 
 @contextlib.contextmanager
-def _known(p: dict, known: bool):
-    """A budget miss in issue 10's large-score regime is counted, not raised."""
+def _known(p: dict, ratio: Optional[float]):
+    """A budget miss in issue 10's regimes (up to ``ratio`` x the budget) is counted, not raised."""
     try:
         yield
-    except AssertionError as e:
-        if not known or "max error" not in str(e):
+    except BudgetError as e:
+        if ratio is None or e.err > ratio * e.allowed:
             raise
-        p["issue10"] = True
+        p["issue10"] = max(p.get("issue10", 0.0), e.err / e.allowed)
 
 
 def _check_falls_back(face: Face, p, inputs, grads) -> None:
@@ -964,6 +980,9 @@ def _check_falls_back(face: Face, p, inputs, grads) -> None:
 
 
 def _empty(p) -> bool:
+    """Nothing for a kernel to do (varlen: in no sequence)."""
+    if "lens_q" in p:
+        return not any(a and b for a, b in zip(p["lens_q"], p["lens_k"])) or 0 in (p["hq"], p["d"])
     return 0 in (p["batch"], p["hq"], p["lq"], p["lk"])
 
 
