@@ -72,8 +72,9 @@ def one_call(rng: random.Random, n: int) -> None:
         out.float().sum().backward()
 
 
-def run(calls: int, seed: int = 0, samples: int = 20) -> list[dict]:
-    """Make ``calls`` calls; returns ``samples`` snapshots (call count, RSS, cache sizes, time)."""
+def run(calls: int, seed: int = 0, samples: int = 20, checked: bool = False) -> list[dict]:
+    """Make ``calls`` calls; returns ``samples`` snapshots (call count, RSS, cache sizes, time).
+    ``checked`` runs the emulator's checked builds (CI has them compiled already)."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     every = max(1, calls // samples)
@@ -83,7 +84,7 @@ def run(calls: int, seed: int = 0, samples: int = 20) -> list[dict]:
         warnings.simplefilter("ignore", tmf.FallbackWarning)
         for n in range(calls):
             backend = "emulator" if n % 2 == 0 else "reference"
-            with tmf.backend(backend), emulator.settings(checked=False):
+            with tmf.backend(backend), emulator.settings(checked=checked):
                 one_call(rng, n)
             if (n + 1) % every == 0 or n + 1 == calls:
                 snaps.append({"calls": n + 1, "rss_mib": rss_mib(), "seconds": time.perf_counter() - t0,

@@ -12,9 +12,12 @@ schedule orders and holds the results to the float64 oracle under the
 DESIGN.md §5 rule, forward and backward, and the two runs to each other bit
 for bit.
 
-Later features plug in at two places: a draw in :func:`draw_features` (e.g.
-``dropout_p``, a quantized cache dtype) and, if the kernels do not cover it,
-the :func:`runs_on_kernels` predicate.
+Later features plug in with a line or two: a draw in the face's strategy (a
+quantized cache dtype in ``_draw_kvcache``, in-kernel varlen needs none: the
+varlen face already draws ragged batches; ``dropout_p`` in
+``_draw_flash_features``, checked with a fixed generator seed against the same
+mask in the oracle) and, while the kernels do not cover it, the
+:func:`runs_on_kernels` predicate.
 """
 from __future__ import annotations
 

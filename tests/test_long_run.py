@@ -11,9 +11,9 @@ import long_run  # noqa: E402
 
 
 def test_calls_with_varying_shapes_stay_bounded():
-    snaps = long_run.run(calls=600, seed=1, samples=12)
+    snaps = long_run.run(calls=400, seed=1, samples=12, checked=True)
     assert not long_run.bounded(snaps, rss_growth_mib=64)
-    assert snaps[-1]["caches"]["fallback_warnings"] >= 10  # the run did exercise the warning registry
+    assert snaps[-1]["caches"]["fallback_warnings"] >= 5  # the run did exercise the warning registry
 
 
 def test_caches_are_lru_with_a_size_and_clearable():
