@@ -121,7 +121,8 @@ def main() -> None:
              "| calls | RSS MiB | " + " | ".join(snaps[-1]["caches"]) + " |",
              "|---|---|" + "---|" * len(snaps[-1]["caches"])]
     for s in snaps:
-        lines.append(f"| {s['calls']} | {s['rss_mib']:.0f} | " + " | ".join(str(v) for v in s["caches"].values()) + " |")
+        sizes = " | ".join(str(v) for v in s["caches"].values())
+        lines.append(f"| {s['calls']} | {s['rss_mib']:.0f} | {sizes} |")
     lines += ["", "Cache sizes (max): " + ", ".join(f"{k} {v}" for k, v in snaps[-1]["maxsizes"].items()), "",
               "Verdict: " + ("bounded" if not problems else "NOT bounded: " + "; ".join(problems))]
     Path(args.out).write_text("\n".join(lines) + "\n")

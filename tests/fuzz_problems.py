@@ -798,7 +798,8 @@ def _nan_sets(face: Face, p: dict, inputs: dict, grads) -> tuple:
     NaN where torch's plain math gives NaN (e.g. 0 * NaN of a masked value row)."""
     res = []
     for fill in (0.0, 1e3):
-        x = {n: (t.nan_to_num(fill) if t.is_floating_point() else t) for n, t in _cast(inputs, torch.float64, ()).items()}
+        x = {n: (t.nan_to_num(fill) if t.is_floating_point() else t)
+             for n, t in _cast(inputs, torch.float64, ()).items()}
         res.append(face.math(p, x))
     plain = face.math(p, _cast(inputs, torch.float64, ()))
     sets = []
@@ -830,7 +831,8 @@ def assert_close(name: str, got, ref64, lowps, dtype, nan_sets=None, atol=None, 
     fin = torch.isfinite(ref64) & consider
     inf_mismatch = consider & ~fin & (got != ref64)
     assert not inf_mismatch.any(), \
-        f"{name}: non-finite mismatch at {inf_mismatch.nonzero()[0].tolist()}: {got[inf_mismatch][0]} vs {ref64[inf_mismatch][0]}"
+        f"{name}: non-finite mismatch at {inf_mismatch.nonzero()[0].tolist()}: {got[inf_mismatch][0]} vs " \
+        f"{ref64[inf_mismatch][0]}"
     if not fin.any():
         return
     err = (got - ref64)[fin].abs().max().item()

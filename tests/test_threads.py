@@ -8,7 +8,6 @@ import random
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-import pytest
 import torch
 
 import torch_metal_flash as tmf
