@@ -88,3 +88,20 @@ ISSUE10_CASES = {
 def test_issue10_precision_at_large_scores(name, monkeypatch):
     monkeypatch.setattr(fp, "ISSUE10_OPEN", False)
     fp.check_problem(dict(ISSUE10_CASES[name]))
+
+
+@pytest.mark.xfail(strict=True, reason="issue 13decode (rotary strides): apply_rotary returns q with a "
+                                       "non-contiguous last dim, the decode planner refuses it")
+def test_rotary_on_a_bhld_view_of_q_stays_on_the_kernels():
+    """Routed to 13decode: head dim 2, rotary_dim 2, GPT-NeoX rotary, two query rows, q a view of
+    (B, H, L, D) memory: strict mode must not raise (it does: "q last dim is not contiguous")."""
+    import torch
+    import torch_metal_flash as tmf
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 2, 2, generator=g).transpose(1, 2)  # (B, L, H, D) view of (B, H, L, D) memory
+    cache = torch.randn(1, 8, 2, 2, generator=g)
+    k = torch.randn(1, 1, 2, 2, generator=g)
+    cos, sin = torch.ones(9, 1), torch.zeros(9, 1)
+    with tmf.backend("emulator", strict=True):
+        tmf.flash_attn_with_kvcache(q, cache, cache.clone(), k=k, v=k, rotary_cos=cos, rotary_sin=sin,
+                                    cache_seqlens=torch.tensor([3], dtype=torch.int32), rotary_interleaved=False)
