@@ -220,15 +220,12 @@ template <typename T, int BD, int BQ, int BK, bool KVS>
       }
       mx = flash::row_max(mx);
       const float m_new = max(m_i, mx);
-      // exp(d) for d = s - m_new <= 0; below -1000 it is 0 in float, and the
-      // clamp keeps d * log2e finite for d near -FLT_MAX.
-      const float factor = exp2(max(m_i - m_new, -1000.0f) * flash::kLog2e);
+      const float factor = flash::exp_shifted(m_i - m_new);
       float rs = 0.0f;
       for (int kk = 0; kk < NK; ++kk) {
-        const float d0 = max(S[kk].thread_elements()[0] - m_new, -1000.0f);
-        const float d1 = max(S[kk].thread_elements()[1] - m_new, -1000.0f);
-        const float p0 = (hidden >> (2 * kk)) & 1u ? 0.0f : exp2(d0 * flash::kLog2e);
-        const float p1 = (hidden >> (2 * kk + 1)) & 1u ? 0.0f : exp2(d1 * flash::kLog2e);
+        const float p0 = (hidden >> (2 * kk)) & 1u ? 0.0f : flash::exp_shifted(S[kk].thread_elements()[0] - m_new);
+        const float p1 =
+            (hidden >> (2 * kk + 1)) & 1u ? 0.0f : flash::exp_shifted(S[kk].thread_elements()[1] - m_new);
         S[kk].thread_elements()[0] = p0;
         S[kk].thread_elements()[1] = p1;
         rs += p0 + p1;
@@ -261,8 +258,9 @@ template <typename T, int BD, int BQ, int BK, bool KVS>
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
 
-  // Epilogue: O / l in the caller's layout, lse = m + ln(l) (+inf when empty).
-  const float inv_l = l_i > 0.0f ? 1.0f / l_i : 0.0f;
+  // Epilogue: O / l in the caller's layout, lse = m + ln(l) (+inf when empty, NaN
+  // when a score was: flash::saw_keys).
+  const float inv_l = flash::inv_row_sum(l_i);
   device T* orow = o + long(b) * p.o_stride_b + long(h) * p.o_stride_h + long(i) * p.o_stride_l;
   for (int dd = 0; dd < NF; ++dd) {
     flash::store_frag_rows(Of[dd], orow + dd * 8, row_ok, p.head_dim_v - dd * 8, fc, inv_l);
@@ -279,7 +277,7 @@ template <typename T, int BD, int BQ, int BK, bool KVS>
     const int pitch = kAuxOut ? 2 + p.head_dim_v : 2;
     device float* arow = aux + ((long(b) * p.heads + h) * long(Lq) + i) * pitch;
     if (fc.col == 0 && row_ok) {
-      arow[0] = l_i > 0.0f ? m_i : 0.0f;  // a row that saw nothing: any finite max
+      arow[0] = flash::saw_keys(l_i) ? m_i : 0.0f;  // a row that saw nothing: any finite max
       arow[1] = l_i;
     }
     if (kAuxOut) {

@@ -1,6 +1,8 @@
 """torch_metal_flash.scaled_dot_product_attention against torch's own SDPA and
 the float64 oracle (reference backend; the kernel backends run the same tests
 through test_forward_kernels / test_mps)."""
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -121,15 +123,35 @@ def test_empty_inputs():
     assert torch.equal(out, torch.zeros(1, 2, 3, 8))
 
 
-def test_dropout_runs_on_reference_with_warning():
+def test_dropout_runs_on_reference_with_warning(monkeypatch):
+    from torch_metal_flash import backends
+    monkeypatch.setattr(backends, "_warned", set())
     torch.manual_seed(5)
     q = torch.randn(1, 2, 64, 16)
-    import torch_metal_flash.functional as functional
-    functional._dropout_warned = False
-    with pytest.warns(UserWarning, match="dropout"):
+    with tmf.backend("emulator"), pytest.warns(tmf.FallbackWarning, match="dropout"):
         a = tmf.scaled_dot_product_attention(q, q, q, dropout_p=0.5)
     b = tmf.scaled_dot_product_attention(q, q, q)
     assert not torch.allclose(a, b), "dropout must not be silently ignored"
     # Inverted dropout keeps the expectation: average many draws.
     mean = torch.stack([tmf.scaled_dot_product_attention(q, q, q, dropout_p=0.5) for _ in range(300)]).mean(0)
     assert (mean - b).abs().mean() < 0.1 * b.abs().mean()
+
+
+@pytest.mark.parametrize("face", ["sdpa", "flash_attn_func", "varlen"])
+def test_dropout_silently_bypasses_strict_mode(face):
+    """dropout_p > 0 takes the backend's fallback policy: strict raises, run_counts counts it."""
+    q = torch.randn(1, 2, 8, 16)
+    packed, cu = q[0].transpose(0, 1), torch.tensor([0, 3, 8], dtype=torch.int32)
+    calls = {
+        "sdpa": lambda: tmf.scaled_dot_product_attention(q, q, q, dropout_p=0.25),
+        "flash_attn_func": lambda: tmf.flash_attn_func(q, q, q, dropout_p=0.25),
+        "varlen": lambda: tmf.flash_attn_varlen_func(packed, packed, packed, cu, cu, 5, 5, dropout_p=0.25),
+    }
+    with tmf.backend("emulator", strict=True), pytest.raises(tmf.UnsupportedError, match="dropout_p > 0"):
+        calls[face]()
+    tmf.run_counts(reset=True)
+    with tmf.backend("emulator", strict=False), warnings.catch_warnings():
+        warnings.simplefilter("ignore", tmf.FallbackWarning)
+        calls[face]()
+    counts = tmf.run_counts(reset=True)
+    assert counts.get("reference", 0) >= 1 and counts.get("emulator", 0) == 0, counts

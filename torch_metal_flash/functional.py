@@ -7,22 +7,15 @@ under a float32 query (mixed precision)."""
 from __future__ import annotations
 
 import math
-import warnings
+
 import torch
 
-from . import checks, ops, reference  # noqa: F401  (ops registers torch.ops.metal_flash)
+from . import backends, checks, ops, reference  # noqa: F401  (ops registers torch.ops.metal_flash)
 from .quant import QuantizedTensor, flat_format
 from .spec import make_spec, stats_dtype
 
-_dropout_warned = False
-
-
-def _warn_dropout() -> None:
-    global _dropout_warned
-    if not _dropout_warned:
-        _dropout_warned = True
-        warnings.warn("torch_metal_flash: dropout_p > 0 runs on the reference path (no dropout kernel yet); "
-                      "it materialises the attention scores", UserWarning, stacklevel=3)
+DROPOUT_REASON = ("dropout_p > 0 (no dropout kernel yet; the reference path materialises the attention "
+                  "scores)")
 
 
 def _attention(q, k, v, mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right, softcap,
@@ -32,7 +25,12 @@ def _attention(q, k, v, mask, alibi_slopes, sinks, scale, diag_offset, window_le
     if sinks is not None and (sinks.dtype != stats_dtype(q.dtype) or not sinks.is_contiguous()):
         sinks = sinks.to(stats_dtype(q.dtype)).contiguous()  # the kernels read float32 sinks
     if dropout_p > 0:
-        _warn_dropout()
+        # Dropout goes through the backend's fallback policy like any configuration the
+        # kernels do not cover: strict mode raises, run_counts() counts it.
+        backend, why = backends.select(q.device)
+        if backend is not None or why is not None:
+            backends.fallback(why or DROPOUT_REASON)
+        backends.record_run("reference")
         if quantized:
             k, v = k.dequantize(), v.dequantize()
         spec = make_spec(q, k, v, mask, alibi_slopes, sinks, scale=scale, diag_offset=diag_offset,
@@ -85,7 +83,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     return out if query.dim() == 4 else out.reshape(tuple(query.shape[:-1]) + (value.shape[-1],))
 
 
-_SDPA_CHECKED = checks.Memo()
+_SDPA_CHECKED = checks.Memo("checks.sdpa")
 
 
 def _signature(make, *args):
@@ -113,6 +111,7 @@ def _sdpa_checks(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
             raise ValueError(f"{name}: expected at least 2 dims (..., L, E), got shape {tuple(t.shape)}")
         if isinstance(t, torch.Tensor):
             checks.last_dim_contiguous(name, t)
+        checks.head_dim(name, t)
     checks.kv_dtypes("query", query, ("key", "value"), key, value)
     checks.same(("query", "key", "value"), (query, key, value), "ndim")
     checks.dim_equal("key", key.shape[-1], query.shape[-1], "embedding size (last dim) equal to query's")
@@ -139,25 +138,30 @@ def _sdpa_checks(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
         checks.same(("query", "attn_mask"), (query, attn_mask), "device")
         mask_shape = tuple(query.shape[:-2]) + (L, S)
         checks.broadcastable("attn_mask", attn_mask, mask_shape)
-    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else checks.scale("scale", scale)
     return scale, 0 if is_causal else -1, dropout_p, mask_shape
 
 
-def _flash_checks(q, k, v):
-    checks.tensor("q", q, ndim=(4,))
+def _flash_checks(q, k, v, ndim=4) -> bool:
+    """flash-attn inputs: (batch, seqlen, heads, headdim), or (total, heads, headdim) for
+    varlen.  Returns whether k/v are quantized."""
+    checks.tensor("q", q, ndim=(ndim,))
     checks.float_dtype("q", q)
     for name, t in (("q", q), ("k", k), ("v", v)):
-        checks.kv_tensor(name, t, ndim=(4,))
+        checks.kv_tensor(name, t, ndim=(ndim,))
         if isinstance(t, torch.Tensor):
             checks.last_dim_contiguous(name, t)
-    checks.kv_dtypes("q", q, ("k", "v"), k, v)
-    checks.dim_equal("k", k.shape[0], q.shape[0], "batch size equal to q's")
-    checks.dim_equal("v", v.shape[0], q.shape[0], "batch size equal to q's")
-    checks.dim_equal("k", k.shape[3], q.shape[3], "head dim equal to q's")
-    checks.dim_equal("v", v.shape[3], q.shape[3], "head dim equal to q's")
-    checks.dim_equal("v", v.shape[1], k.shape[1], "seqlen equal to k's")
-    checks.dim_equal("v", v.shape[2], k.shape[2], "number of heads equal to k's")
-    checks.gqa_heads(q.shape[2], k.shape[2], "q", "k/v")
+        checks.head_dim(name, t)
+    quantized = checks.kv_dtypes("q", q, ("k", "v"), k, v)
+    if ndim == 4:
+        checks.dim_equal("k", k.shape[0], q.shape[0], "batch size equal to q's")
+        checks.dim_equal("v", v.shape[0], q.shape[0], "batch size equal to q's")
+    checks.dim_equal("k", k.shape[-1], q.shape[-1], "head dim equal to q's")
+    checks.dim_equal("v", v.shape[-1], q.shape[-1], "head dim equal to q's")
+    checks.dim_equal("v", v.shape[-3], k.shape[-3], "seqlen equal to k's")
+    checks.dim_equal("v", v.shape[-2], k.shape[-2], "number of heads equal to k's")
+    checks.gqa_heads(q.shape[-2], k.shape[-2], "q", "k/v")
+    return quantized
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -198,7 +202,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     return _flash_attn(q, k, v, alibi_slopes, return_attn_probs, *checked)
 
 
-_FLASH_CHECKED = checks.Memo()
+_FLASH_CHECKED = checks.Memo("checks.flash")
 
 
 def _flash_signature(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes):
@@ -216,7 +220,7 @@ def _flash_arguments(q, dropout_p, softmax_scale, causal, window_size, softcap, 
     softcap = checks.softcap(softcap)
     batch, seqlen_q, heads, head_dim = q.shape
     checks.alibi(alibi_slopes, batch, heads, q.device)
-    scale = head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scale = head_dim ** -0.5 if softmax_scale is None else checks.scale("softmax_scale", softmax_scale)
     return dropout_p, scale, left, right, softcap
 
 
@@ -266,10 +270,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """
     if block_table is not None:
         raise NotImplementedError("flash_attn_varlen_func: paged KV (block_table) is not supported yet")
-    checks.tensor("q", q, ndim=(3,))
-    for name, t in (("k", k), ("v", v)):
-        checks.kv_tensor(name, t, ndim=(3,))
-    if checks.kv_dtypes("q", q, ("k", "v"), k, v):
+    if _flash_checks(q, k, v, ndim=3):
         checks.inference_only("quantized k/v", (("q", q),))
     bounds = []
     for name, cu, total, longest in (("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q),
@@ -277,6 +278,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         checks.tensor(name, cu, ndim=(1,))
         if cu.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"{name}: expected dtype int32, got {cu.dtype}")
+        if isinstance(longest, bool) or not isinstance(longest, int) or longest < 0:
+            raise ValueError(f"{'max_seqlen_q' if name.endswith('q') else 'max_seqlen_k'}: expected an int >= 0, "
+                             f"got {longest!r}")
         cu = cu.tolist()
         if len(cu) < 1 or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] != total:
             raise ValueError(f"{name}: expected non-decreasing offsets from 0 to {total}, got {cu}")
