@@ -14,9 +14,10 @@ if not WORKFLOW.is_file():
 
 
 def readme_mac_install() -> str:
-    """The install half of the README's Mac command (`pip install ... && python -m torch_metal_flash doctor`)."""
+    """The install half of the README's Mac command
+    (`pip install ... && (cd ~ && python -m torch_metal_flash doctor)`: outside the checkout)."""
     (line,) = [x for x in (ROOT / "README.md").read_text().splitlines()
-               if x.startswith("pip install") and x.endswith("&& python -m torch_metal_flash doctor")]
+               if x.startswith("pip install") and x.endswith("&& (cd ~ && python -m torch_metal_flash doctor)")]
     return line.split(" && ")[0]
 
 

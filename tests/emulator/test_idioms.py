@@ -93,3 +93,36 @@ kernel void k(device float4* out [[buffer(0)]], device const int4* in [[buffer(1
     with pytest.raises(emulator.CompileError, match="emulator limitation: this cast between vector types") as ei:
         emulator.compile_shader(src, name="cast.metal")
     assert (ei.value.rule, ei.value.file, ei.value.line) == ("vector-cast", "cast.metal", 5)
+
+
+@pytest.mark.parametrize("kernel", ["masked_scores_bool", "masked_scores_float"])
+def test_bool_fragment_types(kernel):
+    """metal::vec<T, N> instantiated with T = bool (a mask tile in a tiled library), one byte
+    per lane as on the GPU, in the same file as the float instantiation."""
+    n = 7
+    g = torch.Generator().manual_seed(3)
+    scores = torch.randn(n, generator=g)
+    mask = torch.rand(n, generator=g) > 0.5 if kernel.endswith("bool") else torch.randn(n, generator=g)
+    out = torch.zeros(n)
+    lib("bool_fragments.metal")[kernel](scores, mask, out, n, grid=4, threadgroup=4)
+    expect = torch.where(mask, scores, torch.tensor(-1000.0)) if mask.dtype == torch.bool else scores + mask
+    assert torch.equal(out, expect)
+
+
+def test_vec_still_deduces_its_element_type_and_size():
+    """A source without vec<bool, N> keeps vec<T, N> deducible (the bool-lane build is only a retry)."""
+    source = """
+    #include <metal_stdlib>
+    using namespace metal;
+    template <typename T, int N> METAL_FUNC T total(metal::vec<T, N> v) {
+      T s = 0;
+      for (int i = 0; i < N; i++) s += v[i];
+      return s;
+    }
+    [[kernel]] void sums(device float* out [[buffer(0)]], uint gid [[thread_position_in_grid]]) {
+      out[gid] = total(float4(1, 2, 3, float(gid))) + float(total(int2(4, 5)));
+    }
+    """
+    out = torch.zeros(2)
+    emulator.compile_shader(source).sums(out, grid=2, threadgroup=2)
+    assert out.tolist() == [15.0, 16.0]

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.metadata
 import sys
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -27,9 +29,28 @@ from ..plan import Plan
 _REBUILD = "pip install --no-build-isolation --force-reinstall --no-deps ."
 
 
+def _installed_copy() -> Optional[Path]:
+    """The package folder of the installed distribution when this process imported
+    another copy (a source checkout shadowing it: Python puts the working directory
+    first on ``sys.path``), else None."""
+    try:
+        dist = importlib.metadata.distribution("torch_metal_flash")
+        installed = Path(dist.locate_file("torch_metal_flash")).resolve()
+    except (importlib.metadata.PackageNotFoundError, TypeError, OSError):
+        return None
+    here = Path(__file__).resolve().parents[1]
+    return installed if installed != here and installed.is_dir() else None
+
+
 def _not_built_reason() -> str:
     if sys.platform != "darwin":
         return f"torch_metal_flash._C (the Metal launcher) is not built: this is a pure-Python install ({sys.platform})"
+    here = Path(__file__).resolve().parents[1]
+    installed = _installed_copy()
+    if installed is not None and any(installed.glob("_C*.so")):
+        return (f"torch_metal_flash was imported from {here}, a source checkout without the built launcher "
+                f"(_C), which the installed copy in {installed} has: Python imports the folder you run in "
+                f"first. Run from another directory, or build the checkout in place with `pip install -e .`")
     note = build_info().get("extension")
     why = f" ({note})" if isinstance(note, str) else ""
     return (f"torch_metal_flash._C (the Metal launcher) is not built in this install{why}; "

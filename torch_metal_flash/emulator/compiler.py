@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from . import analysis, rules
+from . import analysis, prepass, rules
 from .errors import CompileError, CompilerNotFoundError
 
 PREPASS_VERSION = "8"  # bump when the pre-pass, glue or pass flags change
@@ -301,17 +301,22 @@ def _compile(comp: Compiler, flags: list, text: str, tmp: str, *extra) -> subpro
 def check_rules(comp: Compiler, text: str, name: str, constants: set) -> dict:
     """The rules passes over the pre-pass output (no glue).  Raises a
     CompileError naming the broken MSL rule; returns {"copies": rounds of
-    rules.wrap_copies for the build, "warnings": str} (cached on disk)."""
-    key = _hash("rules", PREPASS_VERSION, runtime_sources_hash(), _source_of(rules), comp.ident, text)
+    rules.wrap_copies for the build, "warnings": str, "bool_lanes": whether the
+    build takes prepass.bool_type_arguments of the text} (cached on disk)."""
+    key = _hash("rules", PREPASS_VERSION, runtime_sources_hash(), _source_of(rules), _source_of(prepass), comp.ident,
+                text)
     target = cache_dir() / f"rules-{key}.json"
 
-    def run(tmp):
+    def passes(tmp, text, bool_lanes):
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             # the pass without a generic address space runs alongside the first round
             this = pool.submit(_compile, comp, THIS_FLAGS, text, tmp + "-this.tmp")
             rounds, src = [], text
             for _ in range(4):  # copies out of constant memory nested in copies: one more round each
-                result = rules.judge_generic(_compile(comp, RULES_FLAGS, src, tmp).stderr, name, constants)
+                stderr = _compile(comp, RULES_FLAGS, src, tmp).stderr
+                if not bool_lanes and rules.BOOL_VECTOR in stderr:
+                    return None
+                result = rules.judge_generic(stderr, name, constants)
                 if "error" in result or not result["copies"]:
                     break
                 rounds.append(result["copies"])
@@ -321,7 +326,13 @@ def check_rules(comp: Compiler, text: str, name: str, constants: set) -> dict:
                                    f"here (line {result['copies'][0][0]} of the pre-pass output)", "rule": "c++"}
             if "error" not in result:
                 this_pass = this.result() if not rounds else _compile(comp, THIS_FLAGS, src, tmp + "-this.tmp")
-                result = rules.judge_this(this_pass.stderr, name) or {"copies": rounds, "warnings": result["warnings"]}
+                result = rules.judge_this(this_pass.stderr, name) or {"copies": rounds, "warnings": result["warnings"],
+                                                                      "bool_lanes": bool_lanes}
+        return result
+
+    def run(tmp):
+        # vec<bool, N> formed through a template: again with bool template arguments as byte lanes
+        result = passes(tmp, text, False) or passes(tmp, prepass.bool_type_arguments(text), True)
         Path(tmp).write_text(json.dumps(result))
 
     result = json.loads(_atomic_write(target, run).read_text())

@@ -138,9 +138,17 @@ class _Checked:
             verdict = compiler.check_rules(comp, pre.text, name, names)
             self.copies = verdict["copies"]  # copies out of constant memory, for rules.apply_copies
             self.warnings = verdict["warnings"]
-            facts = compiler.analyze(comp, rules.apply_copies(pre.text, self.copies) + pre.glue, name) \
-                if self.copies else analysis.result()
+            self.bool_lanes = verdict.get("bool_lanes", False)  # vec<bool, N>: bool arguments as byte lanes
+            facts = compiler.analyze(comp, self.text(pre), name) \
+                if self.copies or self.bool_lanes else analysis.result()
         self.kernels = {k.host_name: facts["kernels"][str(i)] for i, k in enumerate(pre.kernels)}
+
+    def text(self, pre: prepass.Result) -> str:
+        """The build's translation unit: the pre-pass output as the rules passes accepted it, and the glue."""
+        if not self.bool_lanes:
+            return rules.apply_copies(pre.text, self.copies) + pre.glue
+        return rules.apply_copies(prepass.bool_type_arguments(pre.text), self.copies) + \
+            prepass.bool_type_arguments(pre.glue)
 
 
 class Library:
@@ -207,7 +215,7 @@ class Library:
         def build_chunk(names):
             pre = self._pre if len(chunks) == 1 else prepass.run(self._pre_text, default_file=self._name,
                                                                  only=set(names))
-            text = rules.apply_copies(pre.text, self._checked.copies) + pre.glue
+            text = self._checked.text(pre)
             path = compiler.build_kernel_library(comp, text, self._name, checked, self.math_mode)
             return _Build(path, pre)
 

@@ -146,6 +146,51 @@ def _mask(text: str) -> str:
     return "".join(out)
 
 
+# `bool` as a template type argument (`X<bool>`, `f<T, bool>`) -- not a cast's target,
+# a template parameter, integral_constant's value type or enable_if's result type (a bool
+# value follows those).
+_BOOL_ARG = re.compile(r"(?<=[<,\s])bool(?=\s*[,>])")
+_KEEPS_BOOL = re.compile(r"\b(?:static_cast|reinterpret_cast|const_cast|as_type|bit_cast|template|integral_constant|"
+                         r"enable_if|enable_if_t)\s*$")
+_EXPLICIT_INSTANTIATION = re.compile(r"\btemplate\b(?!\s*<)[^;{}]*;")
+
+
+def _list_opener(masked: str, i: int) -> int:
+    """Index of the `<` that opens the template argument list containing ``masked[i]`` (-1 if none)."""
+    depth = 0
+    for j in range(i - 1, -1, -1):
+        c = masked[j]
+        if c in ">)]":
+            depth += 1
+        elif c in "([" or (c == "<" and depth > 0):
+            depth -= 1
+        elif c == "<":
+            return j
+        elif c in ";{}":
+            return -1
+    return -1
+
+
+def bool_type_arguments(text: str) -> str:
+    """``text`` with ``bool`` template type arguments spelled ``__Mb`` (the shim's one-byte
+    bool lane), for a source that forms ``vec<bool, N>`` through a template (a
+    matrix-fragment type instantiated with bool), which C++ for OpenCL cannot: it has no
+    bool vectors.  Both sides of ``is_same<T, bool>`` change alike; an explicit
+    instantiation with such an argument also gets ``__Mb`` for the ``bool`` of its
+    parameter list.  Same length, so every line and column stays where it was."""
+    masked = _mask(text)
+    out = list(text)
+    for m in _BOOL_ARG.finditer(masked):
+        opener = _list_opener(masked, m.start())
+        if opener >= 0 and not _KEEPS_BOOL.search(masked[:opener]):
+            out[m.start():m.end()] = "__Mb"
+    rewritten = "".join(out)
+    for m in _EXPLICIT_INSTANTIATION.finditer(_mask(rewritten)):
+        if "__Mb" in m.group(0):
+            out[m.start():m.end()] = re.sub(r"\bbool\b", "__Mb", rewritten[m.start():m.end()])
+    return "".join(out)
+
+
 def _match_close(s: str, i: int, open_c: str, close_c: str) -> int:
     """Index of the bracket closing the one at s[i]."""
     depth = 0

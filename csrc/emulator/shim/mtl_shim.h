@@ -130,6 +130,7 @@ MTL_INLINE void* raw(P* p) {
 template <class T, class A>
 MTL_INLINE T conv(A a) {
   if constexpr (__is_same(T, bool)) return a != A(0);
+  else if constexpr (__is_same(T, __Mb)) return T(a != A(0));  // a bool lane
   else return static_cast<T>(a);
 }
 

@@ -80,6 +80,12 @@ MTL_INLINE packed_vec3<T> make_packed3(ev<T, 3> v) {
 }
 }  // namespace __mtl
 typedef __mtl::packed_vec3<signed char> packed_bool3;
+// A bool lane: what `bool` template type arguments become in a source that
+// forms vec<bool, N> (prepass.bool_type_arguments): a distinct one-byte type
+// that can be a vector element (bool cannot, in C++ for OpenCL; an enum over
+// bool would make the vector one of i1).  The shim's conversions to it give
+// 0 or 1 (__mtl::conv).
+enum __Mb : signed char {};
 typedef __mtl::packed_vec3<char> packed_char3;
 typedef __mtl::packed_vec3<uchar> packed_uchar3;
 typedef __mtl::packed_vec3<short> packed_short3;
@@ -133,8 +139,9 @@ using ::ulong3;
 using ::ulong4;
 
 // vec<T, N> deduces T and N like Apple's. boolN are one-byte-per-lane
-// vectors, but C++ for OpenCL has no bool element type, so vec<bool, N>
-// itself is an emulator limitation (see docs/emulator.md).
+// vectors: C++ for OpenCL has no bool element type, so a source that forms
+// vec<bool, N> is compiled with its bool template arguments spelled __Mb
+// (compiler.check_rules retries so; docs/emulator.md).
 template <typename T, int N>
 using vec = T __attribute__((ext_vector_type(N)));
 template <typename T, int N>
@@ -223,6 +230,10 @@ template <typename T> constexpr constant bool is_signed_v = is_signed<T>::value;
 template <typename T> struct is_unsigned : bool_constant<__is_unsigned(remove_cv_t<T>)> {};
 template <typename T, int N> struct is_unsigned<T __attribute__((ext_vector_type(N)))> : is_unsigned<T> {};
 template <typename T> constexpr constant bool is_unsigned_v = is_unsigned<T>::value;
+// the bool lane (__Mb, see above) answers as bool does
+template <> struct is_integral<__Mb> : true_type {};
+template <> struct is_arithmetic<__Mb> : true_type {};
+template <> struct is_unsigned<__Mb> : true_type {};
 template <typename U, typename V> struct is_convertible : bool_constant<__is_convertible_to(U, V)> {};
 template <typename U, typename V> constexpr constant bool is_convertible_v = is_convertible<U, V>::value;
 template <typename T> struct is_class : bool_constant<__is_class(T)> {};
