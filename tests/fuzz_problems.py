@@ -631,9 +631,8 @@ def _build_ops(p, gen):
 
 def _call_ops(p, x):
     """fwd (return_aux when a gradient is wanted, as the faces do), or fwd_quantized."""
-    mask = x.get("attn_mask")
-    B, Hq, Lq, Lk = p["batch"], p["hq"], p["lq"], p["lk"]
-    mask = None if mask is None else mask.expand(B, Hq, Lq, Lk)
+    mask = x.get("attn_mask")  # broadcastable, as the op takes it (its backward reduces dmask)
+    mask = None if mask is None else mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
     q, k, v, alibi, sinks = x["q"], x["k"], x["v"], x.get("alibi_slopes"), x.get("sinks")
     if isinstance(k, QuantizedTensor):
         return torch.ops.metal_flash.fwd_quantized(q, k.data, v.data, mask, alibi, sinks, p["scale"], p["diag"],

@@ -99,3 +99,22 @@ def test_rotary_on_a_bhld_view_of_q_stays_on_the_kernels():
     with tmf.backend("emulator", strict=True):
         tmf.flash_attn_with_kvcache(q, cache, cache.clone(), k=k, v=k, rotary_cos=cos, rotary_sin=sin,
                                     cache_seqlens=torch.tensor([3], dtype=torch.int32), rotary_interleaved=False)
+
+
+# Found by the long profile after the merge with issue 10: a float16 mask broadcasting over
+# every dim (shape (1,)) requiring grad.  Its gradient, exactly 0 (it sums every dS), came out
+# 4.2e-3 (allowed 1.1e-3): the SDPA face expanded the mask before the op, so each element of
+# dbias was rounded to float16 before autograd's expand backward summed them.  The face now
+# passes the mask with its broadcast dims at size 1 and the op reduces in float32
+# (functional.mask_as_4d).  d=264: the reference path; d=256: the kernels.
+BROADCAST_MASK_CASES = {
+    f"f16_mask_of_shape_1_d{d}": dict(
+        dtype="f16", batch=2, hq=2, hkv=2, lq=1, lk=5, d=d, dv=d, decode=False, rank=4, layouts=[_FLAT4] * 3,
+        causal=False, mask={"kind": "float", "shape": (1,), "fill": "random", "dtype": "f16", "grad": True},
+        scale=None, extreme="none", kv=None, face="sdpa", seed=1, orders=("forward", "reverse"))
+    for d in (264, 256)}
+
+
+@pytest.mark.parametrize("name", list(BROADCAST_MASK_CASES))
+def test_broadcast_mask_gradient_is_reduced_before_rounding(name):
+    fp.check_problem(dict(BROADCAST_MASK_CASES[name]))

@@ -54,6 +54,18 @@ def _as_4d(t: torch.Tensor) -> torch.Tensor:
     return t.reshape((-1,) + tuple(t.shape[-3:]))
 
 
+def mask_as_4d(attn_mask: torch.Tensor, mask_shape: tuple) -> torch.Tensor:
+    """An SDPA mask broadcasting to ``mask_shape`` (..., L, S) as the op takes it: 4-D, its
+    broadcast dims kept at size 1 rather than expanded.  The op's backward then sums the
+    mask gradient over them in float32 before rounding it to the mask's dtype; expanded
+    here, autograd would sum values already rounded one by one (a float16 (1,) mask's
+    gradient, exactly 0, came out 4e-3)."""
+    mask = attn_mask.reshape((1,) * (len(mask_shape) - attn_mask.dim()) + tuple(attn_mask.shape))
+    if mask.dim() > 4 and any(n != 1 for n in mask.shape[:-3]):  # batch dims merge: expand those only
+        mask = mask.expand(tuple(mask_shape[:-3]) + tuple(mask.shape[-3:]))
+    return _as_4d(mask)
+
+
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False):
     """Drop-in for :func:`torch.nn.functional.scaled_dot_product_attention` (torch 2.13 semantics).
@@ -77,7 +89,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     scale, window_right, dropout_p, mask_shape = checked
     if isinstance(key, QuantizedTensor):
         checks.inference_only("quantized key/value", (("query", query), ("attn_mask", attn_mask)))
-    mask = None if attn_mask is None else _as_4d(attn_mask.expand(mask_shape))
+    mask = None if attn_mask is None else mask_as_4d(attn_mask, mask_shape)
     out, _ = _attention(_as_4d(query), _as_4d(key), _as_4d(value), mask, None, None, scale, 0, -1, window_right, 0.0,
                         dropout_p)
     return out if query.dim() == 4 else out.reshape(tuple(query.shape[:-1]) + (value.shape[-1],))

@@ -59,7 +59,7 @@ from typing import Iterator, Optional
 import torch
 
 from . import backends, checks, ops
-from .functional import _as_4d, scaled_dot_product_attention
+from .functional import _as_4d, mask_as_4d, scaled_dot_product_attention
 
 __all__ = ["enable_sdpa", "disable_sdpa", "sdpa_override", "sdpa_stats", "reset_sdpa_stats", "is_sdpa_enabled"]
 
@@ -295,7 +295,7 @@ def _kernel_reason(query, key, value, attn_mask, is_causal, scale, enable_gqa) -
     q, k, v = _as_4d(query), _as_4d(key), _as_4d(value)
     mask = None
     if attn_mask is not None:
-        mask = _as_4d(attn_mask.expand(tuple(query.shape[:-2]) + (query.shape[-2], key.shape[-2])))
+        mask = mask_as_4d(attn_mask, tuple(query.shape[:-2]) + (query.shape[-2], key.shape[-2]))
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
     try:
         return ops.unsupported_reason(q, k, v, mask, None, None, scale, 0, -1, 0 if is_causal else -1, 0.0)
