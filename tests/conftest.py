@@ -41,6 +41,18 @@ settings.register_profile("long", max_examples=1120, **_FUZZ)
 settings.load_profile(os.environ.get("TORCH_METAL_FLASH_HYPOTHESIS_PROFILE", "ci"))
 _SESSION_START = time.time()
 
+
+def _commit() -> str:
+    """The checkout's commit (for the fuzz summary), taken when the session starts."""
+    try:
+        return subprocess.run(["git", "-C", os.path.dirname(__file__), "describe", "--always", "--dirty"],
+                              capture_output=True, text=True).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown (no git)"
+
+
+_SESSION_COMMIT = _commit()
+
 _INDUCTOR_CACHE = tempfile.TemporaryDirectory(prefix="tmf-tests-inductor-")  # removed at exit
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", _INDUCTOR_CACHE.name)
 
@@ -113,11 +125,9 @@ def _write_fuzz_summary(terminalreporter) -> None:
     cases = sum(s["cases"] for s in stats.values())
     failed_tests = len(terminalreporter.stats.get("failed", []))
     root = os.path.join(os.path.dirname(__file__), "..")
-    commit = subprocess.run(["git", "-C", root, "describe", "--always", "--dirty"], capture_output=True,
-                            text=True).stdout.strip() or "unknown"
     lines = ["# Property-based fuzz run (long profile)", "",
              "Command: `python -m pytest tests/test_fuzz.py -m fuzz --hypothesis-profile=long -q`", "",
-             f"- commit: {commit}; {os.cpu_count()} cores, torch {torch.__version__}, "
+             f"- commit: {_SESSION_COMMIT} (at the start); {os.cpu_count()} cores, torch {torch.__version__}, "
              f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}",
              f"- cases: {cases} over {len(stats)} faces (a case that fails counts its shrinking replays too)",
              f"- failing cases: {sum(s['failed'] for s in stats.values())} (failed tests: {failed_tests})",
