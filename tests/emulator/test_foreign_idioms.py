@@ -1,0 +1,49 @@
+"""Idioms of public Metal code bases (MLX, PyTorch's MPS kernels, llama.cpp) the emulator must
+accept and run like the GPU.  Each kernel here is ours, written in the idiom that a third-party
+kernel tripped over (bench/results/third_party_kernels.md lists those kernels)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from torch_metal_flash import emulator
+
+HEADER = "#include <metal_stdlib>\nusing namespace metal;\n"
+
+
+def test_apple_compiler_builtins():
+    """Apple's compiler builtins called directly (`__metal_exp(x, __METAL_FAST_MATH__)`, the
+    `__metal_simd_*` collectives, `__metal_get_*(T())` built-in values): a bfloat math library
+    builds its overloads of metal::exp, simd_sum ... on them."""
+    src = HEADER + """
+kernel void k(device float* out [[buffer(0)]], uint gid [[thread_position_in_grid]]) {
+  float x = float(gid) * 0.25f;
+  int e;
+  float m = __metal_frexp(x + 1.0f, &e);
+  out[gid * 8 + 0] = __metal_exp(x, __METAL_MAYBE_FAST_MATH__);
+  out[gid * 8 + 1] = __metal_fmax3(x, 1.5f, -x, __METAL_PRECISE_MATH__);
+  out[gid * 8 + 2] = __metal_simd_sum(x);
+  out[gid * 8 + 3] = __metal_simd_xor(x);                  // on the bits of a float
+  out[gid * 8 + 4] = __metal_simd_shuffle_down(x, ushort(1));
+  out[gid * 8 + 5] = float(__metal_get_thread_index_in_simdgroup(ushort()));
+  out[gid * 8 + 6] = float(__metal_get_simdgroup_size(ushort()));
+  out[gid * 8 + 7] = m * 100.0f + float(e);
+}
+"""
+    out = torch.zeros(32 * 8)
+    emulator.compile_shader(src, name="builtins.metal").k(out, grid=32, threadgroup=32)
+    out = out.view(32, 8)
+    x = torch.arange(32) * 0.25
+    bits = x.view(torch.int32)
+    xor = bits[0]
+    for b in bits[1:]:
+        xor = xor ^ b
+    frexp = [math.frexp(float(v) + 1) for v in x]
+    torch.testing.assert_close(out[:, 0], torch.exp(x))
+    assert out[:, 1].tolist() == torch.maximum(x, torch.tensor(1.5)).tolist()
+    assert out[:, 2].tolist() == [float(x.sum())] * 32
+    assert out[:, 3].view(torch.int32).tolist() == [int(xor)] * 32
+    assert out[:31, 4].tolist() == x[1:].tolist()
+    assert out[:, 5].tolist() == list(range(32)) and out[:, 6].tolist() == [32.0] * 32
+    assert out[:, 7].tolist() == [m * 100 + e for m, e in frexp]
