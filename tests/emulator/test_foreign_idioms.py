@@ -47,3 +47,37 @@ kernel void k(device float* out [[buffer(0)]], uint gid [[thread_position_in_gri
     assert out[:31, 4].tolist() == x[1:].tolist()
     assert out[:, 5].tolist() == list(range(32)) and out[:, 6].tolist() == [32.0] * 32
     assert out[:, 7].tolist() == [m * 100 + e for m, e in frexp]
+
+
+def test_bool_lanes_convert_as_bool_and_keep_explicit_specialisations():
+    """A source that forms vec<bool, N> through a template is built with one-byte bool lanes:
+    a float converts to such a lane as it converts to bool (0.5 -> true), and an explicit
+    specialisation spelling bool in its signature (`template <> bool cast_to<bool, float>(float)`)
+    still specialises its template."""
+    src = HEADER + """
+template <typename T> struct Frag {
+  typedef metal::vec<T, 2> type;
+  template <typename S> METAL_FUNC static type load(const device S* src) {
+    type r;
+    for (short j = 0; j < 2; j++) r[j] = static_cast<T>(src[j]);
+    return r;
+  }
+};
+template <typename U, typename T> METAL_FUNC U cast_to(T v) { return static_cast<U>(v); }
+template <> METAL_FUNC bool cast_to<bool, float>(float v) { return (as_type<uint>(v) & 0x7FFFFFFF) > 0x3F000000; }
+
+template <typename M>
+kernel void k(const device float* src [[buffer(0)]], device float* out [[buffer(1)]],
+              uint gid [[thread_position_in_grid]]) {
+  typename Frag<M>::type m = Frag<M>::template load<float>(src + 2 * gid);
+  out[4 * gid + 0] = m[0] ? 1.0f : 0.0f;
+  out[4 * gid + 1] = m[1] ? 1.0f : 0.0f;
+  out[4 * gid + 2] = cast_to<M, float>(src[2 * gid]) ? 1.0f : 0.0f;  // the specialisation: |x| > 0.5
+  out[4 * gid + 3] = cast_to<int>(src[2 * gid + 1]);
+}
+template [[host_name("k_bool")]] kernel void k<bool>(const device float*, device float*, uint);
+"""
+    src_ = torch.tensor([0.5, 0.0, -0.25, -0.0, 2.0, 3.0])
+    out = torch.zeros(12)
+    emulator.compile_shader(src, name="bool_lanes.metal").k_bool(src_, out, grid=3, threadgroup=3)
+    assert out.view(3, 4).tolist() == [[1, 0, 0, 0], [1, 0, 0, 0], [1, 1, 1, 3]]

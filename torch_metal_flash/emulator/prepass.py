@@ -171,13 +171,53 @@ def _list_opener(masked: str, i: int) -> int:
     return -1
 
 
+_EXPLICIT_SPECIALIZATION = re.compile(r"\btemplate\s*<\s*>")
+
+
+def _bool_lane_specializations(text: str) -> str:
+    """An explicit specialization of a function whose template arguments now name the bool
+    lane (``template <> bool cast_to<__Mb, float>(float v)``) spells its ``bool`` return
+    and parameter types ``__Mb`` too, so that it still specializes the template, and its
+    ``return``s convert to the lane as a bool converts (``return (__Mb)(...)``: the only
+    rewrite that changes lengths; lines stay)."""
+    masked = _mask(text)
+    edits = []
+    for m in _EXPLICIT_SPECIALIZATION.finditer(masked):
+        paren = masked.find("(", m.end())
+        head = masked[m.end():paren]
+        if paren < 0 or re.search(r"[;{}]", head) or not head.rstrip().endswith(">") or "__Mb" not in head:
+            continue  # not a function specialized for the bool lane
+        close = _match_close(masked, paren, "(", ")")
+        body = masked.find("{", close) if close > 0 else -1
+        if body < 0 or re.search(r"[;}]", masked[close:body]):
+            continue  # a declaration
+        body_end = _match_close(masked, body, "{", "}")
+        for b in re.finditer(r"\bbool\b", masked[m.end():close]):
+            edits.append((m.end() + b.start(), m.end() + b.end(), "__Mb"))
+        if re.search(r"\bbool\b", head[:head.find("<")]):
+            for r in re.finditer(r"\breturn\b", masked[body:body_end]):
+                expr, depth = body + r.end(), 0
+                for semi in range(expr, body_end):
+                    depth += masked[semi] in "([{"
+                    depth -= masked[semi] in ")]}"
+                    if depth == 0 and masked[semi] == ";":
+                        edits.append((expr, expr, " (__Mb)("))
+                        edits.append((semi, semi, ")"))
+                        break
+    out = text
+    for a, b, rep in sorted(edits, reverse=True):
+        out = out[:a] + rep + out[b:]
+    return out
+
+
 def bool_type_arguments(text: str) -> str:
     """``text`` with ``bool`` template type arguments spelled ``__Mb`` (the shim's one-byte
     bool lane), for a source that forms ``vec<bool, N>`` through a template (a
     matrix-fragment type instantiated with bool), which C++ for OpenCL cannot: it has no
     bool vectors.  Both sides of ``is_same<T, bool>`` change alike; an explicit
     instantiation with such an argument also gets ``__Mb`` for the ``bool`` of its
-    parameter list.  Same length, so every line and column stays where it was."""
+    parameter list, an explicit specialization for its signature.  Every line stays where
+    it was (and every column, outside such specializations' ``return``s)."""
     masked = _mask(text)
     out = list(text)
     for m in _BOOL_ARG.finditer(masked):
@@ -188,7 +228,7 @@ def bool_type_arguments(text: str) -> str:
     for m in _EXPLICIT_INSTANTIATION.finditer(_mask(rewritten)):
         if "__Mb" in m.group(0):
             out[m.start():m.end()] = re.sub(r"\bbool\b", "__Mb", rewritten[m.start():m.end()])
-    return "".join(out)
+    return _bool_lane_specializations("".join(out))
 
 
 def _match_close(s: str, i: int, open_c: str, close_c: str) -> int:
