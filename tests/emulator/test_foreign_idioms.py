@@ -81,3 +81,23 @@ template [[host_name("k_bool")]] kernel void k<bool>(const device float*, device
     out = torch.zeros(12)
     emulator.compile_shader(src, name="bool_lanes.metal").k_bool(src_, out, grid=3, threadgroup=3)
     assert out.view(3, 4).tolist() == [[1, 0, 0, 0], [1, 0, 0, 0], [1, 1, 1, 3]]
+
+
+def test_conversion_functions_to_vector_types():
+    """`operator float4() const` (a packed type converting to a vector) is a conversion function,
+    not a vector constructor the pre-pass rewrites."""
+    src = HEADER + """
+struct Packed {
+  float a, b;
+  operator float4() const { return float4(a, b, a + b, a - b); }
+  operator vec<half, 2>() const { return vec<half, 2>(half(a), half(b)); }
+};
+kernel void k(device float4* out [[buffer(0)]], device half2* h [[buffer(1)]]) {
+  Packed p = {3.0f, 1.0f};
+  out[0] = p;
+  h[0] = half2(p);
+}
+"""
+    out, h = torch.zeros(4), torch.zeros(2, dtype=torch.float16)
+    emulator.compile_shader(src, name="conversion.metal").k(out, h, grid=1, threadgroup=1)
+    assert out.tolist() == [3, 1, 4, 2] and h.tolist() == [3, 1]

@@ -490,17 +490,22 @@ def _rewrite_casts(text: str, masked: str) -> tuple:
     return apply(text, 0, len(text), 0)[0], apply(masked, 0, len(masked), 0)[0]
 
 
+_CONVERSION_FUNCTION = re.compile(r"\boperator\s*$")
+
+
 def _rewrite_tokens(text: str, masked: str) -> tuple:
     """Vector constructors and half literals (no new lines, positions shift)."""
     out, mout, pos = [], [], 0
     matches = []
     for m in _VEC_CTOR.finditer(masked):
+        if _CONVERSION_FUNCTION.search(masked, max(0, m.start() - 12), m.start()):
+            continue  # operator float4(): a conversion function, not a constructor
         matches.append((m.start(), m.end(), f"__mtl::make_vec<{m.group(1)}, {m.group(2)}>("))
     for m in _VEC_CAST.finditer(masked):
         matches.append((m.start(), m.end(), f"__mtl::make_vec<{m.group(1)}, {m.group(2)}>("))
     for m in _VEC_TMPL_CTOR.finditer(masked):
         close = _match_angle(masked, m.end() - 1)
-        if close < 0:
+        if close < 0 or _CONVERSION_FUNCTION.search(masked, max(0, m.start() - 12), m.start()):
             continue
         after = masked[close + 1:]
         stripped = after.lstrip(" \t")

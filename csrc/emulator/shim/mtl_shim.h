@@ -151,6 +151,8 @@ MTL_INLINE vec_of<T, N> make_vec(A... a) {
   typedef elem_t<V> E;
   if constexpr (sizeof...(A) == 0) {
     return V(E(0));
+  } else if constexpr (sizeof...(A) == 1 && (__is_class(A) && ...)) {
+    return V(a...);  // the class's conversion function
   } else if constexpr (sizeof...(A) == 1 && ((vn<A> == 1) && ...)) {
     return V(conv<T>(a...));
   } else {
