@@ -101,3 +101,32 @@ kernel void k(device float4* out [[buffer(0)]], device half2* h [[buffer(1)]]) {
     out, h = torch.zeros(4), torch.zeros(2, dtype=torch.float16)
     emulator.compile_shader(src, name="conversion.metal").k(out, h, grid=1, threadgroup=1)
     assert out.tolist() == [3, 1, 4, 2] and h.tolist() == [3, 1]
+
+
+def test_gated_off_reference_parameters_need_no_buffer():
+    """An optional `constant int&` parameter gated by a function constant that is off needs no
+    buffer, even where the optimiser loads through the reference (references are
+    dereferenceable) ahead of the `if` that guards its use."""
+    src = HEADER + """
+constant bool has_mask [[function_constant(0)]];
+kernel void k(const device float* x [[buffer(0)]], device float* out [[buffer(1)]],
+              const device float* mask [[buffer(2), function_constant(has_mask)]],
+              const constant int& mask_stride [[buffer(3), function_constant(has_mask)]],
+              const constant int& n [[buffer(4)]], uint gid [[thread_position_in_grid]]) {
+  float acc = 0;
+  for (int i = 0; i < n; i++) {
+    float s = x[i];
+    if (has_mask) s += mask[gid * mask_stride + i];
+    acc += s;
+  }
+  out[gid] = acc;
+}
+"""
+    x, mask = torch.arange(6.0), torch.ones(2, 6)
+    for on in (False, True):
+        lib_ = emulator.compile_shader(src, name="gated.metal", function_constants={0: on})
+        for checked in (True, False):
+            out = torch.zeros(2)
+            bufs = {2: mask, 3: 6} if on else {}
+            lib_.k(x, out, buffers=bufs | {4: 6}, grid=2, threadgroup=2, checked=checked)
+            assert out.tolist() == [15.0 + 6 * on] * 2
