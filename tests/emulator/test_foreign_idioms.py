@@ -130,3 +130,28 @@ kernel void k(const device float* x [[buffer(0)]], device float* out [[buffer(1)
             bufs = {2: mask, 3: 6} if on else {}
             lib_.k(x, out, buffers=bufs | {4: 6}, grid=2, threadgroup=2, checked=checked)
             assert out.tolist() == [15.0 + 6 * on] * 2
+
+
+def test_pointer_advanced_by_an_integral_constant():
+    """`src += str` with a compile-time stride held as a class converting to int (a tiled
+    library's integral_constant<int, 1>): C++ for OpenCL offers no built-in candidate for it."""
+    src = HEADER + """
+template <typename T, T v> struct stride_c {
+  METAL_FUNC constexpr operator T() const { return v; }
+};
+template <typename P, typename S>
+METAL_FUNC float sum2(P src, S str) {
+  float a = src[0];
+  src += str;
+  float b = src[0];
+  src -= str;
+  return a + b * 10.0f + src[0] * 100.0f;
+}
+kernel void k(const device float* x [[buffer(0)]], device float* out [[buffer(1)]]) {
+  out[0] = sum2(x, stride_c<int, 1>{});
+  out[1] = sum2(x, stride_c<short, 3>{});
+}
+"""
+    out = torch.zeros(2)
+    emulator.compile_shader(src, name="stride.metal").k(torch.arange(1.0, 5.0), out, grid=1, threadgroup=1)
+    assert out.tolist() == [121.0, 141.0]

@@ -409,6 +409,15 @@ template <class T> constexpr int type_code() {
 #include "mtl_builtins.h"
 #include "mtl_kernel.h"
 
+// `p += c` with a pointer p and a class c converting to an integer (a tile stride held as
+// integral_constant<int, 1>): C++ and Metal take the built-in `T*& += ptrdiff_t`, which
+// clang's C++ for OpenCL never offers (its candidate's reference drops the pointer
+// variable's address space), while `p + c` works.  Global, like the built-in.
+template <class P, class C, __mtl::enable_if_t<__is_pointer(P) && __is_class(C) && __is_convertible(C, long), int> = 0>
+MTL_INLINE P& operator+=(P& p, C c) { return p = p + c; }
+template <class P, class C, __mtl::enable_if_t<__is_pointer(P) && __is_class(C) && __is_convertible(C, long), int> = 0>
+MTL_INLINE P& operator-=(P& p, C c) { return p = p - c; }
+
 // ---------------------------------------------------------------- public macros (<metal_config>, <metal_math>)
 #define METAL_FUNC inline __attribute__((__always_inline__))
 #define METAL_INTERNAL
