@@ -155,3 +155,22 @@ kernel void k(const device float* x [[buffer(0)]], device float* out [[buffer(1)
     out = torch.zeros(2)
     emulator.compile_shader(src, name="stride.metal").k(torch.arange(1.0, 5.0), out, grid=1, threadgroup=1)
     assert out.tolist() == [121.0, 141.0]
+
+
+def test_indices_written_as_constant_expressions():
+    """Function-constant and buffer indices written as macros that expand to arithmetic
+    (`[[function_constant(FC_ROPE + 1)]]`), as large kernel libraries number them."""
+    src = HEADER + """
+#define FC_SCALE 800
+#define BUF_OUT 0x1
+constant bool use_scale [[function_constant(FC_SCALE + 0)]];
+constant float scale [[function_constant(FC_SCALE + 1)]];
+kernel void k(const device float* x [[buffer(BUF_OUT - 1)]], device float* out [[buffer(BUF_OUT)]],
+              constant int& n [[buffer((BUF_OUT << 1) | 0u)]], uint gid [[thread_position_in_grid]]) {
+  if (int(gid) < n) out[gid] = use_scale ? x[gid] * scale : x[gid];
+}
+"""
+    lib_ = emulator.compile_shader(src, name="fc_index.metal", function_constants={800: True, 801: 3.0})
+    out = torch.zeros(4)
+    lib_.k(torch.arange(4.0), out, 3, grid=4, threadgroup=4)
+    assert out.tolist() == [0, 3, 6, 0]

@@ -26,7 +26,9 @@ its built-in parameter types.
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
+import operator
 import re
 from typing import Optional
 
@@ -705,12 +707,12 @@ def run(text: str, *, default_file: str, only: Optional[set] = None) -> Result:
     fc_re = re.compile(r"\bconstant\s+([\w:<>\s,]+?)\s+(\w+)\s*\[\[\s*function_constant\s*\(\s*([^)]*?)\s*\)\s*\]\]\s*;")
     for m in fc_re.finditer(masked):
         handled_attrs.update(a[0] for a in attrs if m.start() <= a[0] < m.end())
-        idx_txt = m.group(3)
-        if not idx_txt.isdigit():
-            raise _error(lines, m.start(), f"function constant '{m.group(2)}': the emulator needs a literal index "
-                         f"in [[function_constant(...)]], got '{idx_txt}'")
+        idx = _constant_int(m.group(3))
+        if idx is None:
+            raise _error(lines, m.start(), f"function constant '{m.group(2)}': the emulator needs an index made of "
+                         f"integer literals and arithmetic in [[function_constant(...)]], got '{m.group(3)}'")
         file, line = lines.at(m.start())
-        fc = FunctionConstant(m.group(2), int(idx_txt), " ".join(m.group(1).split()), file, line)
+        fc = FunctionConstant(m.group(2), idx, " ".join(m.group(1).split()), file, line)
         constants.append(fc)
         fc_names[fc.name] = fc
         edits.replace(m.start(), m.end(), f"MTL_FUNCTION_CONSTANT({fc.type}, {fc.name});")
@@ -938,11 +940,44 @@ def _parse_params(text, masked, a, b, lines) -> list:
     return params
 
 
-def _int(s, lines, off):
+_INT_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
+            ast.Mod: operator.mod, ast.LShift: operator.lshift, ast.RShift: operator.rshift,
+            ast.BitOr: operator.or_, ast.BitAnd: operator.and_, ast.BitXor: operator.xor,
+            ast.USub: operator.neg, ast.UAdd: operator.pos, ast.Invert: operator.invert}
+
+
+def _constant_int(s: str) -> Optional[int]:
+    """The value of an index written as integer literals and arithmetic (a macro expanded to
+    ``800 + 1``, ``0x10``, ``(4u << 2)``); None for anything else (a name, a cast)."""
+    s = re.sub(r"\b(0[xX][0-9a-fA-F]+|0[0-7]*|[1-9]\d*)[uUlL]*\b",
+               lambda m: str(int(m.group(1), 16 if m.group(1)[1:2] in "xX" else 8 if m.group(1)[0] == "0" else 10)),
+               s.strip()).replace("/", "//")  # C literals (hex, octal); integer division
     try:
-        return int(s, 0)
-    except ValueError:
-        raise _error(lines, off, f"the emulator needs a literal index here, got '{s}'") from None
+        tree = ast.parse(s, mode="eval").body
+    except SyntaxError:
+        return None
+
+    def value(node):
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _INT_OPS:
+            return _INT_OPS[type(node.op)](value(node.left), value(node.right))
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _INT_OPS:
+            return _INT_OPS[type(node.op)](value(node.operand))
+        raise ValueError
+
+    try:
+        return value(tree)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def _int(s, lines, off):
+    v = _constant_int(s)
+    if v is None:
+        raise _error(lines, off, f"the emulator needs an index made of integer literals and arithmetic here, "
+                                 f"got '{s}'")
+    return v
 
 
 def _c_string(s: str) -> str:
