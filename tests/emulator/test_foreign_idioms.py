@@ -174,3 +174,25 @@ kernel void k(const device float* x [[buffer(BUF_OUT - 1)]], device float* out [
     out = torch.zeros(4)
     lib_.k(torch.arange(4.0), out, 3, grid=4, threadgroup=4)
     assert out.tolist() == [0, 3, 6, 0]
+
+
+def test_scalars_meet_narrower_vectors_and_literals_are_float():
+    """`slope * h4` (a float scalar and a half4) and `0.5 * v` in a template: MSL converts the
+    scalar to the vector's element type; an unsuffixed literal is a float (`x * 0.1` rounds
+    in float, as on the GPU)."""
+    src = HEADER + """
+template <typename T> METAL_FUNC T gelu_ish(T x) { return (T)(0.5 * x * (1 + x)); }
+kernel void k(device half4* h [[buffer(0)]], device float4* v [[buffer(1)]], device float* s [[buffer(2)]]) {
+  float slope = s[0];
+  h[0] = slope * h[0] + h[0] * slope;
+  v[0] = gelu_ish(v[0]);
+  s[1] = gelu_ish(s[1]);
+  s[2] = s[2] * 0.1;
+}
+"""
+    h = torch.tensor([1.0, 2, 3, 4], dtype=torch.float16)
+    v = torch.tensor([1.0, 2, 3, 4])
+    s = torch.tensor([0.5, 3.0, 9.0])
+    emulator.compile_shader(src, name="widths.metal").k(h, v, s, grid=1, threadgroup=1)
+    assert h.tolist() == [1, 2, 3, 4] and v.tolist() == [1, 3, 6, 10]
+    assert s[1].item() == 6.0 and s[2].item() == torch.tensor(9.0) * torch.tensor(0.1)  # float32 product

@@ -45,7 +45,7 @@ from typing import Optional
 from . import analysis, prepass, rules
 from .errors import CompileError, CompilerNotFoundError
 
-PREPASS_VERSION = "8"  # bump when the pre-pass, glue or pass flags change
+PREPASS_VERSION = "9"  # bump when the pre-pass, glue or pass flags change
 
 _compile_seconds = 0.0
 _compile_lock = threading.Lock()
@@ -178,7 +178,10 @@ RULES_FLAGS = OPENCL + ["-fsyntax-only", "-D__MTL_RULES__", "-ferror-limit=0", "
     [f"-Werror={w}" for w in ERROR_WARNINGS]
 THIS_FLAGS = OPENCL + ["-fsyntax-only", "-D__MTL_RULES__", "-D__MTL_RULES_THIS__", "-ferror-limit=0", "-w", "-Xclang",
                        "-cl-ext=-__opencl_c_generic_address_space,-__opencl_c_pipes," + _NO_GLOBALS]
-BUILD_FLAGS = OPENCL + ["-Xclang", "-cl-ext=+__cl_clang_function_pointers", "-fno-convergent-functions", "-fPIC",
+# No fp64 in the build either: an unsuffixed literal is a float, as in Metal and the rules pass
+# (`0.5 * x` computes in float, and `0.5 * v` with a float4 v is valid).
+BUILD_FLAGS = OPENCL + ["-Xclang", "-cl-ext=+__cl_clang_function_pointers,-cl_khr_fp64,-__opencl_c_fp64",
+                        "-fno-convergent-functions", "-fPIC",
                         "-fno-strict-aliasing", "-fvisibility=hidden", "-gline-tables-only", "-w"]
 if platform.machine().lower() in ("x86_64", "amd64"):
     BUILD_FLAGS.append("-fstack-clash-protection")  # large frames probe the guard page below each fiber stack

@@ -1005,7 +1005,7 @@ def _glue(kernels, constants, derived) -> str:
         out.append('# 1 "<emulator glue>"\n')
     # Launch-time function constants: set the globals, then re-evaluate the
     # program-scope constants derived from them, in order.
-    out.append("MTL_EXPORT void __mtl_set_fcs(const long* iv, const double* dv, const int* def) {\n")
+    out.append("MTL_EXPORT void __mtl_set_fcs(const long* iv, const float* dv, const int* def) {\n")
     out.append("  (void)iv; (void)dv; (void)def;\n")
     for i, fc in enumerate(constants):
         out.append(f"  {fc.name} = __mtl::fc_value<{fc.type}>(iv, dv, {i}); __mtl_fcdef_{fc.name} = def[{i}] != 0;\n")

@@ -174,6 +174,17 @@ def _error_dict(d: Diagnostic, rule: str, text: str, name: str) -> dict:
     return {"error": f"{head}\n{d.text}".strip(), "file": file, "line": line, "rule": rule or "c++"}
 
 
+def _wide_scalar_operand(d: Diagnostic) -> Optional[tuple]:
+    """The range of the scalar operand in `float * half4` (or `0.5 * v` in a template): MSL
+    converts the scalar to the vector's element type, C++ for OpenCL rejects it."""
+    m = re.match(r"scalar operand type has greater rank than the type of the vector element\. \('([^']*)'( \(vector)?",
+                 d.message)
+    if not m or len(d.ranges) != 2 or _SHIM.search(d.file):
+        return None
+    first_is_vector = bool(m.group(2)) or "ext_vector_type" in m.group(1)
+    return d.ranges[1] if first_is_vector else d.ranges[0]
+
+
 def judge_generic(stderr: str, name: str, constants: set) -> dict:
     """The pass with a generic address space: {"error": ...} for the first
     broken rule, else {"copies": [(line, col, end line, end col)] of sources
@@ -186,6 +197,10 @@ def judge_generic(stderr: str, name: str, constants: set) -> dict:
             continue
         if _copies_from_constant(d) and d.ranges and not _SHIM.search(d.file):
             copies.append(d.ranges[-1])  # the last range is the source (`a = b`: b)
+            continue
+        scalar = _wide_scalar_operand(d)
+        if scalar is not None:
+            copies.append((*scalar, "lane"))
             continue
         return _error_dict(d, *rule_of(d, constants), name)
     return {"copies": sorted(set(copies)), "warnings": "\n".join(warnings)}
@@ -208,15 +223,16 @@ def apply_copies(text: str, rounds: list) -> str:
 
 def wrap_copies(text: str, copies: list) -> str:
     """`text` with the source of each copy out of constant memory wrapped in
-    __mtl::copy(...), or inside the braces of an initializer list.  The
+    __mtl::copy(...), or inside the braces of an initializer list, and each scalar operand
+    wider than its vector operand's elements (ranges tagged "lane") in __mtl::lane(...).  The
     ranges are clang's: lines of the compiled text, columns, exclusive ends."""
     lines = text.split("\n")
     inserts = set()  # (line index, column, text)
-    for l1, c1, l2, c2 in copies:
+    for l1, c1, l2, c2, *lane in copies:
         a, b, c1, c2 = l1 - 1, l2 - 1, c1 - 1, c2 - 1
-        if lines[a][c1:c1 + 1] == "{" and lines[b][c2 - 1:c2] == "}":
+        if lines[a][c1:c1 + 1] == "{" and lines[b][c2 - 1:c2] == "}" and not lane:
             c1, c2 = c1 + 1, c2 - 1
-        inserts |= {(a, c1, "__mtl::copy("), (b, c2, ")")}
+        inserts |= {(a, c1, "__mtl::lane(" if lane else "__mtl::copy("), (b, c2, ")")}
     for i, col, s in sorted(inserts, key=lambda x: (x[0], -x[1], x[2] == ")")):
         lines[i] = lines[i][:col] + s + lines[i][col:]
     return "\n".join(lines)

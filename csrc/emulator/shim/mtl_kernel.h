@@ -83,7 +83,7 @@ template <class P> inline constexpr constant bool builtin_position_ok =
 
 // Function constant values, set before each launch (see the pre-pass).
 template <class T>
-MTL_INLINE T fc_value(const long* iv, const double* dv, int i) {
+MTL_INLINE T fc_value(const long* iv, const float* dv, int i) {
   if constexpr (__is_floating_point(T)) return (T)dv[i];
   else return (T)iv[i];
 }

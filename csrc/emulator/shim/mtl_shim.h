@@ -191,6 +191,23 @@ MTL_INLINE T cast(E&& e) {
   return (T)static_cast<E&&>(e);
 }
 
+// A scalar operand wider than the elements of the vector it meets (`slope * h4`, float and
+// half4; `0.5 * v` in a template): MSL converts the scalar to the element type, C++ for
+// OpenCL rejects it, so the rules pass wraps such a scalar (found by clang's diagnostic) in
+// lane(...).  With a scalar (another instantiation of the template) nothing changes.
+template <class S> struct Lane { S v; };
+template <class S> MTL_INLINE Lane<S> lane(S s) { return {s}; }
+#define MTL_LANE_OP(op)                                                                     \
+  template <class S, class V> MTL_INLINE auto operator op(Lane<S> a, V b) {                \
+    if constexpr (vn<V> > 1) return elem_t<V>(a.v) op b; else return a.v op b;             \
+  }                                                                                         \
+  template <class S, class V> MTL_INLINE auto operator op(V b, Lane<S> a) {                \
+    if constexpr (vn<V> > 1) return b op elem_t<V>(a.v); else return b op a.v;             \
+  }
+MTL_LANE_OP(+) MTL_LANE_OP(-) MTL_LANE_OP(*) MTL_LANE_OP(/) MTL_LANE_OP(%)
+MTL_LANE_OP(==) MTL_LANE_OP(!=) MTL_LANE_OP(<) MTL_LANE_OP(>) MTL_LANE_OP(<=) MTL_LANE_OP(>=)
+#undef MTL_LANE_OP
+
 // threadgroup variables declared in a function body: one object per
 // threadgroup.  key = {sizeof, alignof}, a function-local static (one per
 // template instantiation); the pre-pass emits the declaration.
