@@ -196,3 +196,38 @@ kernel void k(device half4* h [[buffer(0)]], device float4* v [[buffer(1)]], dev
     emulator.compile_shader(src, name="widths.metal").k(h, v, s, grid=1, threadgroup=1)
     assert h.tolist() == [1, 2, 3, 4] and v.tolist() == [1, 3, 6, 10]
     assert s[1].item() == 6.0 and s[2].item() == torch.tensor(9.0) * torch.tensor(0.1)  # float32 product
+
+
+def test_matrix_types():
+    """float4x4 / half4x4 / matrix<T, C, R>: column vectors (m[c][r]), conversions between
+    element types by cast (a dequantiser's `reg = (type4x4)(*src)`), matrix-vector and
+    matrix-matrix products, transpose, in device and threadgroup memory."""
+    src = HEADER + """
+typedef matrix<bfloat, 4, 4> bfloat4x4;
+template <typename type4x4>
+void load(device const float4x4* src, thread type4x4& reg) { reg = (type4x4)(*src); }
+kernel void k(device const float4x4* a [[buffer(0)]], device half4x4* h [[buffer(1)]],
+              device float4* o [[buffer(2)]], threadgroup half4x4* sh [[threadgroup(0)]]) {
+  half4x4 t;
+  load(a, t);
+  sh[0] = t;
+  h[0] = sh[0];
+  float4x4 m = a[0];
+  float2x4 p = float2x4(m[0], m[1]);
+  o[0] = m * float4(1, 0, 0, 0);
+  o[1] = float4(0, 1, 0, 0) * m;
+  o[2] = (m * float4x4(2.0f))[3];
+  o[3] = transpose(m)[0] + p * float2(1, 1);
+  bfloat4x4 b = bfloat4x4(m);
+  o[4] = float4(b[2]) + float4(h[0][1][2]);
+}
+"""
+    a = torch.arange(16.0)
+    h, o = torch.zeros(16, dtype=torch.float16), torch.zeros(5, 4)
+    emulator.compile_shader(src, name="matrices.metal").k(a, h, o, grid=1, threadgroup=1,
+                                                           threadgroup_memory={0: 32})
+    cols = a.view(4, 4)  # m[c] is row c of the buffer
+    m = cols.T
+    assert h.tolist() == a.tolist()
+    assert o.tolist() == [m[:, 0].tolist(), (torch.tensor([0.0, 1, 0, 0]) @ m).tolist(), (2 * m[:, 3]).tolist(),
+                          (m.T[:, 0] + cols[0] + cols[1]).tolist(), (cols[2] + 6).tolist()]

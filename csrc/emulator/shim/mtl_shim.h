@@ -422,6 +422,7 @@ template <class T> constexpr int type_code() {
 
 #include "mtl_sync.h"
 #include "mtl_math.h"
+#include "mtl_matrix.h"
 #include "mtl_simdgroup_matrix.h"
 #include "mtl_builtins.h"
 #include "mtl_kernel.h"
