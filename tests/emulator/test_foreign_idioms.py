@@ -231,3 +231,68 @@ kernel void k(device const float4x4* a [[buffer(0)]], device half4x4* h [[buffer
     assert h.tolist() == a.tolist()
     assert o.tolist() == [m[:, 0].tolist(), (torch.tensor([0.0, 1, 0, 0]) @ m).tolist(), (2 * m[:, 3]).tolist(),
                           (m.T[:, 0] + cols[0] + cols[1]).tolist(), (cols[2] + 6).tolist()]
+
+
+def test_functions_as_template_arguments():
+    """A function as a non-type template argument (`template <void (*deq)(...)>`, a kernel
+    templated on its dequantiser) is resolved at compile time: valid Metal.  A pointer used at
+    run time stays an error (kernels/rejected/function_pointer*.metal)."""
+    src = HEADER + """
+void deq_scale(device const float* src, short i, thread float4& reg) { reg = float4(src[i]) * 2.0f; }
+void deq_plain(device const float* src, short i, thread float4& reg) { reg = float4(src[i]); }
+template <void (*deq)(device const float*, short, thread float4&)>
+kernel void k(device const float* x [[buffer(0)]], device float4* out [[buffer(1)]],
+              uint gid [[thread_position_in_grid]]) {
+  float4 r;
+  deq(x, short(gid), r);
+  out[gid] = r;
+}
+typedef decltype(k<deq_plain>) k_t;
+template [[host_name("k_scale")]] kernel k_t k<deq_scale>;
+template [[host_name("k_plain")]] kernel k_t k<deq_plain>;
+"""
+    lib_ = emulator.compile_shader(src, name="fn_args.metal")
+    out = torch.zeros(2, 4)
+    lib_.k_scale(torch.tensor([1.0, 2.0]), out, grid=2, threadgroup=2)
+    assert out.tolist() == [[2.0] * 4, [4.0] * 4]
+    lib_.k_plain(torch.tensor([1.0, 2.0]), out, grid=2, threadgroup=2)
+    assert out.tolist() == [[1.0] * 4, [2.0] * 4]
+
+
+def test_dequantiser_style_kernel():
+    """Idioms of a quantised mat-vec library: vectors brace-initialised with fewer elements than
+    lanes (`float4 a = {0.f}, b = {1.f};`, the rest zero), a dequantiser passed as a template
+    argument whose `thread T&` parameter deduces T, `#pragma unroll(MACRO(...))`, a filled
+    simdgroup matrix with one size (`make_filled_simdgroup_matrix<float, 8>(0.f)`), and a
+    conditional mixing a vector and a wider scalar (`p ? h4 * s : 0.0f`)."""
+    src = HEADER + """
+#define MIN(x, y) ((x) < (y) ? (x) : (y))
+template <typename type4>
+void deq_half(device const half4* src, short il, thread type4& reg) { reg = (type4)(src[il]); }
+template <typename T4, void (&deq)(device const half4*, short, thread T4&)>
+kernel void k(device const half4* x [[buffer(0)]], device float4* out [[buffer(1)]],
+              device const half4* m [[buffer(2)]], constant float& s [[buffer(3)]],
+              ushort lane [[thread_index_in_simdgroup]]) {
+  float4 a = {0.f}, b = {1.f, 2.f};
+  T4 r;
+  #pragma unroll (MIN(4, 2))
+  for (short i = 0; i < 2; i++) {
+    deq(x, i, r);
+    a += r;
+  }
+  simdgroup_float8x8 z = make_filled_simdgroup_matrix<float, 8>(3.f);
+  device const half4* pm = s > 0 ? m : nullptr;
+  half4 h = pm ? pm[0] * s : 0.0f;
+  if (lane != 0) return;
+  out[0] = a;
+  out[1] = b + z.thread_elements()[0];
+  out[2] = float4(h);
+}
+template [[host_name("k_f32")]] kernel void k<float4, deq_half>(
+    device const half4*, device float4*, device const half4*, constant float&, ushort);
+"""
+    x = torch.arange(8.0).half()
+    out = torch.zeros(3, 4)
+    lib_ = emulator.compile_shader(src, name="dequant.metal")
+    lib_.k_f32(x, out, torch.ones(4).half(), 2.0, grid=32, threadgroup=32)
+    assert out.tolist() == [[4, 6, 8, 10], [4, 5, 3, 3], [2, 2, 2, 2]]

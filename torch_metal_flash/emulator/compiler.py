@@ -45,7 +45,7 @@ from typing import Optional
 from . import analysis, prepass, rules
 from .errors import CompileError, CompilerNotFoundError
 
-PREPASS_VERSION = "9"  # bump when the pre-pass, glue or pass flags change
+PREPASS_VERSION = "10"  # bump when the pre-pass, glue or pass flags change
 
 _compile_seconds = 0.0
 _compile_lock = threading.Lock()
@@ -172,7 +172,10 @@ MATH_FLAGS = {"fast": ["-ffast-math"], "relaxed": ["-ffast-math", "-fno-finite-m
 OPENCL = ["-x", "clcpp", "-cl-std=clc++2021", "-cl-no-stdinc", "-nostdinc"]
 # Warnings that flag code whose behaviour on the GPU is undefined are errors.
 ERROR_WARNINGS = ["return-type", "uninitialized", "array-bounds", "division-by-zero", "return-stack-address"]
-_NO_GLOBALS = "-__opencl_c_program_scope_global_variables,-__opencl_c_device_enqueue,-cl_khr_fp64,-__opencl_c_fp64"
+# Function pointers parse (a function as a template argument is valid Metal); a pointer used at run
+# time is found in the IR (analysis.py).
+_NO_GLOBALS = "-__opencl_c_program_scope_global_variables,-__opencl_c_device_enqueue,-cl_khr_fp64,-__opencl_c_fp64," \
+              "+__cl_clang_function_pointers"
 RULES_FLAGS = OPENCL + ["-fsyntax-only", "-D__MTL_RULES__", "-ferror-limit=0", "-fdiagnostics-print-source-range-info",
                         "-Xclang", "-cl-ext=" + _NO_GLOBALS] + \
     [f"-Werror={w}" for w in ERROR_WARNINGS]
@@ -370,6 +373,10 @@ def analyze(comp: Compiler, text: str, name: str) -> dict:
         r = result["recursion"]
         raise CompileError(f"{r['file']}:{r['line']}: {rules.RECURSION}\n{r['cycle']}", file=r["file"],
                            line=r["line"], rule="recursion")
+    if result.get("function_pointer"):
+        r = result["function_pointer"]
+        raise CompileError(f"{r['file']}:{r['line']}: {rules.FUNCTION_POINTERS}", file=r["file"], line=r["line"],
+                           rule="function-pointers")
     if result.get("vector_cast"):
         r = result["vector_cast"]
         raise CompileError(f"{r['file']}:{r['line']}: {rules.VECTOR_CAST}", file=r["file"], line=r["line"],

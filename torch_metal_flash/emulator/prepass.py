@@ -66,6 +66,10 @@ VEC_TYPES = ("bool", "char", "uchar", "short", "ushort", "int", "uint", "long", 
 _VEC_CTOR = re.compile(r"(?<![\w.>:])(?:metal\s*::\s*)?(?:packed_)?(" + "|".join(VEC_TYPES) + r")([234])\s*\(")
 _VEC_CAST = re.compile(r"\bstatic_cast\s*<\s*(?:metal\s*::\s*)?(?:packed_)?(" + "|".join(VEC_TYPES) + r")([234])\s*>\s*\(")
 _VEC_TMPL_CTOR = re.compile(r"(?<![\w.>:])(?:metal\s*::\s*)?vec\s*<")
+# `float4 acc = {0.f};`: fewer initialisers than lanes zero the rest in MSL (C++), an error in C++ for OpenCL
+_VEC_BRACE_INIT = re.compile(r"(?<![\w.>:])(?:metal\s*::\s*)?(?:packed_)?(" + "|".join(VEC_TYPES) +
+                             r")([234])\s+[A-Za-z_]\w*\s*=\s*(\{)")
+_NEXT_BRACE_INIT = re.compile(r"\s*,\s*[A-Za-z_]\w*\s*=\s*\{")
 _HALF_LIT = re.compile(r"(?<![\w.])((?:\d+\.\d*|\.\d+|\d+)(?:[eE][+-]?\d+)?)[hH](?![\w.])")
 _IDENT = re.compile(r"[A-Za-z_]\w*")
 _FC_DEFINED = re.compile(r"\bis_function_constant_defined\s*\(\s*(\w+)\s*\)")
@@ -521,6 +525,18 @@ def _rewrite_tokens(text: str, masked: str) -> tuple:
         nn = text[m.end() + parts[1][0]:m.end() + parts[1][1]].strip()
         paren = close + 1 + (len(after) - len(stripped))
         matches.append((m.start(), paren + 1, f"__mtl::make_vec<{t}, {nn}>("))
+    for m in _VEC_BRACE_INIT.finditer(masked):
+        brace = m.start(3)
+        while brace >= 0:  # float4 a = {0.f}, b = {0.f};
+            close = _match_close(masked, brace, "{", "}")
+            if close < 0:
+                break
+            inside = masked[brace + 1:close]
+            if len([p for p in _split_top(inside) if inside[p[0]:p[1]].strip()]) < int(m.group(2)):
+                matches.append((brace, brace + 1, f"__mtl::brace_vec<{m.group(1)}, {m.group(2)}>("))
+                matches.append((close, close + 1, ")"))
+            more = _NEXT_BRACE_INIT.match(masked, close + 1)
+            brace = more.end() - 1 if more else -1
     for m in _HALF_LIT.finditer(masked):
         lit = m.group(1) + ("f" if re.search(r"[.eE]", m.group(1)) else "")  # a float literal, not a double one
         matches.append((m.start(), m.end(), f"((half){lit})"))
@@ -616,15 +632,55 @@ POSITION_BUILTINS = {"thread_position_in_grid", "thread_position_in_threadgroup"
                      "dispatch_threads_per_threadgroup", "grid_origin"}
 
 
+_FUNCTION_POINTER_PARAM = re.compile(r"\(\s*(\*)\s*[A-Za-z_]\w*\s*\)\s*\(")
+
+
+def _function_template_params(text: str, masked: str) -> str:
+    """Template parameters that are function pointers (``template <void (*deq)(...)>``, a kernel
+    templated on its dequantiser) become references to functions (``void (&deq)(...)``): same
+    calls, same arguments, but C++ for OpenCL puts a pointer's pointee in the generic address
+    space, so that a function's address never matches a pointer parameter.  Same length."""
+    out = list(text)
+    for m in _TEMPLATE.finditer(masked):
+        close = _match_angle(masked, m.end() - 1)
+        for f in _FUNCTION_POINTER_PARAM.finditer(masked, m.end(), max(close, m.end())):
+            out[f.start(1)] = "&"
+    return "".join(out)
+
+
+# `#pragma unroll (MIN(DK8/2, 4*NSG))`: clang -E leaves pragma arguments unexpanded, so their
+# macros are gone by the time the pre-pass output is compiled; an unroll count is only a hint.
+_UNROLL_PRAGMA_WITH_NAMES = re.compile(r"^[ \t]*#[ \t]*pragma[ \t]+unroll\b[^\n]*[A-Za-z_][^\n]*$", re.M)
+
+
+_VIRTUAL = re.compile(r"\bvirtual\b")
+_SHIM_FILE = re.compile(r"(?:^|[/\\])csrc[/\\]emulator[/\\]shim[/\\]")
+
+
+def _reject_virtual(masked: str, lines: "_Lines") -> None:
+    """Virtual functions: C++ for OpenCL rejects them only without function pointers, which
+    the passes allow (a function as a template argument is valid Metal), so the keyword is
+    found here."""
+    for m in _VIRTUAL.finditer(masked):
+        if not _SHIM_FILE.search(lines.at(m.start())[0]):
+            file, line = lines.at(m.start())
+            raise CompileError(f"{file}:{line}: MSL restriction: virtual functions are not supported", file=file,
+                               line=line, rule="virtual")
+
+
 def run(text: str, *, default_file: str, only: Optional[set] = None) -> Result:
     """Rewrite preprocessed MSL.  `only`: host names to build (the other
     template instantiations are dropped, so a big file can be compiled in
     parallel pieces); the result still lists every kernel, with glue for the
     selected ones only."""
+    text = _UNROLL_PRAGMA_WITH_NAMES.sub(lambda m: " " * len(m.group()), text)
+    masked = _mask(text)
+    text = _function_template_params(text, masked)
     masked = _mask(text)
     text, masked = _rewrite_casts(text, masked)
     text, masked = _rewrite_tokens(text, masked)
     lines = _Lines(text, default_file)
+    _reject_virtual(masked, lines)
     edits = _Edits(text)
     scope_at = _scopes(masked)
     attrs = _attributes(masked)

@@ -28,6 +28,8 @@ from .errors import CompileError
 ADDRESS_SPACES = ("MSL address spaces: a pointer or reference keeps its address space (device, threadgroup, "
                   "constant, thread); converting it to another one is an error")
 RECURSION = "MSL restriction: recursive function calls are not supported"
+FUNCTION_POINTERS = ("MSL: function pointers need [[visible]] functions and a function table, which the emulator does "
+                     "not support; plain function pointers are an error (a function as a template argument is fine)")
 VECTOR_CAST = ("emulator limitation: this cast between vector types would reinterpret the bits here, where MSL "
                "converts each component; spell the vector type (float4(x), (float4)x) or cast to a template "
                "parameter (T(x), (T)x, static_cast<T>(x))")
@@ -67,8 +69,7 @@ RULES = [
     ("vla", r"variable length array|array size is not a constant expression",
      "MSL restriction: variable-length arrays are not supported (array sizes must be constant expressions)"),
     ("function-pointers", r"pointers to functions are not allowed|taking address of function is not allowed",
-     "MSL: function pointers need [[visible]] functions and a function table, which the emulator does not "
-     "support; plain function pointers are an error"),
+     FUNCTION_POINTERS),
     ("builtin-type", r"MSL: built-in parameter", "MSL: built-in parameters have fixed types"),
     ("missing-return", r"\[-Werror,-Wreturn-type\]|does not return a value",
      "a non-void function must return a value on every path (undefined on the GPU; an error here)"),
@@ -174,6 +175,10 @@ def _error_dict(d: Diagnostic, rule: str, text: str, name: str) -> dict:
     return {"error": f"{head}\n{d.text}".strip(), "file": file, "line": line, "rule": rule or "c++"}
 
 
+# An unsuffixed literal is a float in Metal: not worth a warning
+_FLOAT_LITERAL = re.compile(r"double precision constant requires cl_khr_fp64")
+
+
 def _wide_scalar_operand(d: Diagnostic) -> Optional[tuple]:
     """The range of the scalar operand in `float * half4` (or `0.5 * v` in a template): MSL
     converts the scalar to the vector's element type, C++ for OpenCL rejects it."""
@@ -192,7 +197,7 @@ def judge_generic(stderr: str, name: str, constants: set) -> dict:
     copies, warnings = [], []
     for d in parse(stderr):
         if d.severity == "warning":
-            if not _SHIM.search(d.file):
+            if not _SHIM.search(d.file) and not _FLOAT_LITERAL.search(d.message):
                 warnings.append(d.text)
             continue
         if _copies_from_constant(d) and d.ranges and not _SHIM.search(d.file):

@@ -91,10 +91,12 @@
 #define atomic_size_t __mtl_atomic_size_t
 #define atomic_ptrdiff_t __mtl_atomic_ptrdiff_t
 
+// Function pointers parse everywhere (a function as a template argument is valid Metal);
+// one used at run time is found in the IR (emulator/analysis.py) and rejected.
+#pragma OPENCL EXTENSION __cl_clang_function_pointers : enable
 #ifdef __MTL_RULES__
 #define MTL_IMPL(...) ;
 #else
-#pragma OPENCL EXTENSION __cl_clang_function_pointers : enable
 #define MTL_IMPL(...) __VA_ARGS__
 #endif
 
@@ -164,6 +166,16 @@ MTL_INLINE vec_of<T, N> make_vec(A... a) {
   }
 }
 
+// `float4 v = {x};`: the initialisers fill the first lanes, the rest are zero (the pre-pass
+// rewrites brace initialisers with fewer elements than lanes to this).
+template <class T, int N, class... A>
+MTL_INLINE vec_of<T, N> brace_vec(A... a) {
+  vec_of<T, N> r = vec_of<T, N>(T(0));
+  int i = 0;
+  (put<T>(r, i, a), ...);
+  return r;
+}
+
 // A copy of a class object out of constant memory, which Metal allows and
 // C++ for OpenCL cannot express (rules.wrap_copies puts the source of each
 // such copy in here); anything else passes through.
@@ -195,7 +207,11 @@ MTL_INLINE T cast(E&& e) {
 // half4; `0.5 * v` in a template): MSL converts the scalar to the element type, C++ for
 // OpenCL rejects it, so the rules pass wraps such a scalar (found by clang's diagnostic) in
 // lane(...).  With a scalar (another instantiation of the template) nothing changes.
-template <class S> struct Lane { S v; };
+template <class S> struct Lane {
+  S v;
+  // `c ? v4 : lane(0.0f)`: the conditional operator converts the scalar to the vector type
+  template <class V, enable_if_t<(vn<V> > 1), int> = 0> MTL_INLINE operator V() const { return V(elem_t<V>(v)); }
+};
 template <class S> MTL_INLINE Lane<S> lane(S s) { return {s}; }
 #define MTL_LANE_OP(op)                                                                     \
   template <class S, class V> MTL_INLINE auto operator op(Lane<S> a, V b) {                \

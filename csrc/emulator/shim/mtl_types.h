@@ -186,7 +186,7 @@ template <typename T> struct remove_addrspace<__global T> { typedef T type; };
 template <typename T> struct remove_addrspace<__local T> { typedef T type; };
 template <typename T> struct remove_addrspace<__constant T> { typedef T type; };
 template <typename T> struct remove_addrspace<__private T> { typedef T type; };
-#ifndef __MTL_RULES__
+#ifndef __MTL_RULES_THIS__  // a type deduced through a generic reference (thread T& in a function type)
 template <typename T> struct remove_addrspace<__generic T> { typedef T type; };
 #endif
 template <typename T> using remove_addrspace_t = typename remove_addrspace<T>::type;
