@@ -296,3 +296,22 @@ template [[host_name("k_f32")]] kernel void k<float4, deq_half>(
     lib_ = emulator.compile_shader(src, name="dequant.metal")
     lib_.k_f32(x, out, torch.ones(4).half(), 2.0, grid=32, threadgroup=32)
     assert out.tolist() == [[4, 6, 8, 10], [4, 5, 3, 3], [2, 2, 2, 2]]
+
+
+def test_helpers_in_their_own_namespace():
+    """A helper library in its own namespace without `using namespace metal`: as_type<T>(x) is a
+    language operator found anywhere, and T(x, y) with T = float2 (a complex product written for
+    any T) constructs the vector."""
+    src = """#include <metal_stdlib>
+namespace mylib {
+template <typename T> inline T cmul(T x, T y) { return T(x.x * y.x - x.y * y.y, x.x * y.y + x.y * y.x); }
+inline uint bits(float v) { return as_type<uint>(v); }
+}  // namespace mylib
+kernel void k(device float2* z [[buffer(0)]], device uint* b [[buffer(1)]]) {
+  z[0] = mylib::cmul(z[0], z[1]);
+  b[0] = mylib::bits(1.0f);
+}
+"""
+    z, b = torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.zeros(1, dtype=torch.int32)
+    emulator.compile_shader(src, name="namespaced.metal").k(z, b, grid=1, threadgroup=1)
+    assert z[:2].tolist() == [1 * 3 - 2 * 4, 1 * 4 + 2 * 3] and b.item() == 0x3F800000

@@ -448,7 +448,8 @@ def _may_be_cast(masked: str, start: int) -> bool:
 def _rewrite_casts(text: str, masked: str) -> tuple:
     """MSL converts vectors in C-style and functional casts; clang reinterprets
     their bits.  (float4)x -> float4(x) (a vector constructor, below);
-    (T)x and T(x) with T a template type parameter -> __mtl::cast<T>(x)."""
+    (T)x and T(x) with T a template type parameter -> __mtl::cast<T>(x), T(x, y) ->
+    __mtl::construct<T>(x, y) (a vector constructor when T is a vector)."""
     edits = []  # (start, operand start, operand end, end, prefix, suffix)
     for m in _C_CAST_VEC.finditer(masked):
         end = _operand_end(masked, m.end())
@@ -470,13 +471,14 @@ def _rewrite_casts(text: str, masked: str) -> tuple:
                 if end > 0:
                     edits.append((m.start(), m.end(), end, end, f"__mtl::cast<{m.group(1)}>(", ")"))
                 continue
-            # T(x): one argument; not a declarator such as `T(x);` or `(T (&x)[N])`
+            # T(x), T(x, y): not a declarator such as `T(x);` or `(T (&x)[N])`
             close = _match_close(masked, m.end() - 1, "(", ")")
-            if close < 0 or not masked[m.end():close].strip() or len(_split_top(masked[m.end():close])) != 1 or \
+            if close < 0 or not masked[m.end():close].strip() or \
                     re.search(r"[;{}]\s*$", masked[max(0, m.start() - 4):m.start()]) or \
                     re.match(r"\s*[\[(]", masked[close + 1:close + 4]):
                 continue
-            edits.append((m.start(), m.end(), close, close + 1, f"__mtl::cast<{m.group(2)}>(", ")"))
+            helper = "cast" if len(_split_top(masked[m.end():close])) == 1 else "construct"  # T = float2: a vector
+            edits.append((m.start(), m.end(), close, close + 1, f"__mtl::{helper}<{m.group(2)}>(", ")"))
     edits.sort(key=lambda e: (e[0], -e[3]))
 
     def apply(src: str, lo: int, hi: int, k: int) -> tuple:

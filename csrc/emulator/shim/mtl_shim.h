@@ -224,6 +224,14 @@ MTL_LANE_OP(+) MTL_LANE_OP(-) MTL_LANE_OP(*) MTL_LANE_OP(/) MTL_LANE_OP(%)
 MTL_LANE_OP(==) MTL_LANE_OP(!=) MTL_LANE_OP(<) MTL_LANE_OP(>) MTL_LANE_OP(<=) MTL_LANE_OP(>=)
 #undef MTL_LANE_OP
 
+// T(x, y) with T a template type parameter: a vector constructor when T is a vector (clang
+// would take it as a scalar initialiser), the class's constructor otherwise.
+template <class T, class... A>
+MTL_INLINE T construct(A&&... a) {
+  if constexpr (vn<T> > 1) return make_vec<elem_t<T>, vn<T>>(a...);
+  else return T(static_cast<A&&>(a)...);
+}
+
 // threadgroup variables declared in a function body: one object per
 // threadgroup.  key = {sizeof, alignof}, a function-local static (one per
 // template instantiation); the pre-pass emits the declaration.

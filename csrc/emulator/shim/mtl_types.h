@@ -409,6 +409,10 @@ struct array {
 
 }  // namespace metal
 
+// as_type<T>(x) is an operator of the language (MSL 2.19), not a name in namespace metal:
+// code in its own namespace calls it without `using namespace metal`.
+using metal::as_type;
+
 // ---------------------------------------------------------------- shim internals on types
 namespace __mtl {
 using namespace ::metal;
