@@ -315,3 +315,22 @@ kernel void k(device float2* z [[buffer(0)]], device uint* b [[buffer(1)]]) {
     z, b = torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.zeros(1, dtype=torch.int32)
     emulator.compile_shader(src, name="namespaced.metal").k(z, b, grid=1, threadgroup=1)
     assert z[:2].tolist() == [1 * 3 - 2 * 4, 1 * 4 + 2 * 3] and b.item() == 0x3F800000
+
+
+def test_uniform_values():
+    """metal::uniform<T> / make_uniform (a value the same in every thread, as a tiled mat-vec
+    marks its loop bounds) behaves as the T it holds, also in constexpr."""
+    src = HEADER + """
+kernel void k(device int* out [[buffer(0)]], constant int& n [[buffer(1)]]) {
+  constexpr const uniform<int> stride = make_uniform(8);
+  const uniform<int> size = make_uniform(n);
+  const uniform<int> iters = size / stride;
+  const uniform<float> half_n = make_uniform(float(n)) * make_uniform(0.5f);
+  out[0] = iters;
+  out[1] = size - stride * iters;
+  out[2] = int(half_n);
+}
+"""
+    out = torch.zeros(3, dtype=torch.int32)
+    emulator.compile_shader(src, name="uniform.metal").k(out, 37, grid=1, threadgroup=1)
+    assert out.tolist() == [4, 5, 18]

@@ -384,6 +384,18 @@ MTL_INLINE T as_type(U u) {
   return __builtin_bit_cast(T, u);
 }
 
+// ---------------------------------------------------------------- <metal_uniform>
+// uniform<T>: a value the same in every thread; here it behaves as the T it holds.
+template <typename T>
+struct uniform {
+  T __v;
+  uniform() = default;
+  constexpr uniform(T v) : __v(v) {}
+  constexpr operator T() const { return __v; }
+};
+template <typename T>
+constexpr uniform<T> make_uniform(T v) { return uniform<T>(v); }
+
 // ---------------------------------------------------------------- <metal_array>
 template <typename T, size_t N>
 struct array {
