@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from torch_metal_flash import emulator
@@ -334,3 +335,20 @@ kernel void k(device int* out [[buffer(0)]], constant int& n [[buffer(1)]]) {
     out = torch.zeros(3, dtype=torch.int32)
     emulator.compile_shader(src, name="uniform.metal").k(out, 37, grid=1, threadgroup=1)
     assert out.tolist() == [4, 5, 18]
+
+
+@pytest.mark.parametrize("decl", ["typedef float (*op_t)(float);", "using op_t = float (*)(float);"])
+def test_function_pointer_types_named_by_typedef(decl):
+    """A function-pointer template parameter whose type is named by a typedef / alias works;
+    the same type used for a pointer at run time is still rejected."""
+    head = HEADER + decl + "\nfloat twice(float x) { return 2 * x; }\n"
+    good = head + """template <op_t op> kernel void k(device float* o [[buffer(0)]]) { o[0] = op(o[0]); }
+template [[host_name("k_twice")]] kernel void k<twice>(device float*);
+"""
+    out = torch.ones(1)
+    emulator.compile_shader(good, name="op_types.metal").k_twice(out, grid=1, threadgroup=1)
+    assert out.item() == 2.0
+    bad = head + "kernel void k(device float* o [[buffer(0)]]) { op_t f = twice; o[0] = f(o[0]); }\n"
+    with pytest.raises(emulator.CompileError) as ei:
+        emulator.compile_shader(bad, name="op_types_bad.metal")
+    assert (ei.value.rule, ei.value.line) == ("function-pointers", 5)

@@ -635,18 +635,24 @@ POSITION_BUILTINS = {"thread_position_in_grid", "thread_position_in_threadgroup"
 
 
 _FUNCTION_POINTER_PARAM = re.compile(r"\(\s*(\*)\s*[A-Za-z_]\w*\s*\)\s*\(")
+_FUNCTION_POINTER_TYPE = re.compile(r"\btypedef\b[^;{}()]*\(\s*(\*)\s*[A-Za-z_]\w*\s*\)\s*\(|"
+                                    r"\busing\s+[A-Za-z_]\w*\s*=[^;{}()]*\(\s*(\*)\s*\)\s*\(")
 
 
 def _function_template_params(text: str, masked: str) -> str:
     """Template parameters that are function pointers (``template <void (*deq)(...)>``, a kernel
     templated on its dequantiser) become references to functions (``void (&deq)(...)``): same
     calls, same arguments, but C++ for OpenCL puts a pointer's pointee in the generic address
-    space, so that a function's address never matches a pointer parameter.  Same length."""
+    space, so that a function's address never matches a pointer parameter.  Function pointer
+    types named by typedef / using become references too (a pointer used at run time is an
+    error either way: analysis.py).  Same length."""
     out = list(text)
     for m in _TEMPLATE.finditer(masked):
         close = _match_angle(masked, m.end() - 1)
         for f in _FUNCTION_POINTER_PARAM.finditer(masked, m.end(), max(close, m.end())):
             out[f.start(1)] = "&"
+    for m in _FUNCTION_POINTER_TYPE.finditer(masked):  # such a parameter's type through a typedef / alias
+        out[m.start(1) if m.group(1) else m.start(2)] = "&"
     return "".join(out)
 
 
