@@ -352,3 +352,15 @@ template [[host_name("k_twice")]] kernel void k<twice>(device float*);
     with pytest.raises(emulator.CompileError) as ei:
         emulator.compile_shader(bad, name="op_types_bad.metal")
     assert (ei.value.rule, ei.value.line) == ("function-pointers", 5)
+
+
+def test_void_buffer_parameters():
+    """`device const void* src` (a byte buffer the kernel casts itself) binds like any buffer."""
+    src = HEADER + """
+kernel void k(device const void* src [[buffer(0)]], device void* dst [[buffer(1)]], uint i [[thread_position_in_grid]]) {
+  ((device float*)dst)[i] = ((device const float*)src)[i] * 2.0f;
+}
+"""
+    x, y = torch.arange(4.0), torch.zeros(4)
+    emulator.compile_shader(src, name="void_buffers.metal").k(x, y, grid=4, threadgroup=4)
+    assert y.tolist() == [0, 2, 4, 6]

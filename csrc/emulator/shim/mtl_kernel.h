@@ -57,7 +57,8 @@ MtlParamInfo param_info() {
   r.is_pointer = __is_pointer(P);
   r.is_reference = __is_reference(P);
   r.type_code = type_code<Q>();
-  r.size = (int)sizeof(Q);
+  if constexpr (__is_void(Q)) r.size = 1;  // device const void* (a byte buffer)
+  else r.size = (int)sizeof(Q);
   r.is_const = __is_const(Q) || in_constant<metal::remove_pointer_t<metal::remove_reference_t<P>>>;
   return r;
 }
