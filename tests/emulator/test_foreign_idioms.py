@@ -364,3 +364,19 @@ kernel void k(device const void* src [[buffer(0)]], device void* dst [[buffer(1)
     x, y = torch.arange(4.0), torch.zeros(4)
     emulator.compile_shader(src, name="void_buffers.metal").k(x, y, grid=4, threadgroup=4)
     assert y.tolist() == [0, 2, 4, 6]
+
+
+def test_const_constant_array_as_non_const_pointer_is_a_named_limitation():
+    """`constexpr constant float table[4]` passed as `constant float*`: Metal allows it (constant
+    memory is read-only), C++ for OpenCL does not; the error names the limitation and the
+    spelling that works."""
+    src = HEADER + """constexpr constant float table[4] = {1, 2, 3, 4};
+static inline float pick(constant PTR t, int i) { return t[i]; }
+kernel void k(device float* o [[buffer(0)]]) { o[0] = pick(table, 2); }
+"""
+    with pytest.raises(emulator.CompileError, match="emulator limitation: a const object in constant memory") as ei:
+        emulator.compile_shader(src.replace("PTR", "float*"), name="table.metal")
+    assert (ei.value.rule, ei.value.line) == ("constant-const", 5)
+    out = torch.zeros(1)
+    emulator.compile_shader(src.replace("PTR", "const float*"), name="table.metal").k(out, grid=1, threadgroup=1)
+    assert out.item() == 3.0

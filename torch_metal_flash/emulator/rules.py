@@ -90,7 +90,8 @@ RULES = [
 
 def explanations(rule: str) -> set:
     """The texts a CompileError of a rule starts with (after file:line)."""
-    special = {"recursion": RECURSION, "function-constant": FUNCTION_CONSTANTS, "vector-cast": VECTOR_CAST}
+    special = {"recursion": RECURSION, "function-constant": FUNCTION_CONSTANTS, "vector-cast": VECTOR_CAST,
+               "constant-const": CONSTANT_CONST}
     return {text for r, _, text in RULES if r == rule} | ({special[rule]} if rule in special else set())
 
 
@@ -144,12 +145,23 @@ def _breaks_thread_rules(d: Diagnostic) -> bool:
                           r"cannot bind|assigning to", d.text))
 
 
+# `constexpr constant float table[16]` passed as `constant float*`: Metal's constant pointers
+# are read-only anyway, C++ for OpenCL keeps const apart
+_CONST_CONSTANT = re.compile(r"no known conversion from '(?:const __constant|__constant const) [^']*' to "
+                             r"'__constant (?!const)[^']*\*")
+CONSTANT_CONST = ("emulator limitation: a const object in constant memory (e.g. a constexpr constant array) passed "
+                  "as a `constant T*` / `constant T&` without const: Metal allows it, C++ for OpenCL does not; "
+                  "spell the parameter `constant const T*`")
+
+
 def rule_of(d: Diagnostic, constants: set = frozenset()) -> tuple:
     """(rule id, explanation) of an error."""
     if constants and _CONSTANT_EXPRESSION.search(d.text):
         names = set(re.findall(r"[A-Za-z_]\w*", d.text))
         if names & constants:
             return "function-constant", FUNCTION_CONSTANTS
+    if _CONST_CONSTANT.search(d.text):
+        return "constant-const", CONSTANT_CONST
     if d.message.startswith("no matching") and re.search(r"address space '__\w+'", d.text):
         return "address-space", ADDRESS_SPACES  # every candidate needs another address space
     for rule, pattern, text in RULES:
