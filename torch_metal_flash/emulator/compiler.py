@@ -172,15 +172,16 @@ MATH_FLAGS = {"fast": ["-ffast-math"], "relaxed": ["-ffast-math", "-fno-finite-m
 OPENCL = ["-x", "clcpp", "-cl-std=clc++2021", "-cl-no-stdinc", "-nostdinc"]
 # Warnings that flag code whose behaviour on the GPU is undefined are errors.
 ERROR_WARNINGS = ["return-type", "uninitialized", "array-bounds", "division-by-zero", "return-stack-address"]
-# Function pointers parse (a function as a template argument is valid Metal); a pointer used at run
-# time is found in the IR (analysis.py).
-_NO_GLOBALS = "-__opencl_c_program_scope_global_variables,-__opencl_c_device_enqueue,-cl_khr_fp64,-__opencl_c_fp64," \
+# The rules passes: no program-scope globals, device enqueue or fp64 (clang reports them); function
+# pointers parse (a function as a template argument is valid Metal; one used at run time is found
+# in the IR, analysis.py).
+_PASS_EXTENSIONS = "-__opencl_c_program_scope_global_variables,-__opencl_c_device_enqueue,-cl_khr_fp64,-__opencl_c_fp64," \
               "+__cl_clang_function_pointers"
 RULES_FLAGS = OPENCL + ["-fsyntax-only", "-D__MTL_RULES__", "-ferror-limit=0", "-fdiagnostics-print-source-range-info",
-                        "-Xclang", "-cl-ext=" + _NO_GLOBALS] + \
+                        "-Xclang", "-cl-ext=" + _PASS_EXTENSIONS] + \
     [f"-Werror={w}" for w in ERROR_WARNINGS]
 THIS_FLAGS = OPENCL + ["-fsyntax-only", "-D__MTL_RULES__", "-D__MTL_RULES_THIS__", "-ferror-limit=0", "-w", "-Xclang",
-                       "-cl-ext=-__opencl_c_generic_address_space,-__opencl_c_pipes," + _NO_GLOBALS]
+                       "-cl-ext=-__opencl_c_generic_address_space,-__opencl_c_pipes," + _PASS_EXTENSIONS]
 # No fp64 in the build either: an unsuffixed literal is a float, as in Metal and the rules pass
 # (`0.5 * x` computes in float, and `0.5 * v` with a float4 v is valid).
 BUILD_FLAGS = OPENCL + ["-Xclang", "-cl-ext=+__cl_clang_function_pointers,-cl_khr_fp64,-__opencl_c_fp64",
