@@ -329,7 +329,7 @@ def launch(fn: KernelFunction, args, *, grid, threadgroup, threadgroup_memory, o
         if build.pre.constants:
             n = len(build.pre.constants)
             iv = (ctypes.c_long * n)()
-            dv = (ctypes.c_double * n)()
+            dv = (ctypes.c_float * n)()  # Metal has no double: float (half) constants
             df = (ctypes.c_int * n)()
             for i, fc in enumerate(build.pre.constants):
                 v = fc_values.get(fc.index)
