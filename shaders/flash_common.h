@@ -261,11 +261,28 @@ enum MaskKind : int {
   kMaskBF16 = 4,
 };
 
-// lse = m + ln(l) of a row, or +inf when it saw nothing (l == 0).  The
+// exp(d) of a shifted score d = s - m <= 0: 0 below -1000 (the floor also keeps
+// d * log2e finite for d near -FLT_MAX).  The floor is a compare-select, not max():
+// max() returns the other operand of a NaN, and a NaN score must make its row NaN,
+// as in torch's SDPA (in the relaxed and safe math modes; fast math assumes no NaN).
+inline float exp_shifted(float d) {
+  return exp2((d < -1000.0f ? -1000.0f : d) * kLog2e);
+}
+
+// Whether a row (or split) with softmax sum l saw a key.  l >= 0 for numbers; a
+// NaN score makes l NaN, and that row must come out NaN, as in torch's SDPA (in the
+// relaxed and safe math modes): so l != 0, never l > 0.  The epilogues of the
+// forward and decode kernels and the split combine all decide through this.
+inline bool saw_keys(float l) { return l != 0.0f; }
+
+// The epilogue's 1 / l: O / l of a row, 0 for a row that saw nothing (its O is 0).
+inline float inv_row_sum(float l) { return saw_keys(l) ? 1.0f / l : 0.0f; }
+
+// lse = m + ln(l) of a row, or +inf when it saw nothing; NaN when l is.  The
 // infinity is stored as bits through an integer select: under fast math a
 // floating-point select that yields inf may be assumed not to.
 inline void store_lse(device float* dst, float m, float l) {
-  const uint bits = l > 0.0f ? as_type<uint>(m + log2(l) * kLn2) : 0x7f800000u;
+  const uint bits = saw_keys(l) ? as_type<uint>(m + log2(l) * kLn2) : 0x7f800000u;
   *reinterpret_cast<device uint*>(dst) = bits;
 }
 

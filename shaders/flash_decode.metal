@@ -16,7 +16,7 @@
 //   q element and of lse, which shows at large scores).
 //   num_splits == 1 (use_splits false): writes out / lse directly.
 //   Otherwise: writes a partial per (row, split): unnormalised O (float, only
-//   when the split saw something, l > 0) and (m, l).  A sink is one extra
+//   when the split saw something, flash::saw_keys) and (m, l).  A sink is one extra
 //   logit with no value: split 0 starts its rows at m = sink, l = 1.
 //   Query rows of a threadgroup whose band misses a tile skip its multiplies.
 //
@@ -30,7 +30,7 @@
 //
 // flash_decode_combine_<dtype>
 //   Grid: ceil(batch * heads * seqlen_q / 8) threadgroups of 8 simdgroups, one
-//   simdgroup per (b, h, i) row.  Merges the partials of a row with log-sum-exp weights; reads O only of splits with l > 0.
+//   simdgroup per (b, h, i) row.  Merges the partials of a row with log-sum-exp weights; reads O only of splits that saw keys.
 //
 // Per batch row b the keys are the cache positions [start_b, end_b) of
 // kvcache_index.h: end_b = cache_seqlens[b] (or seqlen_fixed) + seqlen_new,
@@ -356,15 +356,12 @@ template <typename TQ, typename TK, int BD, int BK>
       }
       mx = flash::row_max(mx);
       const float m_new = max(m_i, mx);
-      // exp(d) for d = s - m_new <= 0; below -1000 it is 0 in float, and the
-      // clamp keeps d * log2e finite for d near -FLT_MAX.
-      const float factor = exp2(max(m_i - m_new, -1000.0f) * flash::kLog2e);
+      const float factor = flash::exp_shifted(m_i - m_new);
       float rs = 0.0f;
       for (int kk = 0; kk < NK; ++kk) {
-        const float d0 = max(S[kk].thread_elements()[0] - m_new, -1000.0f);
-        const float d1 = max(S[kk].thread_elements()[1] - m_new, -1000.0f);
-        const float p0 = (hidden >> (2 * kk)) & 1u ? 0.0f : exp2(d0 * flash::kLog2e);
-        const float p1 = (hidden >> (2 * kk + 1)) & 1u ? 0.0f : exp2(d1 * flash::kLog2e);
+        const float p0 = (hidden >> (2 * kk)) & 1u ? 0.0f : flash::exp_shifted(S[kk].thread_elements()[0] - m_new);
+        const float p1 =
+            (hidden >> (2 * kk + 1)) & 1u ? 0.0f : flash::exp_shifted(S[kk].thread_elements()[1] - m_new);
         S[kk].thread_elements()[0] = p0;
         S[kk].thread_elements()[1] = p1;
         rs += p0 + p1;
@@ -387,7 +384,7 @@ template <typename TQ, typename TK, int BD, int BK>
   if (!row_ok) return;
   const long row_id = (long(b) * P.heads + h) * long(Lq) + i;  // (b, h, i) in lse order
   if (!use_splits) {
-    const float inv_l = l_i > 0.0f ? 1.0f / l_i : 0.0f;
+    const float inv_l = flash::inv_row_sum(l_i);
     const long o_off = long(b) * P.o_stride_b + long(h) * P.o_stride_h + long(i) * P.o_stride_l;
     for (int dd = 0; dd < NF; ++dd) {
       const int c = dd * 8 + fc.col;
@@ -399,7 +396,7 @@ template <typename TQ, typename TK, int BD, int BK>
     }
   } else {
     const long prow = row_id * P.num_splits + split;
-    if (l_i > 0.0f) {  // the combine reads O only of splits that saw a key
+    if (flash::saw_keys(l_i)) {  // the combine reads O only of splits that saw a key
       for (int dd = 0; dd < NF; ++dd) {
         const int c = dd * 8 + fc.col;
         if (c < D) part_o[prow * D + c] = Of[dd].thread_elements()[0];
@@ -447,7 +444,7 @@ template <typename T>
 
   float m[kMaxSplitChunks];
   float l[kMaxSplitChunks];
-  float mx = -FLT_MAX;  // the max over splits that saw something (l > 0), whose m is finite
+  float mx = -FLT_MAX;  // the max over splits that saw something (flash::saw_keys), whose m is finite
   for (int c = 0; c < kMaxSplitChunks; ++c) {
     const int s = c * 32 + int(lane);
     m[c] = 0.0f;
@@ -455,14 +452,14 @@ template <typename T>
     if (s < S) {
       m[c] = part_ml[(base + s) * 2];
       l[c] = part_ml[(base + s) * 2 + 1];
-      if (l[c] > 0.0f) mx = max(mx, m[c]);
+      if (flash::saw_keys(l[c])) mx = max(mx, m[c]);
     }
   }
   mx = simd_max(mx);
   float w[kMaxSplitChunks];
   float lsum = 0.0f;
   for (int c = 0; c < kMaxSplitChunks; ++c) {
-    w[c] = l[c] > 0.0f ? exp2((m[c] - mx) * flash::kLog2e) : 0.0f;
+    w[c] = flash::saw_keys(l[c]) ? flash::exp_shifted(m[c] - mx) : 0.0f;
     lsum += w[c] * l[c];
   }
   lsum = simd_sum(lsum);
@@ -479,7 +476,7 @@ template <typename T>
       }
     }
   }
-  const float inv = lsum > 0.0f ? 1.0f / lsum : 0.0f;
+  const float inv = flash::inv_row_sum(lsum);
   const long o_off = long(b) * P.o_stride_b + long(h) * P.o_stride_h + long(i) * P.o_stride_l;
   for (int c = 0; c < kMaxDimChunks; ++c) {
     const int d = c * 32 + int(lane);

@@ -286,15 +286,11 @@ template <typename T, int BD, int BQ, int BK, bool KVS>
       }
       mx = flash::row_max(mx);
       const float m_new = max(m_i, mx);
-      // exp(d) for d = s - m_new <= 0; below -1000 it is 0 in float, and the
-      // clamp keeps d * log2e finite for d near -FLT_MAX.
-      const float factor = exp2(max(m_i - m_new, -1000.0f) * flash::kLog2e);
+      const float factor = flash::exp_shifted(m_i - m_new);
       float rs = 0.0f;
       for (int kk = 0; kk < NK; ++kk) {
-        const float d0 = max(S[kk].thread_elements()[0] - m_new, -1000.0f);
-        const float d1 = max(S[kk].thread_elements()[1] - m_new, -1000.0f);
-        float p0 = (hidden >> (2 * kk)) & 1u ? 0.0f : exp2(d0 * flash::kLog2e);
-        float p1 = (hidden >> (2 * kk + 1)) & 1u ? 0.0f : exp2(d1 * flash::kLog2e);
+        float p0 = (hidden >> (2 * kk)) & 1u ? 0.0f : flash::exp_shifted(S[kk].thread_elements()[0] - m_new);
+        float p1 = (hidden >> (2 * kk + 1)) & 1u ? 0.0f : flash::exp_shifted(S[kk].thread_elements()[1] - m_new);
         rs += p0 + p1;  // the softmax sums every probability, dropped or not
         if (has_dropout) {
           bool keep0, keep1;
@@ -333,9 +329,9 @@ template <typename T, int BD, int BQ, int BK, bool KVS>
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
 
-  // Epilogue: O / l (and 1 / (1 - p) with dropout) in the caller's layout,
-  // lse = m + ln(l) (+inf when empty).
-  const float out_scale = (l_i > 0.0f ? 1.0f / l_i : 0.0f) * (has_dropout ? p.dropout_scale : 1.0f);
+  // Epilogue: O / l (and 1 / (1 - p) with dropout) in the caller's layout, lse = m + ln(l)
+  // (+inf when empty, NaN when a score was: flash::saw_keys).
+  const float out_scale = flash::inv_row_sum(l_i) * (has_dropout ? p.dropout_scale : 1.0f);
   device T* orow = o + long(sq.bt) * p.o_stride_b + long(h) * p.o_stride_h + long(sq.q0 + i) * p.o_stride_l;
   for (int dd = 0; dd < NF; ++dd) {
     flash::store_frag_rows(Of[dd], orow + dd * 8, row_ok, p.head_dim_v - dd * 8, fc, out_scale);
@@ -354,7 +350,7 @@ template <typename T, int BD, int BQ, int BK, bool KVS>
     const int pitch = kAuxOut ? 2 + p.head_dim_v : 2;
     device float* arow = aux + stat_row * pitch;
     if (fc.col == 0 && row_ok) {
-      arow[0] = l_i > 0.0f ? m_i : 0.0f;  // a row that saw nothing: any finite max
+      arow[0] = flash::saw_keys(l_i) ? m_i : 0.0f;  // a row that saw nothing: any finite max
       arow[1] = l_i;
     }
     if (kAuxOut) {
@@ -386,7 +382,7 @@ template <typename T, int BD, int BQ, int BK, bool KVS>
           if (!p_row || j >= p.max_seqlen_k) continue;
           float x = 0.0f;
           if (row_ok && !((hidden >> (2 * kk + e)) & 1u)) {
-            x = exp2(max(S[kk].thread_elements()[e] - m_i, -1000.0f) * flash::kLog2e);
+            x = flash::exp_shifted(S[kk].thread_elements()[e] - m_i);
             if (has_dropout) x = flash::dropped_sign(x, drop.keep(i, j));
           }
           prow[j] = T(x);

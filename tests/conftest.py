@@ -15,15 +15,43 @@
 * Every op call goes through the C++ op core (loaded, and built if needed, at
   session start) with the plan cache in verify mode: each cache hit re-plans
   and fails if the cached template differs (an incomplete cache key).
+* Hypothesis profiles of the property tests (tests/test_fuzz.py): "ci" (default)
+  and "long"; after a long run the summary goes to bench/results/fuzz.md.
 """
 from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
 import tempfile
+import time
 import zlib
 
 import pytest
+from hypothesis import HealthCheck, settings
+
+# Property-based tests (tests/test_fuzz.py).  "ci": bounded and derandomized (the same
+# cases on every run and machine, no example database); "long": the shakedown run,
+# ``pytest -m fuzz --hypothesis-profile=long`` (>= 10,000 cases over the faces).
+_FUZZ = dict(deadline=None, print_blob=True,
+             suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
+settings.register_profile("ci", max_examples=40, derandomize=True, database=None, **_FUZZ)
+settings.register_profile("long", max_examples=1120, **_FUZZ)
+settings.load_profile(os.environ.get("TORCH_METAL_FLASH_HYPOTHESIS_PROFILE", "ci"))
+_SESSION_START = time.time()
+
+
+def _commit() -> str:
+    """The checkout's commit (for the fuzz summary), taken when the session starts."""
+    try:
+        return subprocess.run(["git", "-C", os.path.dirname(__file__), "describe", "--always", "--dirty"],
+                              capture_output=True, text=True).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown (no git)"
+
+
+_SESSION_COMMIT = _commit()
 
 _INDUCTOR_CACHE = tempfile.TemporaryDirectory(prefix="tmf-tests-inductor-")  # removed at exit
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", _INDUCTOR_CACHE.name)
@@ -80,8 +108,33 @@ def pytest_runtest_makereport(item, call):
 
 
 def pytest_terminal_summary(terminalreporter):
+    _write_fuzz_summary(terminalreporter)
     from torch_metal_flash import emulator
     seconds = emulator.compile_seconds()
     if seconds:
         terminalreporter.write_sep("-", f"{seconds:.1f} s compiling emulator kernels and the C++ op core "
                                         f"(this session)")
+
+
+def _write_fuzz_summary(terminalreporter) -> None:
+    """After a run of the long profile, record its summary in bench/results/fuzz.md."""
+    fuzz = sys.modules.get("test_fuzz")
+    if settings._current_profile != "long" or fuzz is None or not fuzz.STATS:
+        return
+    stats = fuzz.STATS
+    cases = sum(s["cases"] for s in stats.values())
+    failed_tests = len(terminalreporter.stats.get("failed", []))
+    root = os.path.join(os.path.dirname(__file__), "..")
+    lines = ["# Property-based fuzz run (long profile)", "",
+             "Command: `python -m pytest tests/test_fuzz.py -m fuzz --hypothesis-profile=long -q`", "",
+             f"- commit: {_SESSION_COMMIT} (at the start); {os.cpu_count()} cores, torch {torch.__version__}, "
+             f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}",
+             f"- cases: {cases} over {len(stats)} faces (a case that fails counts its shrinking replays too)",
+             f"- failing cases: {sum(s['failed'] for s in stats.values())} (failed tests: {failed_tests})",
+             f"- time: {time.time() - _SESSION_START:.0f} s wall-clock", "",
+             "| face | cases | failing cases | seconds |", "|---|---|---|---|"]
+    lines += [f"| {face} | {s['cases']} | {s['failed']} | {s['seconds']:.0f} |" for face, s in stats.items()]
+    out = os.path.join(root, "bench", "results", "fuzz.md")
+    with open(out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    terminalreporter.write_sep("-", f"fuzz summary written to {os.path.normpath(out)}")

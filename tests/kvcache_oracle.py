@@ -167,3 +167,17 @@ def row_problems(q, k_cache, v_cache, dtype, **kw):
                                vis, None if slopes is None else slopes.to(torch.float64)[None],
                                scale=_scale(q, **kw), diag_offset=Lk - Lq, softcap=kw.get("softcap", 0.0)))
     return specs
+
+
+def budget(q, k_cache, v_cache, dtype, **kw):
+    """(plain out, plain lse, magnitude of out, magnitude of lse) of the rule of
+    ``torch_metal_flash.testing`` for a call: each batch row's problem (:func:`row_problems`)
+    as plain math in ``dtype`` (for float64: testing.Arith's plain float64), its magnitudes
+    from the same problem in float64."""
+    from torch_metal_flash.testing import plain_attention
+
+    rows = [(plain_attention(low, dtype, exact=False), plain_attention(exact, torch.float64).magnitude)
+            for low, exact in zip(row_problems(q, k_cache, v_cache, dtype, **kw),
+                                  row_problems(q, k_cache, v_cache, torch.float64, **kw))]
+    return (torch.cat([r.out for r, _ in rows]).transpose(1, 2), torch.cat([r.lse for r, _ in rows]),
+            torch.cat([m["out"] for _, m in rows]).transpose(1, 2), torch.cat([m["lse"] for _, m in rows]))

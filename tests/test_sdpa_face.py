@@ -1,6 +1,7 @@
 """torch_metal_flash.scaled_dot_product_attention against torch's own SDPA and
 the float64 oracle (reference backend; the kernel backends run the same tests
 through test_forward_kernels / test_mps)."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -121,3 +122,22 @@ def test_empty_inputs():
     assert torch.equal(out, torch.zeros(1, 2, 3, 8))
 
 
+@pytest.mark.parametrize("face", ["sdpa", "flash_attn_func", "varlen"])
+def test_dropout_runs_on_the_kernels_in_strict_mode(face):
+    """dropout_p > 0 runs in the kernels (issue 15; tests/test_dropout.py checks the numbers):
+    strict mode does not raise and run_counts counts the kernels; the reference backend counts
+    the reference path."""
+    q = torch.randn(1, 2, 8, 16)
+    packed, cu = q[0].transpose(0, 1), torch.tensor([0, 3, 8], dtype=torch.int32)
+    calls = {
+        "sdpa": lambda: tmf.scaled_dot_product_attention(q, q, q, dropout_p=0.25),
+        "flash_attn_func": lambda: tmf.flash_attn_func(q, q, q, dropout_p=0.25),
+        "varlen": lambda: tmf.flash_attn_varlen_func(packed, packed, packed, cu, cu, 5, 5, dropout_p=0.25),
+    }
+    tmf.run_counts(reset=True)
+    with tmf.backend("emulator", strict=True):
+        calls[face]()
+    assert tmf.run_counts(reset=True) == {"emulator": 1}
+    with tmf.backend("reference"):
+        calls[face]()
+    assert tmf.run_counts(reset=True) == {"reference": 1}

@@ -5,6 +5,7 @@ Faces: :func:`scaled_dot_product_attention` (torch semantics),
 ``torch.ops.metal_flash`` ops, and the integrations.  See the README.
 """
 from .backends import FallbackWarning, UnsupportedError, backend, run_counts, set_strict
+from .caches import cache_info, clear_caches
 from . import nn
 from .core import plan_cache_clear, plan_cache_info
 from .flash_attn_shim import install_flash_attn_shim, is_flash_attn_shim_installed, uninstall_flash_attn_shim
@@ -23,6 +24,8 @@ __all__ = [
     "QuantizedTensor",
     "UnsupportedError",
     "backend",
+    "cache_info",
+    "clear_caches",
     "disable_sdpa",
     "enable_sdpa",
     "flash_attn_func",

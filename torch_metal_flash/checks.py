@@ -7,9 +7,12 @@ signature skips them; a new signature runs them (raising as ever).
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Optional, Sequence
 
 import torch
+
+from . import caches
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -107,10 +110,39 @@ def sinks(s, heads: int, device: torch.device) -> Optional[torch.Tensor]:
     return s
 
 
+def _symbolic(value) -> bool:
+    """A torch.compile symbol: checked when the graph runs, not while tracing (no guards)."""
+    return isinstance(value, (torch.SymInt, torch.SymFloat))
+
+
 def softcap(value) -> float:
-    if not isinstance(value, (int, float)) or value < 0:
-        raise ValueError(f"softcap: expected a float >= 0 (0 = off), got {value!r}")
+    if _symbolic(value):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise ValueError(f"softcap: expected a finite float >= 0 (0 = off), got {value!r}")
     return float(value)
+
+
+def scale(name: str, value) -> float:
+    """A softmax scale: a finite number."""
+    if _symbolic(value):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name}: expected a finite float, got {value!r}")
+    return float(value)
+
+
+def head_dim(name: str, t: torch.Tensor) -> None:
+    if t.shape[-1] < 1:
+        raise ValueError(f"{name}: expected a head dim (last dim) >= 1, got shape {tuple(t.shape)}")
+
+
+def window_side(name: str, value) -> int:
+    if _symbolic(value):
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+        raise ValueError(f"{name}: expected an int >= 0 or -1 (unbounded), got {value!r}")
+    return value
 
 
 def signature(t) -> Any:
@@ -132,11 +164,14 @@ def scalar(x) -> tuple:
 
 
 class Memo:
-    """A face's check results per call signature (bounded; dropped when full)."""
+    """A face's check results per call signature, listed by
+    :func:`torch_metal_flash.cache_info` as ``name``.  Bounded, and emptied when full
+    rather than LRU: a hit is one dict lookup, no lock, on every call of the face."""
 
-    def __init__(self, size: int = 512):
+    def __init__(self, name: str, size: int = 512):
         self._results: dict = {}
         self._size = size
+        caches.register(name, lambda: {"size": len(self._results), "maxsize": self._size}, self._results.clear)
 
     def get(self, key) -> Any:
         try:

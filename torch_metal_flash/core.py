@@ -34,7 +34,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from . import backends
+from . import backends, caches
 from .plan import Plan, Unsupported
 
 __all__ = ["CoreOp", "register", "load", "loaded", "plan_cache_info", "plan_cache_clear", "configure_plan_cache",
@@ -213,6 +213,14 @@ def plan_cache_clear(*, reset_counters: bool = True) -> None:
         _ext.core.plan_cache_clear()
         if reset_counters:
             _ext.core.plan_cache_configure(reset_counters=True)
+
+
+def _plan_cache_entry() -> dict:
+    info = plan_cache_info()
+    return {**info, "maxsize": info["capacity"]}
+
+
+caches.register("plan", _plan_cache_entry, lambda: plan_cache_clear(reset_counters=False))
 
 
 def configure_plan_cache(capacity: Optional[int] = None, verify: Optional[bool] = None) -> None:

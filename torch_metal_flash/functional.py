@@ -79,6 +79,18 @@ def _as_4d(t: torch.Tensor) -> torch.Tensor:
     return t.reshape((-1,) + tuple(t.shape[-3:]))
 
 
+def mask_as_4d(attn_mask: torch.Tensor, mask_shape: tuple) -> torch.Tensor:
+    """An SDPA mask broadcasting to ``mask_shape`` (..., L, S) as the op takes it: 4-D, its
+    broadcast dims kept at size 1 rather than expanded.  The op's backward then sums the
+    mask gradient over them in float32 before rounding it to the mask's dtype; expanded
+    here, autograd would sum values already rounded one by one (a float16 (1,) mask's
+    gradient, exactly 0, came out 4e-3)."""
+    mask = attn_mask.reshape((1,) * (len(mask_shape) - attn_mask.dim()) + tuple(attn_mask.shape))
+    if mask.dim() > 4 and any(n != 1 for n in mask.shape[:-3]):  # batch dims merge: expand those only
+        mask = mask.expand(tuple(mask_shape[:-3]) + tuple(mask.shape[-3:]))
+    return _as_4d(mask)
+
+
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False):
     """Drop-in for :func:`torch.nn.functional.scaled_dot_product_attention` (torch 2.13 semantics).
@@ -102,13 +114,13 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     scale, window_right, dropout_p, mask_shape = checked
     if isinstance(key, QuantizedTensor):
         checks.inference_only("quantized key/value", (("query", query), ("attn_mask", attn_mask)))
-    mask = None if attn_mask is None else _as_4d(attn_mask.expand(mask_shape))
+    mask = None if attn_mask is None else mask_as_4d(attn_mask, mask_shape)
     out, _ = _attention(_as_4d(query), _as_4d(key), _as_4d(value), mask, None, None, scale, 0, -1, window_right, 0.0,
                         dropout_p)
     return out if query.dim() == 4 else out.reshape(tuple(query.shape[:-1]) + (value.shape[-1],))
 
 
-_SDPA_CHECKED = checks.Memo()
+_SDPA_CHECKED = checks.Memo("checks.sdpa")
 
 
 def _signature(make, *args):
@@ -136,6 +148,7 @@ def _sdpa_checks(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
             raise ValueError(f"{name}: expected at least 2 dims (..., L, E), got shape {tuple(t.shape)}")
         if isinstance(t, torch.Tensor):
             checks.last_dim_contiguous(name, t)
+        checks.head_dim(name, t)
     checks.kv_dtypes("query", query, ("key", "value"), key, value)
     checks.same(("query", "key", "value"), (query, key, value), "ndim")
     checks.dim_equal("key", key.shape[-1], query.shape[-1], "embedding size (last dim) equal to query's")
@@ -162,25 +175,30 @@ def _sdpa_checks(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
         checks.same(("query", "attn_mask"), (query, attn_mask), "device")
         mask_shape = tuple(query.shape[:-2]) + (L, S)
         checks.broadcastable("attn_mask", attn_mask, mask_shape)
-    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else checks.scale("scale", scale)
     return scale, 0 if is_causal else -1, dropout_p, mask_shape
 
 
-def _flash_checks(q, k, v):
-    checks.tensor("q", q, ndim=(4,))
+def _flash_checks(q, k, v, ndim=4) -> bool:
+    """flash-attn inputs: (batch, seqlen, heads, headdim), or (total, heads, headdim) for
+    varlen.  Returns whether k/v are quantized."""
+    checks.tensor("q", q, ndim=(ndim,))
     checks.float_dtype("q", q)
     for name, t in (("q", q), ("k", k), ("v", v)):
-        checks.kv_tensor(name, t, ndim=(4,))
+        checks.kv_tensor(name, t, ndim=(ndim,))
         if isinstance(t, torch.Tensor):
             checks.last_dim_contiguous(name, t)
-    checks.kv_dtypes("q", q, ("k", "v"), k, v)
-    checks.dim_equal("k", k.shape[0], q.shape[0], "batch size equal to q's")
-    checks.dim_equal("v", v.shape[0], q.shape[0], "batch size equal to q's")
-    checks.dim_equal("k", k.shape[3], q.shape[3], "head dim equal to q's")
-    checks.dim_equal("v", v.shape[3], q.shape[3], "head dim equal to q's")
-    checks.dim_equal("v", v.shape[1], k.shape[1], "seqlen equal to k's")
-    checks.dim_equal("v", v.shape[2], k.shape[2], "number of heads equal to k's")
-    checks.gqa_heads(q.shape[2], k.shape[2], "q", "k/v")
+        checks.head_dim(name, t)
+    quantized = checks.kv_dtypes("q", q, ("k", "v"), k, v)
+    if ndim == 4:
+        checks.dim_equal("k", k.shape[0], q.shape[0], "batch size equal to q's")
+        checks.dim_equal("v", v.shape[0], q.shape[0], "batch size equal to q's")
+    checks.dim_equal("k", k.shape[-1], q.shape[-1], "head dim equal to q's")
+    checks.dim_equal("v", v.shape[-1], q.shape[-1], "head dim equal to q's")
+    checks.dim_equal("v", v.shape[-3], k.shape[-3], "seqlen equal to k's")
+    checks.dim_equal("v", v.shape[-2], k.shape[-2], "number of heads equal to k's")
+    checks.gqa_heads(q.shape[-2], k.shape[-2], "q", "k/v")
+    return quantized
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -227,7 +245,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     return _flash_attn(q, k, v, alibi_slopes, return_attn_probs, *checked)
 
 
-_FLASH_CHECKED = checks.Memo()
+_FLASH_CHECKED = checks.Memo("checks.flash")
 
 
 def _flash_signature(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes):
@@ -245,7 +263,7 @@ def _flash_arguments(q, dropout_p, softmax_scale, causal, window_size, softcap, 
     softcap = checks.softcap(softcap)
     batch, seqlen_q, heads, head_dim = q.shape
     checks.alibi(alibi_slopes, batch, heads, q.device)
-    scale = head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scale = head_dim ** -0.5 if softmax_scale is None else checks.scale("softmax_scale", softmax_scale)
     return dropout_p, scale, left, right, softcap
 
 
@@ -309,16 +327,17 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     paged = block_table is not None
     checks.tensor("q", q, ndim=(3,))
     checks.float_dtype("q", q)
-    for name, t in (("k", k), ("v", v)):
-        checks.kv_tensor(name, t, ndim=(4,) if paged else (3,))
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if name != "q":
+            checks.kv_tensor(name, t, ndim=(4,) if paged else (3,))
         if isinstance(t, torch.Tensor):
             checks.last_dim_contiguous(name, t)
-    checks.last_dim_contiguous("q", q)
+        checks.head_dim(name, t)
     if checks.kv_dtypes("q", q, ("k", "v"), k, v):
         checks.inference_only("quantized k/v", (("q", q),))
     checks.dim_equal("k", k.shape[-1], q.shape[-1], "head dim equal to q's")
     checks.dim_equal("v", v.shape[-2], k.shape[-2], "number of heads equal to k's")
-    checks.dim_equal("v", v.shape[0], k.shape[0], "first dim equal to k's")
+    checks.dim_equal("v", v.shape[0], k.shape[0], "number of blocks equal to k's" if paged else "seqlen equal to k's")
     if paged:
         checks.dim_equal("v", v.shape[1], k.shape[1], "page size equal to k's")
         checks.inference_only("paged k/v (block_table)", (("q", q), ("k", k), ("v", v)))
@@ -340,7 +359,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     left, right = checks.window(window_size, causal=causal, seqlen_k=max_seqlen_k)
     softcap = checks.softcap(softcap)
     alibi_slopes = checks.alibi(alibi_slopes, batch, q.shape[1], q.device)
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else checks.scale("softmax_scale", softmax_scale)
     # (1, H, total, D) views of the packed tensors; paged caches as (num_blocks, Hkv, page, D)
     kv_view = (lambda t: t.transpose(1, 2)) if paged else (lambda t: t.transpose(0, 1).unsqueeze(0))
     varlen = Varlen(cu_q, cu_k, used, table, max_seqlen_q, max_seqlen_k)

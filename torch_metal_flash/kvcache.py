@@ -61,6 +61,7 @@ def _op_args(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
     checks.tensor("q", q, ndim=(4,))
     checks.float_dtype("q", q)
     checks.last_dim_contiguous("q", q)
+    checks.head_dim("q", q)
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         checks.kv_tensor(name, t, ndim=(4,))
         if isinstance(t, torch.Tensor) and t.shape[-1] > 1 and t.stride(-1) != 1:

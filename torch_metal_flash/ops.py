@@ -103,6 +103,47 @@ from .quant import from_flat
 from .spec import AttentionSpec, aux_width, make_spec, stats_dtype
 
 
+def check_args(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right,
+               softcap, cu_seqlens_q=None, block_table=None) -> None:
+    """Clear errors, naming the argument, for what the op cannot mean (the faces check
+    their own arguments first; this guards direct calls of the ops).  The ops' ``outputs``
+    functions run it: the C++ core calls them once per plan-cache key, on a miss (the
+    checks read only what the key holds: dtypes, devices, shapes, scalars), the reference
+    path and the fake kernels (torch.compile) on every call.  K/V may be quantized.
+    Varlen (``cu_seqlens_q``): ALiBi slopes per sequence; paged K/V (``block_table``): k's
+    first dim is the block pool (:func:`check_dropout_varlen` checks the rest)."""
+    checks.tensor("q", q, ndim=(4,))
+    checks.float_dtype("q", q)
+    checks.head_dim("q", q)
+    for name, t in (("k", k), ("v", v)):
+        checks.kv_tensor(name, t, ndim=(4,))
+        checks.head_dim(name, t)
+    checks.kv_dtypes("q", q, ("k", "v"), k, v)
+    B, H, Lq, D = q.shape
+    if (k.shape[0] != B and block_table is None) or k.shape[3] != D:
+        raise ValueError(f"k: expected shape ({B}, Hkv, Lk, {D}) (q's batch and head dim), got {tuple(k.shape)}")
+    if v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"v: expected shape ({', '.join(map(str, k.shape[:3]))}, Dv) like k's, got {tuple(v.shape)}")
+    checks.gqa_heads(H, k.shape[1], "q", "k/v")
+    if attn_mask is not None:
+        checks.tensor("attn_mask", attn_mask)
+        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+            raise TypeError(f"attn_mask: expected dtype bool or a float dtype, got {attn_mask.dtype}")
+        checks.same(("q", "attn_mask"), (q, attn_mask), "device")
+        checks.broadcastable("attn_mask", attn_mask, (B, H, Lq, k.shape[2]))
+    if alibi_slopes is not None:
+        checks.tensor("alibi_slopes", alibi_slopes)
+        checks.float_dtype("alibi_slopes", alibi_slopes)
+        checks.same(("q", "alibi_slopes"), (q, alibi_slopes), "device")
+        rows = B if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1  # varlen: one row per sequence
+        checks.broadcastable("alibi_slopes", alibi_slopes, (rows, H))
+    checks.sinks(sinks, H, q.device)
+    checks.scale("scale", scale)
+    checks.window_side("window_left", window_left)
+    checks.window_side("window_right", window_right)
+    checks.softcap(softcap)
+
+
 def _spec(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right,
           softcap, dropout_p=0.0, rng_state=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None,
           block_table=None, max_seqlen_q=0, max_seqlen_k=0) -> AttentionSpec:
@@ -212,6 +253,8 @@ def _fwd_buffers(q: Tensor, v: Tensor, return_aux: bool):
 def _fwd_outputs(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right, softcap,
                  return_aux, dropout_p=0.0, rng_state=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None,
                  block_table=None, max_seqlen_q=0, max_seqlen_k=0):
+    check_args(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right, softcap,
+               cu_seqlens_q, block_table)
     check_dropout_varlen(q, k, v, attn_mask, dropout_p, rng_state, cu_seqlens_q, cu_seqlens_k, seqused_k,
                          block_table, max_seqlen_q, max_seqlen_k)
     return _fwd_buffers(q, v, return_aux)
@@ -315,6 +358,8 @@ def _bwd_spec(args: tuple) -> AttentionSpec:
 def _bwd_outputs(dout, q, k, v, out, aux, dlse, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left,
                  window_right, softcap, compute_dbias, dropout_p=0.0, rng_state=None, cu_seqlens_q=None,
                  cu_seqlens_k=None, seqused_k=None, max_seqlen_q=0, max_seqlen_k=0):
+    check_args(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right, softcap,
+               cu_seqlens_q)
     want = (*q.shape[:3], aux_width(q.dtype, v.shape[-1]))
     if tuple(aux.shape) != want:
         raise ValueError(f"metal_flash.bwd: aux must be the forward's aux of shape {want} (fwd with "
@@ -425,9 +470,14 @@ def _probs_spec(args: tuple) -> AttentionSpec:
     return _spec(*args)
 
 
-def _probs_outputs(*args):
-    spec = _probs_spec(args)
-    return (spec.q.new_empty(planner.forward.probs_shape(spec)),)
+def _probs_outputs(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right, softcap,
+                   dropout_p=0.0, rng_state=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None,
+                   block_table=None, max_seqlen_q=0, max_seqlen_k=0):
+    args = (q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right, softcap)
+    check_args(*args, cu_seqlens_q, block_table)
+    spec = _spec(*args, dropout_p, rng_state, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q,
+                 max_seqlen_k)
+    return (q.new_empty(planner.forward.probs_shape(spec)),)
 
 
 def _probs_plan(backend, args: tuple, outputs: tuple):
@@ -532,16 +582,22 @@ fwd_kvcache.register_fake(_kvcache_outputs)
 # scales and biases, then the format (the schemas know no dtype type).
 # ---------------------------------------------------------------------------
 
-def _quantized_spec(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right, softcap,
-                    k_scales, k_biases, v_scales, v_biases, kv_bits, kv_group_size, kv_dtype) -> AttentionSpec:
-    return _spec(q, from_flat(k, k_scales, k_biases, kv_bits, kv_group_size, kv_dtype),
-                 from_flat(v, v_scales, v_biases, kv_bits, kv_group_size, kv_dtype), attn_mask, alibi_slopes, sinks,
-                 scale, diag_offset, window_left, window_right, softcap)
+def _quantized_args(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right, softcap,
+                    k_scales, k_biases, v_scales, v_biases, kv_bits, kv_group_size, kv_dtype) -> tuple:
+    """fwd's arguments, K/V as QuantizedTensors."""
+    return (q, from_flat(k, k_scales, k_biases, kv_bits, kv_group_size, kv_dtype),
+            from_flat(v, v_scales, v_biases, kv_bits, kv_group_size, kv_dtype), attn_mask, alibi_slopes, sinks,
+            scale, diag_offset, window_left, window_right, softcap)
+
+
+def _quantized_spec(*args) -> AttentionSpec:
+    return _spec(*_quantized_args(*args))
 
 
 def _quantized_outputs(*args):
-    spec = _quantized_spec(*args)
-    return _fwd_buffers(spec.q, spec.v, False)[:2]
+    plain = _quantized_args(*args)
+    check_args(*plain)
+    return _fwd_buffers(plain[0], plain[2], False)[:2]
 
 
 def _quantized_plan(backend, args: tuple, outputs: tuple):
@@ -552,8 +608,8 @@ def _quantized_plan(backend, args: tuple, outputs: tuple):
 
 
 def _quantized_reference(*args):
+    out, lse = _quantized_outputs(*args)
     spec = _quantized_spec(*args)
-    out, lse = _fwd_buffers(spec.q, spec.v, False)[:2]
     ref_out, ref_lse = reference.forward(dataclasses.replace(spec, k=spec.k.dequantize(), v=spec.v.dequantize()))
     out.copy_(ref_out)
     lse.copy_(ref_lse)

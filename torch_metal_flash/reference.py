@@ -87,7 +87,7 @@ class _Chunk:
         if sink is not None:
             self.sink_e = torch.exp(sink - row_max)
             total = total + self.sink_e
-        nonempty = total > 0
+        nonempty = total != 0  # a NaN row stays NaN (out and lse), as torch's SDPA does
         self.total = total
         self.p = torch.where(nonempty, e / total, 0.0)
         # lse = +inf marks a row with nothing visible (exp(s - lse) = 0 there).
@@ -106,7 +106,7 @@ class _Chunk:
         return x if self.drop is None else x * self.drop
 
     def sink_probs(self) -> torch.Tensor:
-        return torch.where(self.total > 0, self.sink_e / self.total, 0.0).squeeze(-1)
+        return torch.where(self.total != 0, self.sink_e / self.total, 0.0).squeeze(-1)
 
 
 def forward(spec: AttentionSpec, aux: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -59,7 +59,7 @@ from typing import Iterator, Optional
 import torch
 
 from . import backends, checks, ops
-from .functional import _as_4d, scaled_dot_product_attention
+from .functional import _as_4d, mask_as_4d, scaled_dot_product_attention
 
 __all__ = ["enable_sdpa", "disable_sdpa", "sdpa_override", "sdpa_stats", "reset_sdpa_stats", "is_sdpa_enabled"]
 
@@ -77,6 +77,7 @@ _cpu_modes: list = []  # the cpu= argument of each active enable, innermost last
 _stats_lock = threading.Lock()
 _stats = {"routed": 0, "original": 0, "traced_routed": 0, "traced_original": 0}
 _reasons: collections.Counter = collections.Counter()
+_MAX_REASONS = 256
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -235,7 +236,7 @@ def _why_not(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_g
     return _kernel_reason(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
-_CHECKED = checks.Memo()
+_CHECKED = checks.Memo("checks.override")
 
 
 def _argument_reason(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> Optional[str]:
@@ -294,7 +295,7 @@ def _kernel_reason(query, key, value, attn_mask, dropout_p, is_causal, scale, en
     q, k, v = _as_4d(query), _as_4d(key), _as_4d(value)
     mask = None
     if attn_mask is not None:
-        mask = _as_4d(attn_mask.expand(tuple(query.shape[:-2]) + (query.shape[-2], key.shape[-2])))
+        mask = mask_as_4d(attn_mask, tuple(query.shape[:-2]) + (query.shape[-2], key.shape[-2]))
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
     try:
         return ops.unsupported_reason(q, k, v, mask, None, None, scale, 0, -1, 0 if is_causal else -1, 0.0,
@@ -317,8 +318,8 @@ def _record(routed: bool, reason: Optional[str], query) -> None:
     key = ("traced_" if traced else "") + ("routed" if routed else "original")
     with _stats_lock:
         _stats[key] += 1
-        if reason is not None:
-            _reasons[reason] += 1
+        if reason is not None:  # distinct reasons are bounded (they may carry sizes)
+            _reasons[reason if reason in _reasons or len(_reasons) < _MAX_REASONS else "(other reasons)"] += 1
     if log.isEnabledFor(logging.DEBUG):
         where = "torch_metal_flash" if routed else f"torch original ({reason})"
         shape = tuple(query.shape) if isinstance(query, torch.Tensor) else None

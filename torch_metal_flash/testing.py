@@ -109,37 +109,47 @@ class Arith:
     one term after the other in float32 -- IEEE float32 additions, the same bits
     everywhere, unlike a BLAS -- or, for float16/bfloat16, exactly: there the
     output rounding dominates.  Transcendental functions are evaluated in
-    float64 and rounded."""
+    float64 and rounded.
 
-    def __init__(self, dtype: torch.dtype):
+    ``Arith(torch.float64)`` is the oracle (``exact``: float64 as torch computes
+    it).  ``Arith(torch.float64, exact=False)`` is plain math *for* float64
+    inputs (the reference path's results): reductions one term after the other
+    in float64.  The oracle's float64 BLAS calls would otherwise be the very
+    same ones, and the baseline's error 0 by luck."""
+
+    def __init__(self, dtype: torch.dtype, exact: Optional[bool] = None):
         self.dtype = dtype
-        self.exact = dtype == torch.float64
+        self.exact = dtype == torch.float64 if exact is None else exact
+        self.acc = torch.float64 if dtype == torch.float64 else torch.float32  # accumulation dtype
 
     def i(self, x: torch.Tensor) -> torch.Tensor:
-        return x if self.exact else x.to(torch.float32).to(torch.float64)
+        return x if self.acc == torch.float64 else x.to(torch.float32).to(torch.float64)
 
     def r(self, x: torch.Tensor) -> torch.Tensor:
-        return x if self.exact else x.to(torch.float32).to(self.dtype).to(torch.float64)
+        return x if self.acc == torch.float64 else x.to(torch.float32).to(self.dtype).to(torch.float64)
+
+    def _sequential(self) -> bool:
+        return not self.exact and self.dtype in (torch.float32, torch.float64)
 
     def mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """The output of a @ b, a (..., n, k), b (..., k, m)."""
-        if self.dtype != torch.float32:
+        if not self._sequential():
             return self.r(a @ b)
-        a32, b32 = a.to(torch.float32), b.to(torch.float32)
+        a_, b_ = a.to(self.acc), b.to(self.acc)
         acc = torch.zeros(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1]),
-                          dtype=torch.float32)
+                          dtype=self.acc)
         for t in range(a.shape[-1]):
-            acc = acc + a32[..., :, t:t + 1] * b32[..., t:t + 1, :]
+            acc = acc + a_[..., :, t:t + 1] * b_[..., t:t + 1, :]
         return acc.to(torch.float64)
 
     def isum(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        """A sum inside an operation (float32)."""
-        if self.dtype != torch.float32:
+        """A sum inside an operation (float32; float64 for float64)."""
+        if not self._sequential():
             return self.i(x.sum(dim))
-        x32 = x.to(torch.float32).movedim(dim, 0)
-        acc = torch.zeros(x32.shape[1:], dtype=torch.float32)
-        for t in range(x32.shape[0]):
-            acc = acc + x32[t]
+        x_ = x.to(self.acc).movedim(dim, 0)
+        acc = torch.zeros(x_.shape[1:], dtype=self.acc)
+        for t in range(x_.shape[0]):
+            acc = acc + x_[t]
         return acc.to(torch.float64)
 
     def sum(self, x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -176,16 +186,17 @@ def _inputs(spec: AttentionSpec):
 
 def plain_attention(spec: AttentionSpec, dtype: torch.dtype, dout: Optional[torch.Tensor] = None,
                     dlse: Optional[torch.Tensor] = None, compute_dbias: bool = False,
-                    keep: Optional[torch.Tensor] = None) -> Attention:
+                    keep: Optional[torch.Tensor] = None, exact: Optional[bool] = None) -> Attention:
     """Attention of ``spec`` (its inputs taken exactly) computed as plain math in
     ``dtype`` with :class:`Arith`: softmax(scores) @ V, and with ``dout`` the
     textbook gradients (autograd's softmax backward: dS = P (dP - rowsum(P dP))).
     ``dtype=torch.float64`` is the oracle, which also returns the magnitudes of
-    the rule.  With dropout (``spec.dropout``), ``keep`` (bool, broadcast to
+    the rule; ``exact=False`` with float64 gives the plain math for float64 inputs
+    (:class:`Arith`).  With dropout (``spec.dropout``), ``keep`` (bool, broadcast to
     (B, H, Lq, Lk)) is the mask to apply -- the kernel's own, recovered from its
     ``fwd_probs`` -- as torch's dropout does: P' = P * keep / (1 - p), one
     operation in ``dtype``, and its gradient through the same factor."""
-    A = Arith(dtype)
+    A = Arith(dtype, exact)
     drop = None
     if spec.dropout is not None:
         if keep is None:

@@ -55,6 +55,11 @@ constexpr size_t kTgLimit = 32 * 1024;        // Apple GPUs: 32 KiB per threadgr
 constexpr size_t kArenaBytes = 256 * 1024;    // room to detect overflows past the limit
 constexpr size_t kRedzone = 64;               // between threadgroup variables
 constexpr size_t kGuardBytes = 16u << 20;     // around each staged buffer
+// Regions larger than this are bound in place instead of staged: huge, sparsely
+// touched views (element offsets beyond 2^32 over lazily committed memory) must not
+// be copied.  Checked mode still checks every access exactly; fast mode has no guard
+// zones there, and writes reach the caller's memory even when the launch fails.
+constexpr size_t kDirectBytes = size_t(256) << 20;
 constexpr int kMaxTgVars = 256;
 constexpr int kSimd = 32;
 #if defined(__APPLE__)
@@ -83,6 +88,7 @@ struct Stamp { uint32_t iv; uint16_t th; uint16_t ep; };
 struct Shadow { Stamp w, r; void* wpc; void* rpc; };
 
 struct Region {          // a staging copy of one or more overlapping bindings
+  bool direct;             // bound in place (no copy, no guard zones): see kDirectBytes
   char* map; size_t map_len;
   char* data; size_t len;   // data = staging copy of host[0, len)
   char* host;
@@ -1019,19 +1025,25 @@ bool stage_buffers(Launch* L, size_t page) {
     R.host = (char*)lo;
     R.len = hi - lo;
     R.writable = writable;
+    R.direct = R.len > kDirectBytes;
     size_t mis = lo % 16;
     size_t body = (R.len + mis + 15) & ~(size_t)15;
     size_t body_pages = (body + page - 1) / page * page;
     R.map_len = body_pages;
     // Inaccessible guard zones on both sides turn overruns into faults even in fast mode.
-    size_t total = body_pages + 2 * kGuardBytes;
-    char* m = (char*)mmap(nullptr, total, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (m == MAP_FAILED) return false;
-    if (mprotect(m + kGuardBytes, body_pages, PROT_READ | PROT_WRITE) != 0) return false;
-    R.map = m + kGuardBytes;
-    // End the data right before the trailing guard page (keeping the alignment mod 16).
-    R.data = R.map + body_pages - body + mis;
-    memcpy(R.data, R.host, R.len);
+    if (R.direct) {
+      R.map = R.data = R.host;
+      R.map_len = R.len;
+    } else {
+      size_t total = body_pages + 2 * kGuardBytes;
+      char* m = (char*)mmap(nullptr, total, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+      if (m == MAP_FAILED) return false;
+      if (mprotect(m + kGuardBytes, body_pages, PROT_READ | PROT_WRITE) != 0) return false;
+      R.map = m + kGuardBytes;
+      // End the data right before the trailing guard page (keeping the alignment mod 16).
+      R.data = R.map + body_pages - body + mis;
+      memcpy(R.data, R.host, R.len);
+    }
     R.shadow = nullptr;
     if (L->checked) {
       R.shadow = (Shadow*)mmap(nullptr, R.len * sizeof(Shadow), PROT_READ | PROT_WRITE,
@@ -1056,8 +1068,10 @@ bool stage_buffers(Launch* L, size_t page) {
 
 void unstage_buffers(Launch* L, size_t page, bool copy_back) {
   for (Region& R : L->regions) {
-    if (copy_back && R.writable) memcpy(R.host, R.data, R.len);
-    munmap(R.map - kGuardBytes, R.map_len + 2 * kGuardBytes);
+    if (!R.direct) {
+      if (copy_back && R.writable) memcpy(R.host, R.data, R.len);
+      munmap(R.map - kGuardBytes, R.map_len + 2 * kGuardBytes);
+    }
     if (R.shadow) munmap(R.shadow, R.len * sizeof(Shadow));
   }
   L->regions.clear();

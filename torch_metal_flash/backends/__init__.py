@@ -26,6 +26,8 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
+from .. import caches
+
 BACKENDS = ("auto", "metal", "emulator", "reference")
 
 _choice: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("tmf_backend", default=None)
@@ -96,24 +98,27 @@ def set_strict(strict: bool) -> None:
 
 
 _runs: collections.Counter = collections.Counter()
+_runs_lock = threading.Lock()
 
 
 def record_run(name: str) -> None:
     """Count one op call executed by backend ``name``."""
-    _runs[name] += 1
+    with _runs_lock:
+        _runs[name] += 1
 
 
 def run_counts(reset: bool = False) -> dict[str, int]:
     """How many op calls each backend executed (``reference`` includes fallbacks)."""
     from .. import core
-    counts = collections.Counter(_runs)
-    if reset:
-        _runs.clear()
+    with _runs_lock:
+        counts = collections.Counter(_runs)
+        if reset:
+            _runs.clear()
     counts.update(core.run_counts(reset))  # plans the C++ core encoded
     return dict(counts)
 
 
-_warned: set[str] = set()
+_warned = caches.LRU("fallback_warnings", 1024)  # reasons already warned about
 _warned_lock = threading.Lock()
 
 

@@ -19,7 +19,8 @@ runs a :class:`~torch_metal_flash.plan.Plan` as it is (tests, benches).
 else 1024; threadgroup memory), so the planners check the same limits here.
 
 ``last_stats`` holds the :class:`~torch_metal_flash.emulator.LaunchStats` of
-the most recent plan, one per launch (bytes moved, MMA counts ...).
+the most recent plan the calling thread ran, one per launch (bytes moved, MMA
+counts ...).
 """
 from __future__ import annotations
 
@@ -28,7 +29,13 @@ import threading
 from .. import emulator
 from ..emulator import config
 from .._paths import shaders_dir
+from ..caches import LRU
 from ..plan import Plan
+
+
+# Shared by every instance (what they hold depends only on the key).
+_libraries = LRU("emulator.libraries", 256)
+_pipeline_infos = LRU("emulator.pipeline_info", 1024)
 
 
 class EmulatorBackend:
@@ -36,21 +43,21 @@ class EmulatorBackend:
     family = "apple8"  # the emulator plans with an M2's tile tables
 
     def __init__(self):
-        self._libs: dict = {}
-        self._lock = threading.Lock()
-        self._pipeline_info: dict = {}
-        self.last_stats: list = []
+        self._local = threading.local()
+
+    @property
+    def last_stats(self) -> list:
+        """Stats of the most recent plan this thread ran."""
+        return getattr(self._local, "stats", [])
 
     def library(self, source: str, function_constants: dict) -> "emulator.Library":
         math_mode = config.backend_math_mode()
         key = (source, tuple(sorted(function_constants.items())), math_mode)
-        with self._lock:
-            lib = self._libs.get(key)
+        lib = _libraries.get(key)
         if lib is None:
             lib = emulator.compile_shader(shaders_dir() / source, function_constants=dict(function_constants),
                                           math_mode=math_mode)
-            with self._lock:
-                self._libs[key] = lib
+            _libraries.put(key, lib)
         return lib
 
     def prepare(self, source: str, kernel: str, function_constants: dict, threadgroups, threadgroup,
@@ -62,7 +69,7 @@ class EmulatorBackend:
 
     def encode(self, launches) -> None:
         """Run ``[(prepared, {index: buffer})]`` in order."""
-        self.last_stats = [self.library(source, constants)[kernel](
+        self._local.stats = [self.library(source, constants)[kernel](
                                buffers=buffers, grid=grid, threadgroup=threadgroup,
                                threadgroup_memory=tg_memory or None)
                            for (source, kernel, constants, grid, threadgroup, tg_memory), buffers in launches]
@@ -71,10 +78,10 @@ class EmulatorBackend:
         """The kernel's limits (keys as ``_C.pipeline_info``), cached; builds its library
         first, as the Metal backend builds the pipeline."""
         key = (source, kernel, tuple(sorted(function_constants.items())))
-        info = self._pipeline_info.get(key)
+        info = _pipeline_infos.get(key)
         if info is None:
             info = dict(self.library(source, function_constants).pipeline_info(kernel))
-            self._pipeline_info[key] = info
+            _pipeline_infos.put(key, info)
         return info
 
     def run(self, plan: Plan) -> None:

@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 
 from .._paths import build_info, shaders_dir
+from ..caches import LRU
 from ..plan import Plan
 
 # Builds the extension against the torch that runs (no isolated build environment).
@@ -91,6 +92,9 @@ def unavailable_reason(device: Optional[torch.device] = None) -> Optional[str]:
     return None
 
 
+_pipeline_infos = LRU("metal.pipeline_info", 1024)  # the pipelines themselves stay in _C
+
+
 class MetalBackend:
     name = "metal"
 
@@ -98,15 +102,15 @@ class MetalBackend:
         self._C = _extension()
         self._C.set_shader_dir(str(shaders_dir()))
         self.family = self._C.gpu_family()  # selects the tile tables
-        self._pipeline_info: dict = {}
 
     def pipeline_info(self, source: str, kernel: str, function_constants: dict) -> dict:
         """The pipeline's limits (``_C.pipeline_info``: builds the pipeline once, then cached)."""
         constants = sorted(function_constants.items())
         key = (source, kernel, tuple(constants))
-        info = self._pipeline_info.get(key)
+        info = _pipeline_infos.get(key)
         if info is None:
-            info = self._pipeline_info[key] = dict(self._C.pipeline_info(source, kernel, constants))
+            info = dict(self._C.pipeline_info(source, kernel, constants))
+            _pipeline_infos.put(key, info)
         return info
 
     def run(self, plan: Plan) -> None:

@@ -2,6 +2,9 @@
 unit at -O0, before inlining hides anything):
 
 - recursion: a cycle in the call graph (MSL does not allow recursive calls);
+- function pointers: a function's address used as a value, or a call through a
+  pointer, in the kernel's code (a function as a template argument is a direct
+  call: Metal allows that);
 - vector casts the pre-pass could not rewrite: a bitcast between vectors of
   different element types in the kernel's code (clang's C-style cast of a
   vector reinterprets its bits, MSL converts each component);
@@ -21,7 +24,7 @@ _TG_KEY = re.compile(r"^@(_ZZ[\w.$]+?E\d+__mtl_tgk_\d+) = .*\[2 x i64\] \[i64 (\
 _MAX_THREADS = re.compile(r"^@__mtl_max_threads_(\d+) = .*constant i32 (-?\d+)", re.M)
 _ENTRY_ARG = re.compile(r"ptr (?:noundef )?@(_Z[\w.$]+)")
 _VEC_BITCAST = re.compile(r"= bitcast <(\d+) x (\w+)> .* to <(\d+) x (\w+)>")
-_SHIM = re.compile(r"[/\\]csrc[/\\]emulator[/\\]shim[/\\]")
+_SHIM = re.compile(r"(?:^|[/\\])csrc[/\\]emulator[/\\]shim[/\\]")  # debug info may name it relatively
 
 
 def _metadata(ir: str) -> dict:
@@ -76,6 +79,7 @@ def analyze_ir(ir: str) -> dict:
             if d:
                 first_call.setdefault((cur, callee), d.group(1))
     result = {"recursion": _find_cycle(calls, names, first_call, meta), "vector_cast": _vector_cast(ir, meta),
+              "function_pointer": _function_pointer(ir, meta, set(calls) | set(_DECLARE.findall(ir))),
               "kernels": {}}
     # Kernel entry points: __mtl_kernel_<i> passes the kernel function to __mtl::invoke.
     tg = {}
@@ -97,6 +101,30 @@ def analyze_ir(ir: str) -> dict:
         result["kernels"][str(i)] = {"static_threadgroup_memory_length": total,
                                      "max_total_threads_per_threadgroup": limits.get(i, 1024)}
     return result
+
+
+_DECLARE = re.compile(r"^declare [^@]*@(\"[^\"]+\"|[\w.$]+)\(", re.M)
+_FUNCTION_VALUE = re.compile(r"\bptr (?:noundef )?@(\"[^\"]+\"|[\w.$]+)")
+_INDIRECT_CALL = re.compile(r"\b(?:call|invoke)\b[^@(]*\s%[\w.$]+\(")
+
+
+def _function_pointer(ir: str, meta: dict, functions: set):
+    """The first use of a function pointer in code outside the shim and the glue: a function's
+    address as a value (stored, passed) or a call through a pointer."""
+    glue = False
+    for line in ir.splitlines():
+        m = _DEFINE.match(line)
+        if m:
+            glue = m.group(1).startswith(("__mtl", "_ZN5__mtl"))
+            continue
+        d = _DBG.search(line)
+        if glue or not d:
+            continue
+        if any(v in functions for v in _FUNCTION_VALUE.findall(line)) or _INDIRECT_CALL.search(line):
+            file, ln = _location(meta, d.group(1))
+            if not _SHIM.search(file):
+                return {"file": file, "line": ln}
+    return None
 
 
 def _vector_cast(ir: str, meta: dict):

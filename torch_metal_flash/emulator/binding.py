@@ -125,6 +125,13 @@ def bind_arguments(kname: str, kernel, infos, args, buffers: dict, gate_on):
             if needed:
                 raise LaunchError(f"{kname}: parameter '{p.name}' [[buffer({idx})]] is not bound (pass it as "
                                   f"positional argument {idx} or buffers={{{idx}: ...}})")
+            if any(q_info.is_reference for _, q_info in plist):
+                # A reference gated off: the GPU compiles it away with its function constant, but here
+                # the constant is a launch-time value and the optimiser may load through the reference
+                # (references are dereferenceable) before the `if` that guards its use.  Reads find zeros.
+                absent = ctypes.create_string_buffer(max(16, max(q_info.size for _, q_info in plist)))
+                keep.append(absent)
+                binds.append(rt.Binding(ctypes.addressof(absent), ctypes.sizeof(absent), idx, 0))
             continue
         if idx >= rt.MTL_MAX_BUFFERS:
             raise LaunchError(f"{kname}: buffer index {idx} is too large")

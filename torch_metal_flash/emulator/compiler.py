@@ -45,7 +45,7 @@ from typing import Optional
 from . import analysis, prepass, rules
 from .errors import CompileError, CompilerNotFoundError
 
-PREPASS_VERSION = "8"  # bump when the pre-pass, glue or pass flags change
+PREPASS_VERSION = "10"  # bump when the pre-pass, glue or pass flags change
 
 _compile_seconds = 0.0
 _compile_lock = threading.Lock()
@@ -172,13 +172,20 @@ MATH_FLAGS = {"fast": ["-ffast-math"], "relaxed": ["-ffast-math", "-fno-finite-m
 OPENCL = ["-x", "clcpp", "-cl-std=clc++2021", "-cl-no-stdinc", "-nostdinc"]
 # Warnings that flag code whose behaviour on the GPU is undefined are errors.
 ERROR_WARNINGS = ["return-type", "uninitialized", "array-bounds", "division-by-zero", "return-stack-address"]
-_NO_GLOBALS = "-__opencl_c_program_scope_global_variables,-__opencl_c_device_enqueue,-cl_khr_fp64,-__opencl_c_fp64"
+# The rules passes: no program-scope globals, device enqueue or fp64 (clang reports them); function
+# pointers parse (a function as a template argument is valid Metal; one used at run time is found
+# in the IR, analysis.py).
+_PASS_EXTENSIONS = "-__opencl_c_program_scope_global_variables,-__opencl_c_device_enqueue,-cl_khr_fp64,-__opencl_c_fp64," \
+              "+__cl_clang_function_pointers"
 RULES_FLAGS = OPENCL + ["-fsyntax-only", "-D__MTL_RULES__", "-ferror-limit=0", "-fdiagnostics-print-source-range-info",
-                        "-Xclang", "-cl-ext=" + _NO_GLOBALS] + \
+                        "-Xclang", "-cl-ext=" + _PASS_EXTENSIONS] + \
     [f"-Werror={w}" for w in ERROR_WARNINGS]
 THIS_FLAGS = OPENCL + ["-fsyntax-only", "-D__MTL_RULES__", "-D__MTL_RULES_THIS__", "-ferror-limit=0", "-w", "-Xclang",
-                       "-cl-ext=-__opencl_c_generic_address_space,-__opencl_c_pipes," + _NO_GLOBALS]
-BUILD_FLAGS = OPENCL + ["-Xclang", "-cl-ext=+__cl_clang_function_pointers", "-fno-convergent-functions", "-fPIC",
+                       "-cl-ext=-__opencl_c_generic_address_space,-__opencl_c_pipes," + _PASS_EXTENSIONS]
+# No fp64 in the build either: an unsuffixed literal is a float, as in Metal and the rules pass
+# (`0.5 * x` computes in float, and `0.5 * v` with a float4 v is valid).
+BUILD_FLAGS = OPENCL + ["-Xclang", "-cl-ext=+__cl_clang_function_pointers,-cl_khr_fp64,-__opencl_c_fp64",
+                        "-fno-convergent-functions", "-fPIC",
                         "-fno-strict-aliasing", "-fvisibility=hidden", "-gline-tables-only", "-w"]
 if platform.machine().lower() in ("x86_64", "amd64"):
     BUILD_FLAGS.append("-fstack-clash-protection")  # large frames probe the guard page below each fiber stack
@@ -367,6 +374,10 @@ def analyze(comp: Compiler, text: str, name: str) -> dict:
         r = result["recursion"]
         raise CompileError(f"{r['file']}:{r['line']}: {rules.RECURSION}\n{r['cycle']}", file=r["file"],
                            line=r["line"], rule="recursion")
+    if result.get("function_pointer"):
+        r = result["function_pointer"]
+        raise CompileError(f"{r['file']}:{r['line']}: {rules.FUNCTION_POINTERS}", file=r["file"], line=r["line"],
+                           rule="function-pointers")
     if result.get("vector_cast"):
         r = result["vector_cast"]
         raise CompileError(f"{r['file']}:{r['line']}: {rules.VECTOR_CAST}", file=r["file"], line=r["line"],

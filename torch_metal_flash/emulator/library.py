@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Optional, Union
 
+from ..caches import LRU
 from . import compiler, config, prepass, rules
 from .binding import bind_arguments
 from .compiler import find_compiler, preprocess
@@ -79,7 +80,9 @@ class _Build:
         self.pre = pre
         rt.runtime_library()
         self.dll = ctypes.CDLL(str(path))
-        self.lock = threading.Lock()  # function-constant globals are per library
+        # Function-constant globals are per loaded library, and loading one path twice (two
+        # threads building at once, or again after a cache eviction) gives the same one.
+        self.lock = _library_lock(path)
         self.entries = {}  # host name -> (entry address, param infos, Kernel)
         for i, k in enumerate(pre.built):
             fn = getattr(self.dll, f"__mtl_kernel_{i}")
@@ -92,10 +95,19 @@ class _Build:
         self.set_fcs.restype = None
 
 
+_library_locks: dict = {}
+_library_locks_guard = threading.Lock()
+
+
+def _library_lock(path: Path) -> threading.Lock:
+    with _library_locks_guard:
+        return _library_locks.setdefault(str(path), threading.Lock())
+
+
 # Process-wide caches: each pre-processed source is checked once and built once per mode.
-_pre_cache: dict = {}
-_check_cache: dict = {}
-_build_cache: dict = {}
+_pre_cache = LRU("emulator.sources", 64)
+_check_cache = LRU("emulator.checks", 64)
+_build_cache = LRU("emulator.builds", 64)
 _cache_lock = threading.Lock()
 
 
@@ -214,7 +226,7 @@ class Library:
                 parts = list(pool.map(build_chunk, chunks))
         builds = {name: b for b in parts for name in b.entries}
         with _cache_lock:
-            _build_cache[key] = builds
+            _build_cache.put(key, builds)
         return builds
 
 
@@ -317,7 +329,7 @@ def launch(fn: KernelFunction, args, *, grid, threadgroup, threadgroup_memory, o
         if build.pre.constants:
             n = len(build.pre.constants)
             iv = (ctypes.c_long * n)()
-            dv = (ctypes.c_double * n)()
+            dv = (ctypes.c_float * n)()  # Metal has no double: float (half) constants
             df = (ctypes.c_int * n)()
             for i, fc in enumerate(build.pre.constants):
                 v = fc_values.get(fc.index)
@@ -411,14 +423,14 @@ def compile_shader(source: Union[str, Path], *, include_dirs=(), defines=None, f
         pre = prepass.run(pre_text, default_file=name)
         cached = (pre_text, pre)
         with _cache_lock:
-            _pre_cache[key] = cached
+            _pre_cache.put(key, cached)
     pre_text, pre = cached
     with _cache_lock:
         checked = _check_cache.get(pre_text)
     if checked is None:
         checked = _Checked(name, pre_text, pre)
         with _cache_lock:
-            _check_cache[pre_text] = checked
+            _check_cache.put(pre_text, checked)
     fcs = {}
     by_name = {fc.name: fc.index for fc in pre.constants}
     types = {fc.index: fc.type for fc in pre.constants}

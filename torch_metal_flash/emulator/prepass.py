@@ -26,7 +26,9 @@ its built-in parameter types.
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
+import operator
 import re
 from typing import Optional
 
@@ -64,6 +66,10 @@ VEC_TYPES = ("bool", "char", "uchar", "short", "ushort", "int", "uint", "long", 
 _VEC_CTOR = re.compile(r"(?<![\w.>:])(?:metal\s*::\s*)?(?:packed_)?(" + "|".join(VEC_TYPES) + r")([234])\s*\(")
 _VEC_CAST = re.compile(r"\bstatic_cast\s*<\s*(?:metal\s*::\s*)?(?:packed_)?(" + "|".join(VEC_TYPES) + r")([234])\s*>\s*\(")
 _VEC_TMPL_CTOR = re.compile(r"(?<![\w.>:])(?:metal\s*::\s*)?vec\s*<")
+# `float4 acc = {0.f};`: fewer initialisers than lanes zero the rest in MSL (C++), an error in C++ for OpenCL
+_VEC_BRACE_INIT = re.compile(r"(?<![\w.>:])(?:metal\s*::\s*)?(?:packed_)?(" + "|".join(VEC_TYPES) +
+                             r")([234])\s+[A-Za-z_]\w*\s*=\s*(\{)")
+_NEXT_BRACE_INIT = re.compile(r"\s*,\s*[A-Za-z_]\w*\s*=\s*\{")
 _HALF_LIT = re.compile(r"(?<![\w.])((?:\d+\.\d*|\.\d+|\d+)(?:[eE][+-]?\d+)?)[hH](?![\w.])")
 _IDENT = re.compile(r"[A-Za-z_]\w*")
 _FC_DEFINED = re.compile(r"\bis_function_constant_defined\s*\(\s*(\w+)\s*\)")
@@ -171,13 +177,53 @@ def _list_opener(masked: str, i: int) -> int:
     return -1
 
 
+_EXPLICIT_SPECIALIZATION = re.compile(r"\btemplate\s*<\s*>")
+
+
+def _bool_lane_specializations(text: str) -> str:
+    """An explicit specialization of a function whose template arguments now name the bool
+    lane (``template <> bool cast_to<__Mb, float>(float v)``) spells its ``bool`` return
+    and parameter types ``__Mb`` too, so that it still specializes the template, and its
+    ``return``s convert to the lane as a bool converts (``return (__Mb)(...)``: the only
+    rewrite that changes lengths; lines stay)."""
+    masked = _mask(text)
+    edits = []
+    for m in _EXPLICIT_SPECIALIZATION.finditer(masked):
+        paren = masked.find("(", m.end())
+        head = masked[m.end():paren]
+        if paren < 0 or re.search(r"[;{}]", head) or not head.rstrip().endswith(">") or "__Mb" not in head:
+            continue  # not a function specialized for the bool lane
+        close = _match_close(masked, paren, "(", ")")
+        body = masked.find("{", close) if close > 0 else -1
+        if body < 0 or re.search(r"[;}]", masked[close:body]):
+            continue  # a declaration
+        body_end = _match_close(masked, body, "{", "}")
+        for b in re.finditer(r"\bbool\b", masked[m.end():close]):
+            edits.append((m.end() + b.start(), m.end() + b.end(), "__Mb"))
+        if re.search(r"\bbool\b", head[:head.find("<")]):
+            for r in re.finditer(r"\breturn\b", masked[body:body_end]):
+                expr, depth = body + r.end(), 0
+                for semi in range(expr, body_end):
+                    depth += masked[semi] in "([{"
+                    depth -= masked[semi] in ")]}"
+                    if depth == 0 and masked[semi] == ";":
+                        edits.append((expr, expr, " (__Mb)("))
+                        edits.append((semi, semi, ")"))
+                        break
+    out = text
+    for a, b, rep in sorted(edits, reverse=True):
+        out = out[:a] + rep + out[b:]
+    return out
+
+
 def bool_type_arguments(text: str) -> str:
     """``text`` with ``bool`` template type arguments spelled ``__Mb`` (the shim's one-byte
     bool lane), for a source that forms ``vec<bool, N>`` through a template (a
     matrix-fragment type instantiated with bool), which C++ for OpenCL cannot: it has no
     bool vectors.  Both sides of ``is_same<T, bool>`` change alike; an explicit
     instantiation with such an argument also gets ``__Mb`` for the ``bool`` of its
-    parameter list.  Same length, so every line and column stays where it was."""
+    parameter list, an explicit specialization for its signature.  Every line stays where
+    it was (and every column, outside such specializations' ``return``s)."""
     masked = _mask(text)
     out = list(text)
     for m in _BOOL_ARG.finditer(masked):
@@ -188,7 +234,7 @@ def bool_type_arguments(text: str) -> str:
     for m in _EXPLICIT_INSTANTIATION.finditer(_mask(rewritten)):
         if "__Mb" in m.group(0):
             out[m.start():m.end()] = re.sub(r"\bbool\b", "__Mb", rewritten[m.start():m.end()])
-    return "".join(out)
+    return _bool_lane_specializations("".join(out))
 
 
 def _match_close(s: str, i: int, open_c: str, close_c: str) -> int:
@@ -402,7 +448,8 @@ def _may_be_cast(masked: str, start: int) -> bool:
 def _rewrite_casts(text: str, masked: str) -> tuple:
     """MSL converts vectors in C-style and functional casts; clang reinterprets
     their bits.  (float4)x -> float4(x) (a vector constructor, below);
-    (T)x and T(x) with T a template type parameter -> __mtl::cast<T>(x)."""
+    (T)x and T(x) with T a template type parameter -> __mtl::cast<T>(x), T(x, y) ->
+    __mtl::construct<T>(x, y) (a vector constructor when T is a vector)."""
     edits = []  # (start, operand start, operand end, end, prefix, suffix)
     for m in _C_CAST_VEC.finditer(masked):
         end = _operand_end(masked, m.end())
@@ -424,13 +471,14 @@ def _rewrite_casts(text: str, masked: str) -> tuple:
                 if end > 0:
                     edits.append((m.start(), m.end(), end, end, f"__mtl::cast<{m.group(1)}>(", ")"))
                 continue
-            # T(x): one argument; not a declarator such as `T(x);` or `(T (&x)[N])`
+            # T(x), T(x, y): not a declarator such as `T(x);` or `(T (&x)[N])`
             close = _match_close(masked, m.end() - 1, "(", ")")
-            if close < 0 or not masked[m.end():close].strip() or len(_split_top(masked[m.end():close])) != 1 or \
+            if close < 0 or not masked[m.end():close].strip() or \
                     re.search(r"[;{}]\s*$", masked[max(0, m.start() - 4):m.start()]) or \
                     re.match(r"\s*[\[(]", masked[close + 1:close + 4]):
                 continue
-            edits.append((m.start(), m.end(), close, close + 1, f"__mtl::cast<{m.group(2)}>(", ")"))
+            helper = "cast" if len(_split_top(masked[m.end():close])) == 1 else "construct"  # T = float2: a vector
+            edits.append((m.start(), m.end(), close, close + 1, f"__mtl::{helper}<{m.group(2)}>(", ")"))
     edits.sort(key=lambda e: (e[0], -e[3]))
 
     def apply(src: str, lo: int, hi: int, k: int) -> tuple:
@@ -450,17 +498,22 @@ def _rewrite_casts(text: str, masked: str) -> tuple:
     return apply(text, 0, len(text), 0)[0], apply(masked, 0, len(masked), 0)[0]
 
 
+_CONVERSION_FUNCTION = re.compile(r"\boperator\s*$")
+
+
 def _rewrite_tokens(text: str, masked: str) -> tuple:
     """Vector constructors and half literals (no new lines, positions shift)."""
     out, mout, pos = [], [], 0
     matches = []
     for m in _VEC_CTOR.finditer(masked):
+        if _CONVERSION_FUNCTION.search(masked, max(0, m.start() - 12), m.start()):
+            continue  # operator float4(): a conversion function, not a constructor
         matches.append((m.start(), m.end(), f"__mtl::make_vec<{m.group(1)}, {m.group(2)}>("))
     for m in _VEC_CAST.finditer(masked):
         matches.append((m.start(), m.end(), f"__mtl::make_vec<{m.group(1)}, {m.group(2)}>("))
     for m in _VEC_TMPL_CTOR.finditer(masked):
         close = _match_angle(masked, m.end() - 1)
-        if close < 0:
+        if close < 0 or _CONVERSION_FUNCTION.search(masked, max(0, m.start() - 12), m.start()):
             continue
         after = masked[close + 1:]
         stripped = after.lstrip(" \t")
@@ -474,6 +527,18 @@ def _rewrite_tokens(text: str, masked: str) -> tuple:
         nn = text[m.end() + parts[1][0]:m.end() + parts[1][1]].strip()
         paren = close + 1 + (len(after) - len(stripped))
         matches.append((m.start(), paren + 1, f"__mtl::make_vec<{t}, {nn}>("))
+    for m in _VEC_BRACE_INIT.finditer(masked):
+        brace = m.start(3)
+        while brace >= 0:  # float4 a = {0.f}, b = {0.f};
+            close = _match_close(masked, brace, "{", "}")
+            if close < 0:
+                break
+            inside = masked[brace + 1:close]
+            if len([p for p in _split_top(inside) if inside[p[0]:p[1]].strip()]) < int(m.group(2)):
+                matches.append((brace, brace + 1, f"__mtl::brace_vec<{m.group(1)}, {m.group(2)}>("))
+                matches.append((close, close + 1, ")"))
+            more = _NEXT_BRACE_INIT.match(masked, close + 1)
+            brace = more.end() - 1 if more else -1
     for m in _HALF_LIT.finditer(masked):
         lit = m.group(1) + ("f" if re.search(r"[.eE]", m.group(1)) else "")  # a float literal, not a double one
         matches.append((m.start(), m.end(), f"((half){lit})"))
@@ -569,15 +634,61 @@ POSITION_BUILTINS = {"thread_position_in_grid", "thread_position_in_threadgroup"
                      "dispatch_threads_per_threadgroup", "grid_origin"}
 
 
+_FUNCTION_POINTER_PARAM = re.compile(r"\(\s*(\*)\s*[A-Za-z_]\w*\s*\)\s*\(")
+_FUNCTION_POINTER_TYPE = re.compile(r"\btypedef\b[^;{}()]*\(\s*(\*)\s*[A-Za-z_]\w*\s*\)\s*\(|"
+                                    r"\busing\s+[A-Za-z_]\w*\s*=[^;{}()]*\(\s*(\*)\s*\)\s*\(")
+
+
+def _function_template_params(text: str, masked: str) -> str:
+    """Template parameters that are function pointers (``template <void (*deq)(...)>``, a kernel
+    templated on its dequantiser) become references to functions (``void (&deq)(...)``): same
+    calls, same arguments, but C++ for OpenCL puts a pointer's pointee in the generic address
+    space, so that a function's address never matches a pointer parameter.  Function pointer
+    types named by typedef / using become references too (a pointer used at run time is an
+    error either way: analysis.py).  Same length."""
+    out = list(text)
+    for m in _TEMPLATE.finditer(masked):
+        close = _match_angle(masked, m.end() - 1)
+        for f in _FUNCTION_POINTER_PARAM.finditer(masked, m.end(), max(close, m.end())):
+            out[f.start(1)] = "&"
+    for m in _FUNCTION_POINTER_TYPE.finditer(masked):  # such a parameter's type through a typedef / alias
+        out[m.start(1) if m.group(1) else m.start(2)] = "&"
+    return "".join(out)
+
+
+# `#pragma unroll (MIN(DK8/2, 4*NSG))`: clang -E leaves pragma arguments unexpanded, so their
+# macros are gone by the time the pre-pass output is compiled; an unroll count is only a hint.
+_UNROLL_PRAGMA_WITH_NAMES = re.compile(r"^[ \t]*#[ \t]*pragma[ \t]+unroll\b[^\n]*[A-Za-z_][^\n]*$", re.M)
+
+
+_VIRTUAL = re.compile(r"\bvirtual\b")
+_SHIM_FILE = re.compile(r"(?:^|[/\\])csrc[/\\]emulator[/\\]shim[/\\]")
+
+
+def _reject_virtual(masked: str, lines: "_Lines") -> None:
+    """Virtual functions: C++ for OpenCL rejects them only without function pointers, which
+    the passes allow (a function as a template argument is valid Metal), so the keyword is
+    found here."""
+    for m in _VIRTUAL.finditer(masked):
+        if not _SHIM_FILE.search(lines.at(m.start())[0]):
+            file, line = lines.at(m.start())
+            raise CompileError(f"{file}:{line}: MSL restriction: virtual functions are not supported", file=file,
+                               line=line, rule="virtual")
+
+
 def run(text: str, *, default_file: str, only: Optional[set] = None) -> Result:
     """Rewrite preprocessed MSL.  `only`: host names to build (the other
     template instantiations are dropped, so a big file can be compiled in
     parallel pieces); the result still lists every kernel, with glue for the
     selected ones only."""
+    text = _UNROLL_PRAGMA_WITH_NAMES.sub(lambda m: " " * len(m.group()), text)
+    masked = _mask(text)
+    text = _function_template_params(text, masked)
     masked = _mask(text)
     text, masked = _rewrite_casts(text, masked)
     text, masked = _rewrite_tokens(text, masked)
     lines = _Lines(text, default_file)
+    _reject_virtual(masked, lines)
     edits = _Edits(text)
     scope_at = _scopes(masked)
     attrs = _attributes(masked)
@@ -660,12 +771,12 @@ def run(text: str, *, default_file: str, only: Optional[set] = None) -> Result:
     fc_re = re.compile(r"\bconstant\s+([\w:<>\s,]+?)\s+(\w+)\s*\[\[\s*function_constant\s*\(\s*([^)]*?)\s*\)\s*\]\]\s*;")
     for m in fc_re.finditer(masked):
         handled_attrs.update(a[0] for a in attrs if m.start() <= a[0] < m.end())
-        idx_txt = m.group(3)
-        if not idx_txt.isdigit():
-            raise _error(lines, m.start(), f"function constant '{m.group(2)}': the emulator needs a literal index "
-                         f"in [[function_constant(...)]], got '{idx_txt}'")
+        idx = _constant_int(m.group(3))
+        if idx is None:
+            raise _error(lines, m.start(), f"function constant '{m.group(2)}': the emulator needs an index made of "
+                         f"integer literals and arithmetic in [[function_constant(...)]], got '{m.group(3)}'")
         file, line = lines.at(m.start())
-        fc = FunctionConstant(m.group(2), int(idx_txt), " ".join(m.group(1).split()), file, line)
+        fc = FunctionConstant(m.group(2), idx, " ".join(m.group(1).split()), file, line)
         constants.append(fc)
         fc_names[fc.name] = fc
         edits.replace(m.start(), m.end(), f"MTL_FUNCTION_CONSTANT({fc.type}, {fc.name});")
@@ -893,11 +1004,44 @@ def _parse_params(text, masked, a, b, lines) -> list:
     return params
 
 
-def _int(s, lines, off):
+_INT_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
+            ast.Mod: operator.mod, ast.LShift: operator.lshift, ast.RShift: operator.rshift,
+            ast.BitOr: operator.or_, ast.BitAnd: operator.and_, ast.BitXor: operator.xor,
+            ast.USub: operator.neg, ast.UAdd: operator.pos, ast.Invert: operator.invert}
+
+
+def _constant_int(s: str) -> Optional[int]:
+    """The value of an index written as integer literals and arithmetic (a macro expanded to
+    ``800 + 1``, ``0x10``, ``(4u << 2)``); None for anything else (a name, a cast)."""
+    s = re.sub(r"\b(0[xX][0-9a-fA-F]+|0[0-7]*|[1-9]\d*)[uUlL]*\b",
+               lambda m: str(int(m.group(1), 16 if m.group(1)[1:2] in "xX" else 8 if m.group(1)[0] == "0" else 10)),
+               s.strip()).replace("/", "//")  # C literals (hex, octal); integer division
     try:
-        return int(s, 0)
-    except ValueError:
-        raise _error(lines, off, f"the emulator needs a literal index here, got '{s}'") from None
+        tree = ast.parse(s, mode="eval").body
+    except SyntaxError:
+        return None
+
+    def value(node):
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _INT_OPS:
+            return _INT_OPS[type(node.op)](value(node.left), value(node.right))
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _INT_OPS:
+            return _INT_OPS[type(node.op)](value(node.operand))
+        raise ValueError
+
+    try:
+        return value(tree)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def _int(s, lines, off):
+    v = _constant_int(s)
+    if v is None:
+        raise _error(lines, off, f"the emulator needs an index made of integer literals and arithmetic here, "
+                                 f"got '{s}'")
+    return v
 
 
 def _c_string(s: str) -> str:
@@ -925,7 +1069,7 @@ def _glue(kernels, constants, derived) -> str:
         out.append('# 1 "<emulator glue>"\n')
     # Launch-time function constants: set the globals, then re-evaluate the
     # program-scope constants derived from them, in order.
-    out.append("MTL_EXPORT void __mtl_set_fcs(const long* iv, const double* dv, const int* def) {\n")
+    out.append("MTL_EXPORT void __mtl_set_fcs(const long* iv, const float* dv, const int* def) {\n")
     out.append("  (void)iv; (void)dv; (void)def;\n")
     for i, fc in enumerate(constants):
         out.append(f"  {fc.name} = __mtl::fc_value<{fc.type}>(iv, dv, {i}); __mtl_fcdef_{fc.name} = def[{i}] != 0;\n")

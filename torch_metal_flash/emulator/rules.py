@@ -28,6 +28,8 @@ from .errors import CompileError
 ADDRESS_SPACES = ("MSL address spaces: a pointer or reference keeps its address space (device, threadgroup, "
                   "constant, thread); converting it to another one is an error")
 RECURSION = "MSL restriction: recursive function calls are not supported"
+FUNCTION_POINTERS = ("MSL: function pointers need [[visible]] functions and a function table, which the emulator does "
+                     "not support; plain function pointers are an error (a function as a template argument is fine)")
 VECTOR_CAST = ("emulator limitation: this cast between vector types would reinterpret the bits here, where MSL "
                "converts each component; spell the vector type (float4(x), (float4)x) or cast to a template "
                "parameter (T(x), (T)x, static_cast<T>(x))")
@@ -67,8 +69,7 @@ RULES = [
     ("vla", r"variable length array|array size is not a constant expression",
      "MSL restriction: variable-length arrays are not supported (array sizes must be constant expressions)"),
     ("function-pointers", r"pointers to functions are not allowed|taking address of function is not allowed",
-     "MSL: function pointers need [[visible]] functions and a function table, which the emulator does not "
-     "support; plain function pointers are an error"),
+     FUNCTION_POINTERS),
     ("builtin-type", r"MSL: built-in parameter", "MSL: built-in parameters have fixed types"),
     ("missing-return", r"\[-Werror,-Wreturn-type\]|does not return a value",
      "a non-void function must return a value on every path (undefined on the GPU; an error here)"),
@@ -89,7 +90,8 @@ RULES = [
 
 def explanations(rule: str) -> set:
     """The texts a CompileError of a rule starts with (after file:line)."""
-    special = {"recursion": RECURSION, "function-constant": FUNCTION_CONSTANTS, "vector-cast": VECTOR_CAST}
+    special = {"recursion": RECURSION, "function-constant": FUNCTION_CONSTANTS, "vector-cast": VECTOR_CAST,
+               "constant-const": CONSTANT_CONST}
     return {text for r, _, text in RULES if r == rule} | ({special[rule]} if rule in special else set())
 
 
@@ -143,12 +145,23 @@ def _breaks_thread_rules(d: Diagnostic) -> bool:
                           r"cannot bind|assigning to", d.text))
 
 
+# `constexpr constant float table[16]` passed as `constant float*`: Metal's constant pointers
+# are read-only anyway, C++ for OpenCL keeps const apart
+_CONST_CONSTANT = re.compile(r"no known conversion from '(?:const __constant|__constant const) [^']*' to "
+                             r"'__constant (?!const)[^']*\*")
+CONSTANT_CONST = ("emulator limitation: a const object in constant memory (e.g. a constexpr constant array) passed "
+                  "as a `constant T*` / `constant T&` without const: Metal allows it, C++ for OpenCL does not; "
+                  "spell the parameter `constant const T*`")
+
+
 def rule_of(d: Diagnostic, constants: set = frozenset()) -> tuple:
     """(rule id, explanation) of an error."""
     if constants and _CONSTANT_EXPRESSION.search(d.text):
         names = set(re.findall(r"[A-Za-z_]\w*", d.text))
         if names & constants:
             return "function-constant", FUNCTION_CONSTANTS
+    if _CONST_CONSTANT.search(d.text):
+        return "constant-const", CONSTANT_CONST
     if d.message.startswith("no matching") and re.search(r"address space '__\w+'", d.text):
         return "address-space", ADDRESS_SPACES  # every candidate needs another address space
     for rule, pattern, text in RULES:
@@ -174,6 +187,21 @@ def _error_dict(d: Diagnostic, rule: str, text: str, name: str) -> dict:
     return {"error": f"{head}\n{d.text}".strip(), "file": file, "line": line, "rule": rule or "c++"}
 
 
+# An unsuffixed literal is a float in Metal: not worth a warning
+_FLOAT_LITERAL = re.compile(r"double precision constant requires cl_khr_fp64")
+
+
+def _wide_scalar_operand(d: Diagnostic) -> Optional[tuple]:
+    """The range of the scalar operand in `float * half4` (or `0.5 * v` in a template): MSL
+    converts the scalar to the vector's element type, C++ for OpenCL rejects it."""
+    m = re.match(r"scalar operand type has greater rank than the type of the vector element\. \('([^']*)'( \(vector)?",
+                 d.message)
+    if not m or len(d.ranges) != 2 or _SHIM.search(d.file):
+        return None
+    first_is_vector = bool(m.group(2)) or "ext_vector_type" in m.group(1)
+    return d.ranges[1] if first_is_vector else d.ranges[0]
+
+
 def judge_generic(stderr: str, name: str, constants: set) -> dict:
     """The pass with a generic address space: {"error": ...} for the first
     broken rule, else {"copies": [(line, col, end line, end col)] of sources
@@ -181,11 +209,15 @@ def judge_generic(stderr: str, name: str, constants: set) -> dict:
     copies, warnings = [], []
     for d in parse(stderr):
         if d.severity == "warning":
-            if not _SHIM.search(d.file):
+            if not _SHIM.search(d.file) and not _FLOAT_LITERAL.search(d.message):
                 warnings.append(d.text)
             continue
         if _copies_from_constant(d) and d.ranges and not _SHIM.search(d.file):
             copies.append(d.ranges[-1])  # the last range is the source (`a = b`: b)
+            continue
+        scalar = _wide_scalar_operand(d)
+        if scalar is not None:
+            copies.append((*scalar, "lane"))
             continue
         return _error_dict(d, *rule_of(d, constants), name)
     return {"copies": sorted(set(copies)), "warnings": "\n".join(warnings)}
@@ -208,15 +240,16 @@ def apply_copies(text: str, rounds: list) -> str:
 
 def wrap_copies(text: str, copies: list) -> str:
     """`text` with the source of each copy out of constant memory wrapped in
-    __mtl::copy(...), or inside the braces of an initializer list.  The
+    __mtl::copy(...), or inside the braces of an initializer list, and each scalar operand
+    wider than its vector operand's elements (ranges tagged "lane") in __mtl::lane(...).  The
     ranges are clang's: lines of the compiled text, columns, exclusive ends."""
     lines = text.split("\n")
     inserts = set()  # (line index, column, text)
-    for l1, c1, l2, c2 in copies:
+    for l1, c1, l2, c2, *lane in copies:
         a, b, c1, c2 = l1 - 1, l2 - 1, c1 - 1, c2 - 1
-        if lines[a][c1:c1 + 1] == "{" and lines[b][c2 - 1:c2] == "}":
+        if lines[a][c1:c1 + 1] == "{" and lines[b][c2 - 1:c2] == "}" and not lane:
             c1, c2 = c1 + 1, c2 - 1
-        inserts |= {(a, c1, "__mtl::copy("), (b, c2, ")")}
+        inserts |= {(a, c1, "__mtl::lane(" if lane else "__mtl::copy("), (b, c2, ")")}
     for i, col, s in sorted(inserts, key=lambda x: (x[0], -x[1], x[2] == ")")):
         lines[i] = lines[i][:col] + s + lines[i][col:]
     return "\n".join(lines)

@@ -7,6 +7,8 @@ import subprocess
 import threading
 from typing import Optional
 
+from ..caches import LRU
+
 MTL_MAX_BUFFERS = 64
 MTL_MAX_TG_PARAMS = 32
 MTL_ABI_VERSION = 4
@@ -75,7 +77,7 @@ def runtime_library():
     return _rt
 
 
-_sym_cache: dict = {}
+_sym_cache = LRU("emulator.symbols", 1024)
 
 
 def symbolize(lib_path: str, offset: int, symbolizer: Optional[str]) -> Optional[tuple]:
@@ -85,7 +87,7 @@ def symbolize(lib_path: str, offset: int, symbolizer: Optional[str]) -> Optional
         return None
     key = (lib_path, offset)
     if key in _sym_cache:
-        return _sym_cache[key]
+        return _sym_cache.get(key)
     addr = hex(max(offset - 1, 0))
     try:
         if os.path.basename(symbolizer).startswith("addr2line"):
@@ -118,5 +120,5 @@ def symbolize(lib_path: str, offset: int, symbolizer: Optional[str]) -> Optional
             continue
         result = (file, line)
         break
-    _sym_cache[key] = result
+    _sym_cache.put(key, result)
     return result

@@ -57,7 +57,8 @@ MtlParamInfo param_info() {
   r.is_pointer = __is_pointer(P);
   r.is_reference = __is_reference(P);
   r.type_code = type_code<Q>();
-  r.size = (int)sizeof(Q);
+  if constexpr (__is_void(Q)) r.size = 1;  // device const void* (a byte buffer)
+  else r.size = (int)sizeof(Q);
   r.is_const = __is_const(Q) || in_constant<metal::remove_pointer_t<metal::remove_reference_t<P>>>;
   return r;
 }
@@ -83,7 +84,7 @@ template <class P> inline constexpr constant bool builtin_position_ok =
 
 // Function constant values, set before each launch (see the pre-pass).
 template <class T>
-MTL_INLINE T fc_value(const long* iv, const double* dv, int i) {
+MTL_INLINE T fc_value(const long* iv, const float* dv, int i) {
   if constexpr (__is_floating_point(T)) return (T)dv[i];
   else return (T)iv[i];
 }

@@ -91,10 +91,12 @@
 #define atomic_size_t __mtl_atomic_size_t
 #define atomic_ptrdiff_t __mtl_atomic_ptrdiff_t
 
+// Function pointers parse everywhere (a function as a template argument is valid Metal);
+// one used at run time is found in the IR (emulator/analysis.py) and rejected.
+#pragma OPENCL EXTENSION __cl_clang_function_pointers : enable
 #ifdef __MTL_RULES__
 #define MTL_IMPL(...) ;
 #else
-#pragma OPENCL EXTENSION __cl_clang_function_pointers : enable
 #define MTL_IMPL(...) __VA_ARGS__
 #endif
 
@@ -151,6 +153,8 @@ MTL_INLINE vec_of<T, N> make_vec(A... a) {
   typedef elem_t<V> E;
   if constexpr (sizeof...(A) == 0) {
     return V(E(0));
+  } else if constexpr (sizeof...(A) == 1 && (__is_class(A) && ...)) {
+    return V(a...);  // the class's conversion function
   } else if constexpr (sizeof...(A) == 1 && ((vn<A> == 1) && ...)) {
     return V(conv<T>(a...));
   } else {
@@ -160,6 +164,16 @@ MTL_INLINE vec_of<T, N> make_vec(A... a) {
     (put<T>(r, i, a), ...);
     return r;
   }
+}
+
+// `float4 v = {x};`: the initialisers fill the first lanes, the rest are zero (the pre-pass
+// rewrites brace initialisers with fewer elements than lanes to this).
+template <class T, int N, class... A>
+MTL_INLINE vec_of<T, N> brace_vec(A... a) {
+  vec_of<T, N> r = vec_of<T, N>(T(0));
+  int i = 0;
+  (put<T>(r, i, a), ...);
+  return r;
 }
 
 // A copy of a class object out of constant memory, which Metal allows and
@@ -181,11 +195,41 @@ template <class E> inline constexpr constant bool is_class_arg = __is_class(plai
 template <class T, class E, enable_if_t<!is_class_arg<E>, int> = 0>
 MTL_INLINE T cast(E e) {  // by value: binds vector elements (v.x) too
   if constexpr (vn<T> > 1 && vn<E> > 1 && !__is_same(elem_t<T>, elem_t<E>)) return make_vec<elem_t<T>, vn<T>>(e);
+  else if constexpr (__is_same(T, __Mb)) return conv<T>(e);  // a bool lane converts as bool does
   else return (T)e;
 }
 template <class T, class E, enable_if_t<is_class_arg<E>, int> = 0>
 MTL_INLINE T cast(E&& e) {
   return (T)static_cast<E&&>(e);
+}
+
+// A scalar operand wider than the elements of the vector it meets (`slope * h4`, float and
+// half4; `0.5 * v` in a template): MSL converts the scalar to the element type, C++ for
+// OpenCL rejects it, so the rules pass wraps such a scalar (found by clang's diagnostic) in
+// lane(...).  With a scalar (another instantiation of the template) nothing changes.
+template <class S> struct Lane {
+  S v;
+  // `c ? v4 : lane(0.0f)`: the conditional operator converts the scalar to the vector type
+  template <class V, enable_if_t<(vn<V> > 1), int> = 0> MTL_INLINE operator V() const { return V(elem_t<V>(v)); }
+};
+template <class S> MTL_INLINE Lane<S> lane(S s) { return {s}; }
+#define MTL_LANE_OP(op)                                                                     \
+  template <class S, class V> MTL_INLINE auto operator op(Lane<S> a, V b) {                \
+    if constexpr (vn<V> > 1) return elem_t<V>(a.v) op b; else return a.v op b;             \
+  }                                                                                         \
+  template <class S, class V> MTL_INLINE auto operator op(V b, Lane<S> a) {                \
+    if constexpr (vn<V> > 1) return b op elem_t<V>(a.v); else return b op a.v;             \
+  }
+MTL_LANE_OP(+) MTL_LANE_OP(-) MTL_LANE_OP(*) MTL_LANE_OP(/) MTL_LANE_OP(%)
+MTL_LANE_OP(==) MTL_LANE_OP(!=) MTL_LANE_OP(<) MTL_LANE_OP(>) MTL_LANE_OP(<=) MTL_LANE_OP(>=)
+#undef MTL_LANE_OP
+
+// T(x, y) with T a template type parameter: a vector constructor when T is a vector (clang
+// would take it as a scalar initialiser), the class's constructor otherwise.
+template <class T, class... A>
+MTL_INLINE T construct(A&&... a) {
+  if constexpr (vn<T> > 1) return make_vec<elem_t<T>, vn<T>>(a...);
+  else return T(static_cast<A&&>(a)...);
 }
 
 // threadgroup variables declared in a function body: one object per
@@ -402,8 +446,19 @@ template <class T> constexpr int type_code() {
 
 #include "mtl_sync.h"
 #include "mtl_math.h"
+#include "mtl_matrix.h"
 #include "mtl_simdgroup_matrix.h"
+#include "mtl_builtins.h"
 #include "mtl_kernel.h"
+
+// `p += c` with a pointer p and a class c converting to an integer (a tile stride held as
+// integral_constant<int, 1>): C++ and Metal take the built-in `T*& += ptrdiff_t`, which
+// clang's C++ for OpenCL never offers (its candidate's reference drops the pointer
+// variable's address space), while `p + c` works.  Global, like the built-in.
+template <class P, class C, __mtl::enable_if_t<__is_pointer(P) && __is_class(C) && __is_convertible(C, long), int> = 0>
+MTL_INLINE P& operator+=(P& p, C c) { return p = p + c; }
+template <class P, class C, __mtl::enable_if_t<__is_pointer(P) && __is_class(C) && __is_convertible(C, long), int> = 0>
+MTL_INLINE P& operator-=(P& p, C c) { return p = p - c; }
 
 // ---------------------------------------------------------------- public macros (<metal_config>, <metal_math>)
 #define METAL_FUNC inline __attribute__((__always_inline__))

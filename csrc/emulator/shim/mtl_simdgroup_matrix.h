@@ -36,7 +36,7 @@ typedef simdgroup_matrix<half, 8, 8> simdgroup_half8x8;
 typedef simdgroup_matrix<bfloat, 8, 8> simdgroup_bfloat8x8;
 typedef simdgroup_matrix<float, 8, 8> simdgroup_float8x8;
 
-template <class T, int Cols, int Rows>
+template <class T, int Cols, int Rows = Cols>
 MTL_INLINE simdgroup_matrix<T, Cols, Rows> make_filled_simdgroup_matrix(T v) {
   simdgroup_matrix<T, Cols, Rows> m;
   m.__e = vec<T, 2>(v);

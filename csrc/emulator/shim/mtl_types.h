@@ -186,7 +186,7 @@ template <typename T> struct remove_addrspace<__global T> { typedef T type; };
 template <typename T> struct remove_addrspace<__local T> { typedef T type; };
 template <typename T> struct remove_addrspace<__constant T> { typedef T type; };
 template <typename T> struct remove_addrspace<__private T> { typedef T type; };
-#ifndef __MTL_RULES__
+#ifndef __MTL_RULES_THIS__  // a type deduced through a generic reference (thread T& in a function type)
 template <typename T> struct remove_addrspace<__generic T> { typedef T type; };
 #endif
 template <typename T> using remove_addrspace_t = typename remove_addrspace<T>::type;
@@ -384,6 +384,18 @@ MTL_INLINE T as_type(U u) {
   return __builtin_bit_cast(T, u);
 }
 
+// ---------------------------------------------------------------- <metal_uniform>
+// uniform<T>: a value the same in every thread; here it behaves as the T it holds.
+template <typename T>
+struct uniform {
+  T __v;
+  uniform() = default;
+  constexpr uniform(T v) : __v(v) {}
+  constexpr operator T() const { return __v; }
+};
+template <typename T>
+constexpr uniform<T> make_uniform(T v) { return uniform<T>(v); }
+
 // ---------------------------------------------------------------- <metal_array>
 template <typename T, size_t N>
 struct array {
@@ -408,6 +420,10 @@ struct array {
 };
 
 }  // namespace metal
+
+// as_type<T>(x) is an operator of the language (MSL 2.19), not a name in namespace metal:
+// code in its own namespace calls it without `using namespace metal`.
+using metal::as_type;
 
 // ---------------------------------------------------------------- shim internals on types
 namespace __mtl {

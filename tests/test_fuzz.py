@@ -1,0 +1,257 @@
+"""Property-based tests: whole problems of every face (tests/fuzz_problems.py)
+on the kernels (emulator, checked mode, strict) against the float64 oracle under
+the rule of torch_metal_flash.testing, forward and backward, results bit-identical
+across two schedule orders, inputs never modified (but documented in-place caches).
+
+CI runs the bounded, derandomized ``ci`` profile; the long run is
+``python -m pytest tests/test_fuzz.py -m fuzz --hypothesis-profile=long`` (its
+summary goes to bench/results/fuzz.md).  A falsifying example prints as a
+problem dict: ``fuzz_problems.check_problem(<dict>)`` replays it.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import fuzz_problems as fp  # noqa: E402
+
+pytestmark = pytest.mark.fuzz
+
+# cases run and failed per face, for the long profile's summary (conftest.py)
+STATS: dict = {}
+
+
+@pytest.mark.parametrize("face", list(fp.FACES))
+def test_face_matches_oracle(face):
+    stats = STATS.setdefault(face, {"cases": 0, "failed": 0, "seconds": 0.0})
+
+    def prop(problem):
+        t0 = time.perf_counter()
+        stats["cases"] += 1
+        try:
+            fp.check_problem(problem)
+        except BaseException:
+            stats["failed"] += 1
+            raise
+        finally:
+            stats["seconds"] += time.perf_counter() - t0
+
+    # One example-database key per face (hypothesis keys it by the function's source, the same
+    # for every face; its pytest plugin distinguishes parametrized cases the same way), so a
+    # saved failing example replays on the face that found it.
+    prop._hypothesis_internal_add_digest = face.encode()
+    given(fp.problems(face))(prop)()
+
+
+# Minimal cases the fuzzing found in issue 10's area (precision at large scores, the float32
+# rule), fixed there (exact P rebuild from the row max and sum, delta from the float32
+# output, the rule of torch_metal_flash.testing); replayed as regression tests.
+_FLAT4 = {"order": [0, 1, 2, 3], "pad": [0, 0, 0, 0], "offset": 0}
+_FLAT5 = {"order": [0, 1, 2, 3, 4], "pad": [0, 0, 0, 0, 0], "offset": 0}
+ISSUE10_CASES = {
+    "backward_f32_single_key_dv_one_ulp": dict(
+        dtype="f32", batch=1, hq=1, hkv=1, lq=1, lk=1, d=129, dv=129, decode=False, rank=4, layouts=[_FLAT4] * 3,
+        causal=False, mask=None, scale=None, extreme="none", face="sdpa", seed=0, orders=("forward", "reverse")),
+    "kvcache_forward_f32_lse_one_ulp": dict(
+        dtype="f32", batch=1, hq=2, hkv=1, lq=1, lk=0, d=129, dv=129, decode=False, capacity=24, seqlens=[1], new=0,
+        paged=False, page=0, batch_idx=False, leftpad=False, causal=False, window=(-1, -1), softcap=0.0,
+        alibi="none", scale=None, q_layout=_FLAT4, extreme="none", num_splits=0, face="flash_attn_with_kvcache",
+        seed=1, orders=("forward", "reverse")),
+    "decode_forward_f32_large_scores": dict(
+        dtype="f32", batch=1, hq=1, hkv=1, lq=1, lk=265, d=64, dv=64, decode=True, rank=3,
+        layouts=[{"order": [0, 1, 2], "pad": [0, 0, 0], "offset": 0}] * 3, causal=False, mask=None, scale=1.0,
+        extreme="none", face="sdpa", seed=0, orders=("forward", "reverse")),
+    "backward_f32_softcap_large_raw_scores": dict(
+        dtype="f32", batch=1, hq=4, hkv=1, lq=1, lk=9, d=129, dv=129, decode=False, packing="none",
+        layouts=[_FLAT4, _FLAT4, {"order": [2, 0, 1, 3], "pad": [3, 1, 0, 0], "offset": 1}], causal=False,
+        window=(1, 400), softcap=1.5, alibi="bh", scale=0.5, return_lse=False, extreme="none",
+        face="flash_attn_func", seed=2218339, orders=("random", "forward")),
+    "backward_f16_single_key_near_fp16_overflow": dict(
+        dtype="f16", batch=1, hq=1, hkv=1, lq=1, lk=1, d=1, dv=1, decode=True, packing="qkv", layouts=[_FLAT5] * 3,
+        causal=False, window=(-1, -1), softcap=0.0, alibi="none", scale=None, return_lse=False,
+        extreme="big_scores", face="flash_attn_qkvpacked_func", seed=0, orders=("forward", "reverse")),
+    "backward_f32_decode_shape_moderate_scores": dict(
+        dtype="f32", batch=1, hq=1, hkv=1, lq=1, lk=256, d=32, dv=16, decode=True, layouts=[_FLAT4] * 3, diag=0,
+        window=(-1, -1), softcap=0.0, sinks=False, alibi="none", mask=None, scale=0.7, extreme="none",
+        face="ops", seed=0, orders=("forward", "reverse")),
+}
+
+
+@pytest.mark.parametrize("name", list(ISSUE10_CASES))
+def test_issue10_precision_at_large_scores(name):
+    fp.check_problem(dict(ISSUE10_CASES[name]))
+
+
+def test_rotary_on_a_bhld_view_of_q_stays_on_the_kernels():
+    """Found by the fuzzing, fixed by 13decode: head dim 2, rotary_dim 2, GPT-NeoX rotary, two
+    query rows, q a view of (B, H, L, D) memory: apply_rotary returned q with a non-contiguous
+    last dim and the decode planner refused it (strict mode raised)."""
+    import torch
+    import torch_metal_flash as tmf
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 2, 2, generator=g).transpose(1, 2)  # (B, L, H, D) view of (B, H, L, D) memory
+    cache = torch.randn(1, 8, 2, 2, generator=g)
+    k = torch.randn(1, 1, 2, 2, generator=g)
+    cos, sin = torch.ones(9, 1), torch.zeros(9, 1)
+    with tmf.backend("emulator", strict=True):
+        tmf.flash_attn_with_kvcache(q, cache, cache.clone(), k=k, v=k, rotary_cos=cos, rotary_sin=sin,
+                                    cache_seqlens=torch.tensor([3], dtype=torch.int32), rotary_interleaved=False)
+
+
+# Found by the long profile after the merge with issue 10: a float16 mask broadcasting over
+# every dim (shape (1,)) requiring grad.  Its gradient, exactly 0 (it sums every dS), came out
+# 4.2e-3 (allowed 1.1e-3): the SDPA face expanded the mask before the op, so each element of
+# dbias was rounded to float16 before autograd's expand backward summed them.  The face now
+# passes the mask with its broadcast dims at size 1 and the op reduces in float32
+# (functional.mask_as_4d).  d=264: the reference path; d=256: the kernels.
+BROADCAST_MASK_CASES = {
+    f"f16_mask_of_shape_1_d{d}": dict(
+        dtype="f16", batch=2, hq=2, hkv=2, lq=1, lk=5, d=d, dv=d, decode=False, rank=4, layouts=[_FLAT4] * 3,
+        causal=False, mask={"kind": "float", "shape": (1,), "fill": "random", "dtype": "f16", "grad": True},
+        scale=None, extreme="none", kv=None, face="sdpa", seed=1, orders=("forward", "reverse"))
+    for d in (264, 256)}
+
+
+@pytest.mark.parametrize("name", list(BROADCAST_MASK_CASES))
+def test_broadcast_mask_gradient_is_reduced_before_rounding(name):
+    fp.check_problem(dict(BROADCAST_MASK_CASES[name]))
+
+
+# Found by the long profile at 6a6a140 (bench/results/fuzz.md), after the merge removed
+# the issue-10 allowance: the minimal cases of the five faces that failed, each a
+# precision miss of the rule (error / allowed in the comment).  Open: causes not yet
+# found; strict xfails so that each turns into a failure to remove once fixed.
+LONG_PROFILE_OPEN = {
+    # 8.33e-17 / 7.68e-17 (1.08x)
+    'sdpa_f64_reference_dv':
+        {'dtype': 'f64',
+         'batch': 1,
+         'hq': 2,
+         'hkv': 2,
+         'lq': 2,
+         'lk': 2,
+         'd': 8,
+         'dv': 8,
+         'decode': False,
+         'rank': 4,
+         'layouts': [{'order': [0, 1, 2, 3], 'pad': [0, 0, 0, 0], 'offset': 0},
+                     {'order': [0, 1, 2, 3], 'pad': [0, 0, 0, 0], 'offset': 0},
+                     {'order': [0, 1, 2, 3], 'pad': [0, 0, 0, 0], 'offset': 0}],
+         'causal': False,
+         'mask': None,
+         'scale': None,
+         'extreme': 'none',
+         'kv': None,
+         'face': 'sdpa',
+         'seed': 1,
+         'orders': ('forward', 'reverse')},
+    # 2.14e-06 / 1.73e-06 (1.24x)
+    'override_f32_decode_route_out':
+        {'dtype': 'f32',
+         'batch': 1,
+         'hq': 1,
+         'hkv': 1,
+         'lq': 2,
+         'lk': 256,
+         'd': 64,
+         'dv': 64,
+         'decode': True,
+         'rank': 4,
+         'layouts': [{'order': [0, 1, 2, 3], 'pad': [0, 0, 0, 0], 'offset': 0},
+                     {'order': [0, 1, 2, 3], 'pad': [0, 0, 0, 0], 'offset': 0},
+                     {'order': [0, 1, 2, 3], 'pad': [0, 0, 0, 0], 'offset': 0}],
+         'causal': False,
+         'mask': None,
+         'scale': 1.0,
+         'extreme': 'none',
+         'face': 'sdpa_override',
+         'seed': 3,
+         'orders': ('forward', 'reverse')},
+    # 2.49e-05 / 9.50e-07 (26x)
+    'kvpacked_f32_decode_route_big_scores_out':
+        {'dtype': 'f32',
+         'batch': 1,
+         'hq': 1,
+         'hkv': 1,
+         'lq': 1,
+         'lk': 256,
+         'd': 14,
+         'dv': 14,
+         'decode': True,
+         'packing': 'kv',
+         'layouts': [{'order': [0, 1, 2, 3, 4], 'pad': [0, 0, 0, 0, 0], 'offset': 0},
+                     {'order': [0, 1, 2, 3, 4], 'pad': [0, 0, 0, 0, 0], 'offset': 0},
+                     {'order': [0, 1, 2, 3, 4], 'pad': [0, 0, 0, 0, 0], 'offset': 0}],
+         'causal': False,
+         'window': (-1, -1),
+         'softcap': 0.0,
+         'alibi': 'none',
+         'scale': None,
+         'return_lse': False,
+         'extreme': 'big_scores',
+         'face': 'flash_attn_kvpacked_func',
+         'seed': 0,
+         'orders': ('forward', 'reverse')},
+    # 4.97e-05 / 1.19e-05 (4.2x)
+    'kvcache_f16_rotary_window_lse':
+        {'dtype': 'f16',
+         'batch': 1,
+         'hq': 1,
+         'hkv': 1,
+         'lq': 1,
+         'lk': 0,
+         'd': 8,
+         'dv': 8,
+         'decode': False,
+         'capacity': 8,
+         'seqlens': [6],
+         'new': 2,
+         'paged': False,
+         'page': 0,
+         'batch_idx': False,
+         'leftpad': False,
+         'causal': False,
+         'window': (2, -1),
+         'softcap': 0.0,
+         'alibi': 'none',
+         'scale': None,
+         'q_layout': {'order': [0, 1, 2, 3], 'pad': [0, 0, 0, 0], 'offset': 0},
+         'rotary': 'interleaved',
+         'rotary_dim': 4,
+         'extreme': 'none',
+         'num_splits': 0,
+         'kv': None,
+         'face': 'flash_attn_with_kvcache',
+         'seed': 1,
+         'orders': ('forward', 'reverse')},
+    # 9.87e-06 / 9.46e-06 (1.04x)
+    'mha_f16_dquery':
+        {'dtype': 'f16',
+         'batch': 2,
+         'hq': 1,
+         'lq': 1,
+         'lk': 2,
+         'decode': False,
+         'd': 1,
+         'hkv': 1,
+         'dv': 1,
+         'batch_first': False,
+         'key_padding': False,
+         'attn_mask': 'none',
+         'seed_weights': 6594,
+         'face': 'nn.MultiheadAttention',
+         'seed': 80,
+         'orders': ('forward', 'reverse')},
+}
+
+
+@pytest.mark.xfail(strict=True, reason="open: precision misses found by the long fuzz profile (bench/results/fuzz.md)")
+@pytest.mark.parametrize("name", list(LONG_PROFILE_OPEN))
+def test_long_profile_open_case(name):
+    fp.check_problem(dict(LONG_PROFILE_OPEN[name]))
