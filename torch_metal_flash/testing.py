@@ -49,8 +49,11 @@ passes when, for every element::
   ``4 u``; plain_T makes the same kind of error but can round two top scores
   alike by luck (the long fuzz profile's ``kvpacked_f32_decode_route_big_scores_out``:
   out off by 2.5e-5 in the kernels, 3.5e-7 in plain float32, both correct).
-  In ordinary problems (|s| <= 30, tests/test_precision.py's sweep) this
-  roughly doubles the floor (median; up to ~10x on single elements).
+  In ordinary problems (|s| <= 30, tests/test_precision.py's sweep and
+  planted-defect problems) it widens the allowed error of out, dq, dk, dv and
+  dbias by a median 1.0-3.7x (dsinks 2.3-6.7x), up to 12x on single elements;
+  lse is unchanged; the planted defects still fail (bench/rule_widening.py,
+  bench/results/rule_widening.md).
 * ``u_64``: the oracle's own rounding.  ``ref64`` is float64 math, a few
   ``u_64 * M`` off the exact value.  Beside float32 accumulators that is noise
   (2^-29 of the floor), but for float64 inputs the reference path and the
@@ -331,7 +334,8 @@ def plain_attention(spec: AttentionSpec, dtype: torch.dtype, dout: Optional[torc
         M["dv"] = ((p + p_err).transpose(-1, -2) @ do.abs()).unflatten(1, (spec.kv_heads, G)).sum(2)
         if sinks is not None:
             # the sink's logit is exact: its P moves by P_sink rowsum(P amag)
-            M["dsinks"] = (torch.where(live, p_all[..., Lk:], 0.0) * (d_mag + a * delta.abs() + delta_err)).sum((0, 2, 3))
+            ps = torch.where(live, p_all[..., Lk:], 0.0)
+            M["dsinks"] = (ps * (d_mag + a * delta.abs() + delta_err)).sum((0, 2, 3))
     return res
 
 
