@@ -88,6 +88,30 @@ def main() -> None:
         spec, dout, grads, _ = tp._kernel_grads(c)
         compare(f"defect case {i}", spec, dict(zip(now.GRAD_NAMES[:3], grads[:3])), dout)
 
+    print(f"\nPlanted defects (tests/test_precision.py): max error / allowed, {args.against} -> now "
+          "(above 1: caught)\n\n| problem | one key dropped from a dQ row | dV row x (1 + 1e-4) | scale x (1 + 1e-5) |"
+          "\n|---|---|---|---|")
+
+    def worst(rule, spec, dout, grads):
+        ref = rule.backward_reference(spec, dout, compute_dbias=True)
+        return max(e / a for e, a in rule.grad_errors(spec, dout, None, grads, reference=ref).values())
+
+    for i, c in enumerate(tp.DEFECT_CASES):
+        spec, dout, grads, _ = tp._kernel_grads(c)
+        row = spec.seqlen_q // 2
+        p = torch.softmax(spec.q[0, 0, row].double() @ spec.k[0, 0].double().T * spec.scale, -1)
+        j = p.argsort()[spec.seqlen_k // 2].item()
+        dbias = now.plain_attention(spec, torch.float64, dout, compute_dbias=True).dbias
+        dq = grads[0].double().clone()
+        dq[0, 0, row] -= spec.scale * dbias[0, 0, row, j] * spec.k[0, 0, j].double()
+        dv = grads[2].clone()
+        dv[0, 0, dv[0, 0].norm(dim=-1).argsort()[spec.seqlen_k // 2].item()] *= 1 + 1e-4
+        off_spec, off_dout, off_grads, _ = tp._kernel_grads(c, scale_error=1 + 1e-5)
+        cells = [" -> ".join(f"{worst(rule, sp, do, gr):.1f}" for rule in (before, now))
+                 for sp, do, gr in ((spec, dout, (dq.float(), *grads[1:])), (spec, dout, (*grads[:2], dv, None, None)),
+                                    (off_spec, off_dout, off_grads))]
+        print(f"| defect case {i} | " + " | ".join(cells) + " |")
+
 
 if __name__ == "__main__":
     main()
