@@ -346,7 +346,7 @@ class Face:
     math: Callable  # (problem, inputs) -> (out, lse or None): documented semantics, any dtype
     differentiable: bool = True
     mutated: tuple = ()  # inputs the face documents as updated in place
-    # (problem, inputs, grads, dout seed) -> {result: (plain_T, magnitude)}; default: _dense_budget
+    # (problem, inputs, grads, dout seed) -> {result: (plain_T, magnitude[, rounded])}; default: _dense_budget
     budget: Optional[Callable] = None
 
 
@@ -850,6 +850,8 @@ class _Linear(torch.autograd.Function):
     terms of the last reductions, the attention's magnitudes carried through, ``M_x |W|^T +
     |b|`` for the module's output (``last``) and ``M_dy |W|`` for the inputs' gradients (the
     other way round the float64 value flows, which the attention's magnitudes need);
+    ("rounded", None): the attention's results (o, dq, dk, dv: rounded to T in the module)
+    carried to the module's results, ``|o| |W|^T`` and ``|dy| |W|`` (the rule's ``rounded``);
     ("exact", None): the float64 value."""
 
     @staticmethod
@@ -860,6 +862,8 @@ class _Linear(torch.autograd.Function):
             return A.r(A.mm(x, W.T) + b)
         if mode[0] == "magnitude" and last:
             return x.abs() @ W.abs().T + b.abs()
+        if mode[0] == "rounded" and last:
+            return x.abs() @ W.abs().T
         return x @ W.T + b
 
     @staticmethod
@@ -867,7 +871,7 @@ class _Linear(torch.autograd.Function):
         if ctx.mode[0] == "plain":
             A = testing.Arith(ctx.mode[1], exact=False)
             return None, None, A.r(A.mm(dy, ctx.W)), None, None
-        if ctx.mode[0] == "magnitude" and not ctx.last:
+        if ctx.mode[0] in ("magnitude", "rounded") and not ctx.last:
             return None, None, dy.abs() @ ctx.W.abs(), None, None
         return None, None, dy @ ctx.W, None, None
 
@@ -896,7 +900,7 @@ def _mha_math(p, x, mode):
         visible = visible & ~mask
     elif mask is not None:
         bias = mask.expand(B, H, L, S)
-    token = None if mode[0] == "exact" else _BUDGET.set((mode[1], mode[0] == "magnitude"))
+    token = None if mode[0] in ("exact", "rounded") else _BUDGET.set((mode[1], mode[0] == "magnitude"))
     try:
         o, _ = dense_attention(q, k, v, scale=D ** -0.5, bias=bias, visible=visible)
     finally:
@@ -912,7 +916,10 @@ def _budget_mha(p, inputs, grads, dout_seed) -> dict:
     torch_module = _math_mha(p, _cast(inputs, torch.float64, ()))[0]
     assert torch.allclose(exact, torch_module, rtol=1e-9, atol=1e-12), "the budget's module is not torch's"
     res = {}
-    for mode in (("plain", p_dtype(p)), ("magnitude", None)):
+    modes = (("plain", p_dtype(p)), ("magnitude", None))
+    if p_dtype(p) in (torch.float16, torch.bfloat16):  # the rule's rounded term is for these
+        modes += (("rounded", None),)
+    for mode in modes:
         x = _cast(inputs, torch.float64, grads)
         out = _mha_math(p, x, mode)
         res.setdefault("out", []).append(out.detach())
@@ -1022,9 +1029,10 @@ def _nan_sets(face: Face, p: dict, inputs: dict) -> tuple:
     return sets
 
 
-def assert_rule(name: str, kind: str, got, ref64, plain, magnitude, dtype, nan_sets=None) -> None:
+def assert_rule(name: str, kind: str, got, ref64, plain, magnitude, dtype, nan_sets=None, rounded=None) -> None:
     """The rule of torch_metal_flash.testing (``kind``: the rule's name of the result, which
-    decides the final-rounding term); with NaN inputs, ``nan_sets`` first."""
+    decides the final-rounding term; ``rounded``: a composite face's rounded intermediates
+    carried to the result); with NaN inputs, ``nan_sets`` first."""
     got, ref64 = got.detach().to(torch.float64), ref64.detach().to(torch.float64)
     assert got.shape == ref64.shape, f"{name}: shape {tuple(got.shape)} != {tuple(ref64.shape)}"
     consider = torch.ones_like(got, dtype=torch.bool)
@@ -1041,8 +1049,9 @@ def assert_rule(name: str, kind: str, got, ref64, plain, magnitude, dtype, nan_s
     plain = plain.detach().to(torch.float64).expand(ref64.shape)
     magnitude = magnitude.detach().to(torch.float64).expand(ref64.shape)
     try:
+        rounded = None if rounded is None else rounded.detach().to(torch.float64).expand(ref64.shape)[consider]
         err, allowed = testing.error_budget(kind, got[consider], ref64[consider], plain[consider],
-                                            magnitude[consider], dtype)
+                                            magnitude[consider], dtype, rounded)
     except AssertionError as e:  # a non-finite mismatch
         raise AssertionError(f"{name}: {e}") from None
     if not err <= allowed:
@@ -1155,11 +1164,12 @@ def check_problem(p: dict) -> None:
     plain = budget(face, p, attended, grads, dout_seed)
     nan_sets = _nan_sets(face, p, attended) if p.get("extreme", "none").startswith("nan") else [None, None]
     assert out.dtype == dtype, f"out dtype {out.dtype}"
-    assert_rule("out", "out", out, ref[0], *plain["out"], dtype, nan_sets[0])
+    assert_rule("out", "out", out, ref[0], *plain["out"][:2], dtype, nan_sets[0], *plain["out"][2:])
     if lse is not None:
         assert_rule("lse", "lse", lse, ref[1], *plain["lse"], dtype, nan_sets[1])
     for n in g:
-        assert_rule(f"d{n}", _kind(n, g[n]), g[n], ref[2][n], *plain[f"d{n}"], dtype)
+        assert_rule(f"d{n}", _kind(n, g[n]), g[n], ref[2][n], *plain[f"d{n}"][:2], dtype, None,
+                    *plain[f"d{n}"][2:])
 
 
 def _check_caches(face: Face, p, inputs, x_used) -> None:
