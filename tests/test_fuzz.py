@@ -123,10 +123,30 @@ def test_broadcast_mask_gradient_is_reduced_before_rounding(name):
     fp.check_problem(dict(BROADCAST_MASK_CASES[name]))
 
 
+# Found by the long profile at 6a6a140 (was in LONG_PROFILE_OPEN: lse 4.97e-05 against an
+# allowed 1.19e-05, 4.2x).  Not a kernel bug: the oracle rotated q exactly (in float64) while
+# flash-attn's semantics, documented in docs/kvcache.md and followed by the append kernel,
+# store the rotated q and k in their dtype (computed in float32, rounded once to float16).
+# Rounding the rotated q to float16 moves this lse by 4.97e-05: the whole "error".
+# kvcache_oracle.rotate now rounds as documented: error 5.3e-08, allowed 8.9e-05.
+KVCACHE_ROTARY_CASES = {
+    "kvcache_f16_rotary_window_lse": dict(
+        dtype="f16", batch=1, hq=1, hkv=1, lq=1, lk=0, d=8, dv=8, decode=False, capacity=8, seqlens=[6], new=2,
+        paged=False, page=0, batch_idx=False, leftpad=False, causal=False, window=(2, -1), softcap=0.0,
+        alibi="none", scale=None, q_layout=_FLAT4, rotary="interleaved", rotary_dim=4, extreme="none",
+        num_splits=0, kv=None, face="flash_attn_with_kvcache", seed=1, orders=("forward", "reverse")),
+}
+
+
+@pytest.mark.parametrize("name", list(KVCACHE_ROTARY_CASES))
+def test_kvcache_rotated_q_is_stored_in_its_dtype(name):
+    fp.check_problem(dict(KVCACHE_ROTARY_CASES[name]))
+
+
 # Found by the long profile at 6a6a140 (bench/results/fuzz.md), after the merge removed
-# the issue-10 allowance: the minimal cases of the five faces that failed, each a
-# precision miss of the rule (error / allowed in the comment).  Open: causes not yet
-# found; strict xfails so that each turns into a failure to remove once fixed.
+# the issue-10 allowance: the minimal cases of the faces that failed, each a precision
+# miss of the rule (error / allowed in the comment).  Open: strict xfails, so that each
+# turns into a failure to remove once fixed.
 LONG_PROFILE_OPEN = {
     # 8.33e-17 / 7.68e-17 (1.08x)
     'sdpa_f64_reference_dv':
@@ -151,7 +171,14 @@ LONG_PROFILE_OPEN = {
          'face': 'sdpa',
          'seed': 1,
          'orders': ('forward', 'reverse')},
-    # 2.14e-06 / 1.73e-06 (1.24x)
+    # 2.14e-06 / 1.73e-06 (1.24x); dv 1.51e-06 / 1.19e-06 (1.27x).  Cause known, no kernel
+    # defect: the float32 rounding of the scores (scale 1.0, D = 64: |s| up to 26, the summed
+    # terms scale sum|q_i k_i| up to 49), carried through the softmax into out and dv; the
+    # rule's floor has no term for it (see bench/results/fuzz.md).  With gradients the forward
+    # runs the prefill kernel; the decode kernel, forward only, gives the same out bit for bit.
+    # The kernels' score order under relaxed math (reassociated) errs 2.1e-06, the median of
+    # random float32 summation orders; the emulator's "safe" math (one fma after the other,
+    # the budget's own order) gives out 0.41x, dv 0.37x.
     'override_f32_decode_route_out':
         {'dtype': 'f32',
          'batch': 1,
@@ -197,38 +224,6 @@ LONG_PROFILE_OPEN = {
          'extreme': 'big_scores',
          'face': 'flash_attn_kvpacked_func',
          'seed': 0,
-         'orders': ('forward', 'reverse')},
-    # 4.97e-05 / 1.19e-05 (4.2x)
-    'kvcache_f16_rotary_window_lse':
-        {'dtype': 'f16',
-         'batch': 1,
-         'hq': 1,
-         'hkv': 1,
-         'lq': 1,
-         'lk': 0,
-         'd': 8,
-         'dv': 8,
-         'decode': False,
-         'capacity': 8,
-         'seqlens': [6],
-         'new': 2,
-         'paged': False,
-         'page': 0,
-         'batch_idx': False,
-         'leftpad': False,
-         'causal': False,
-         'window': (2, -1),
-         'softcap': 0.0,
-         'alibi': 'none',
-         'scale': None,
-         'q_layout': {'order': [0, 1, 2, 3], 'pad': [0, 0, 0, 0], 'offset': 0},
-         'rotary': 'interleaved',
-         'rotary_dim': 4,
-         'extreme': 'none',
-         'num_splits': 0,
-         'kv': None,
-         'face': 'flash_attn_with_kvcache',
-         'seed': 1,
          'orders': ('forward', 'reverse')},
     # 9.87e-06 / 9.46e-06 (1.04x)
     'mha_f16_dquery':
