@@ -765,12 +765,16 @@ def _stored_caches(p) -> bool:
 
 
 def _kvcache_problem(p, x, append=None) -> dict:
-    """kvcache_oracle's arguments: windows clamped as flash-attn does, causal as window_right = 0."""
+    """kvcache_oracle's arguments: windows clamped as flash-attn does, causal as window_right = 0,
+    and the dtypes the rotated q and k are stored in (``x`` may be cast already)."""
     capacity = -(-p["capacity"] // p["page"]) * p["page"] if p["paged"] else p["capacity"]
     left, right = flash_window(p["window"], p["causal"], capacity)
+    rotary = {}
+    if p.get("rotary"):
+        rotary["rotary_dtypes"] = (p_dtype(p), DTYPES[p["kv"]["dtype"]] if p.get("kv") else p_dtype(p))
     return dict(_kv_kwargs(p, x), q=x["q"], k_cache=x["k_cache"], v_cache=x["v_cache"], causal=False,
                 window_size=(left, right), softcap=p["softcap"],
-                append=not _stored_caches(p) if append is None else append)
+                append=not _stored_caches(p) if append is None else append, **rotary)
 
 
 def _math_kvcache(p, x):
@@ -1174,8 +1178,9 @@ def check_problem(p: dict) -> None:
 
 def _check_caches(face: Face, p, inputs, x_used) -> None:
     """flash_attn_with_kvcache's documented in-place append.  Plain caches: exactly the
-    oracle's rows, or, rotated (float32 rotation rounded to the cache's dtype), within
-    torch.testing's tolerance of that dtype (as tests/test_kvcache.py checks them).
+    oracle's rows (float32 rotation rounded to the cache's dtype), or, rotated float32 rows or
+    a float32 table (the kernel's fused multiply-add), within torch.testing's tolerance
+    (as tests/test_kvcache.py checks them).
     Quantized caches: the codes the reference path stores (tmf.quantize of the same rows;
     rotated rows within one code step)."""
     if _quantized(p):
@@ -1193,9 +1198,11 @@ def _check_caches(face: Face, p, inputs, x_used) -> None:
         return
     x = _cast(inputs, torch.float64, ())
     _, _, kc, vc = kvcache_oracle.kvcache_attention(dtype=torch.float64, **_kvcache_problem(p, x, append=True))
+    # 16-bit rows and table: products exact in float32, so the rotated rows are exact too.
+    fma_may_differ = p.get("rotary") and torch.float32 in (inputs["k"].dtype, inputs["rotary_cos"].dtype)
     for n, want in (("k_cache", kc), ("v_cache", vc)):
         got = x_used[n]
-        if p.get("rotary") and n == "k_cache":
+        if fma_may_differ and n == "k_cache":
             torch.testing.assert_close(got, want.to(got.dtype), msg=lambda m: f"{n}: rotated rows: {m}")
         else:
             assert torch.equal(got, want.to(got.dtype)), f"{n} not updated as documented"

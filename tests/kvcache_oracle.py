@@ -22,32 +22,41 @@ import math
 import torch
 
 
-def rotate(x, cos, sin, pos, interleaved):
-    """x (L, H, D) at positions pos (L,); cos/sin (seqlen_ro, rd/2), all in x's dtype."""
+def rotate(x, cos, sin, pos, interleaved, stored):
+    """x (L, H, D) at positions pos (L,); cos/sin (seqlen_ro, rd/2), all holding values of
+    the call's dtypes.  The documented semantics (docs/kvcache.md, as flash-attn's rotary):
+    computed in float32 (float64 for float64 rows) and stored in ``stored``, the dtype of
+    the rows rotated -- the rotated q and k are that dtype's numbers even in the float64
+    oracle.  Returned in x's dtype."""
+    ct = torch.float64 if stored == torch.float64 else torch.float32
     half = cos.shape[1]
     out = x.clone()
     for t in range(x.shape[0]):
         p = min(pos[t], cos.shape[0] - 1)
-        c, s = cos[p], sin[p]
+        c, s = cos[p].to(ct), sin[p].to(ct)
         for f in range(half):
             if interleaved:
                 a, b = 2 * f, 2 * f + 1
             else:
                 a, b = f, f + half
-            x0, x1 = x[t, :, a], x[t, :, b]
-            out[t, :, a] = x0 * c[f] - x1 * s[f]
-            out[t, :, b] = x0 * s[f] + x1 * c[f]
+            x0, x1 = x[t, :, a].to(ct), x[t, :, b].to(ct)
+            out[t, :, a] = (x0 * c[f] - x1 * s[f]).to(stored).to(x.dtype)
+            out[t, :, b] = (x0 * s[f] + x1 * c[f]).to(stored).to(x.dtype)
     return out
 
 
 def _rows(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
           cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
           window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, dtype=torch.float64,
-          append=True):
+          append=True, rotary_dtypes=None):
     """``(rows, new k_cache, new v_cache)`` in ``dtype``, the caches updated (copies); ``rows`` has,
     per batch row b, ``(b, qb (Lq, Hq, D), keys (Lk, Hkv, D), vals, vis (Lq, Lk) bool, slopes (Hq,) or None)``.
     ``append=False``: the caches already hold the new rows (as a quantized cache stores
-    them); ``k``/``v`` only give their count (and rotary of q its positions)."""
+    them); ``k``/``v`` only give their count (and rotary of q its positions).
+    ``rotary_dtypes``: the dtypes (q, k) the rotated rows are stored in, when the tensors
+    passed are not in the call's dtypes (already cast); default q's and k's own."""
+    if rotary_cos is not None and rotary_dtypes is None:
+        rotary_dtypes = (q.dtype, q.dtype if k is None else k.dtype)
     cast = (lambda t: None if t is None else t.detach().cpu().to(dtype))
     q, kc, vc, k, v = cast(q), cast(k_cache), cast(v_cache), cast(k), cast(v)
     cos, sin = cast(rotary_cos), cast(rotary_sin)
@@ -87,9 +96,9 @@ def _rows(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
         if k is not None:
             kb = k[b]
             if cos is not None:
-                kb = rotate(kb, cos, sin, [s0 + t for t in range(lnew)], rotary_interleaved)
+                kb = rotate(kb, cos, sin, [s0 + t for t in range(lnew)], rotary_interleaved, rotary_dtypes[1])
                 qpos = [s0 + i for i in range(Lq)] if local else [s0] * Lq
-                qb = rotate(qb, cos, sin, qpos, rotary_interleaved)
+                qb = rotate(qb, cos, sin, qpos, rotary_interleaved, rotary_dtypes[0])
             for t in range(end - s0 if append else 0):
                 sl = slot(b, s0 + t)
                 if sl is not None:
