@@ -375,10 +375,11 @@ def _draw_sdpa(draw, mask_min_rank=1, kv=True):
 
 
 def _build_sdpa(p, gen):
+    """q, k, v (B, H, L, D) and the mask: the sdpa face's inputs, and the start of the ops face's."""
     B, Hq, Hkv, Lq, Lk, D, Dv = (p[x] for x in ("batch", "hq", "hkv", "lq", "lk", "d", "dv"))
     dt = DTYPES[p["dtype"]]
     q, k, v = _qkv_values(p, gen, (B, Hq, Lq, D), (B, Hkv, Lk, D), (B, Hkv, Lk, Dv))
-    if p["rank"] == 3:
+    if p.get("rank") == 3:
         q, k, v = q[0], k[0], v[0]
     inputs = {"q": strided(q, p["layouts"][0], dt), "k": kv_storage(p, k, p["layouts"][1]),
               "v": kv_storage(p, v, p["layouts"][2])}
@@ -608,17 +609,8 @@ def _draw_ops(draw):
 
 
 def _build_ops(p, gen):
-    B, Hq, Hkv, Lq, Lk, D, Dv = (p[x] for x in ("batch", "hq", "hkv", "lq", "lk", "d", "dv"))
-    dt = DTYPES[p["dtype"]]
-    q, k, v = _qkv_values(p, gen, (B, Hq, Lq, D), (B, Hkv, Lk, D), (B, Hkv, Lk, Dv))
-    inputs = {"q": strided(q, p["layouts"][0], dt), "k": kv_storage(p, k, p["layouts"][1]),
-              "v": kv_storage(p, v, p["layouts"][2])}
-    grads = [] if p.get("kv") else ["q", "k", "v"]
-    mask = make_mask(p["mask"], gen)
-    if mask is not None:
-        inputs["attn_mask"] = mask
-        if p["mask"]["grad"] and grads:
-            grads.append("attn_mask")
+    B, Hq, dt = p["batch"], p["hq"], DTYPES[p["dtype"]]
+    inputs, grads = _build_sdpa(p, gen)
     a = _alibi(p, gen, B, Hq)
     if a is not None:
         inputs["alibi_slopes"] = a
