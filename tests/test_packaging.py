@@ -40,18 +40,25 @@ def _run(cmd, **kw):
     return result
 
 
-def test_sdist_and_wheel_build_with_default_isolation(tmp_path):
-    _run([sys.executable, "-m", "build", "--sdist", "--outdir", str(tmp_path), str(ROOT)])
-    (sdist,) = tmp_path.glob("*.tar.gz")
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """An sdist, and a wheel built from it, both with pip's default build isolation: (sdist, wheel, pip's log)."""
+    out = tmp_path_factory.mktemp("dist")
+    _run([sys.executable, "-m", "build", "--sdist", "--outdir", str(out), str(ROOT)])
+    (sdist,) = out.glob("*.tar.gz")
+    result = _run([sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--no-cache-dir", "-w", str(out),
+                   str(sdist)])
+    (wheel,) = out.glob("*.whl")
+    return sdist, wheel, result.stdout + result.stderr
+
+
+def test_sdist_and_wheel_build_with_default_isolation(built):
+    sdist, wheel, log = built
     names = {n.split("/", 1)[1] for n in tarfile.open(sdist).getnames() if "/" in n}
     assert {"setup.py", "pyproject.toml", "csrc/metal/launcher.mm", "shaders/flash_fwd.metal"} <= names
 
-    result = _run([sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--no-cache-dir", "-w", str(tmp_path),
-                   str(sdist)])
-    log = result.stdout + result.stderr
     assert "Installing build dependencies" in log
     assert not re.search(r"Collecting torch\b", log), "a Linux build must not pull torch into its environment"
-    (wheel,) = tmp_path.glob("*.whl")
     assert wheel.name.endswith("-py3-none-any.whl"), wheel.name
     files = set(zipfile.ZipFile(wheel).namelist())
     shaders = {f"torch_metal_flash/shaders/{p.name}" for p in (ROOT / "shaders").iterdir()}
@@ -60,6 +67,20 @@ def test_sdist_and_wheel_build_with_default_isolation(tmp_path):
     assert not any("/_C." in f or f.endswith(".metallib") for f in files)
     record = json.loads(zipfile.ZipFile(wheel).read("torch_metal_flash/_build_info.json"))
     assert record["platform"] == sys.platform and record["torch"] is None
+
+
+def test_installed_wheel_runs_the_demo_in_the_emulator(built, tmp_path):
+    """The installed layout (csrc/ ships as _csrc/) through the emulator's checks, outside the checkout: the
+    shim's own code must stay exempt from the rules for user code (a function pointer in the shim once
+    failed every kernel compile of an installed package, while the checkout's tests passed)."""
+    site = tmp_path / "site"
+    zipfile.ZipFile(built[1]).extractall(site)  # a pure-Python wheel: unpacking it is installing it
+    env = dict(os.environ, PYTHONPATH=str(site), TORCH_METAL_FLASH_CACHE_DIR=str(tmp_path / "cache"))
+    result = _run([sys.executable, "-m", "torch_metal_flash", "--quick"], cwd=tmp_path, env=env)
+    assert f"{site}/torch_metal_flash" in _run([sys.executable, "-c", "import torch_metal_flash as t; print(t.__file__)"],
+                                               cwd=tmp_path, env=env).stdout
+    assert "all results within the float64-oracle budget" in result.stdout
+    assert "'emulator': 2" in result.stdout, result.stdout
 
 
 FAKE_XCRUN = '''#!{python}

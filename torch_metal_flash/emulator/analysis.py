@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import re
 
+from .rules import SHIM_PATH
+
 _DEFINE = re.compile(r"^define [^@]*@(\"[^\"]+\"|[\w.$]+)\((.*)$")
 _CALL = re.compile(r"\b(?:call|invoke)\b[^@]*@(\"[^\"]+\"|[\w.$]+)\(")
 _DBG = re.compile(r"!dbg (!\d+)")
@@ -24,7 +26,6 @@ _TG_KEY = re.compile(r"^@(_ZZ[\w.$]+?E\d+__mtl_tgk_\d+) = .*\[2 x i64\] \[i64 (\
 _MAX_THREADS = re.compile(r"^@__mtl_max_threads_(\d+) = .*constant i32 (-?\d+)", re.M)
 _ENTRY_ARG = re.compile(r"ptr (?:noundef )?@(_Z[\w.$]+)")
 _VEC_BITCAST = re.compile(r"= bitcast <(\d+) x (\w+)> .* to <(\d+) x (\w+)>")
-_SHIM = re.compile(r"(?:^|[/\\])csrc[/\\]emulator[/\\]shim[/\\]")  # debug info may name it relatively
 
 
 def _metadata(ir: str) -> dict:
@@ -122,7 +123,7 @@ def _function_pointer(ir: str, meta: dict, functions: set):
             continue
         if any(v in functions for v in _FUNCTION_VALUE.findall(line)) or _INDIRECT_CALL.search(line):
             file, ln = _location(meta, d.group(1))
-            if not _SHIM.search(file):
+            if not SHIM_PATH.search(file):
                 return {"file": file, "line": ln}
     return None
 
@@ -134,7 +135,7 @@ def _vector_cast(ir: str, meta: dict):
         d = _DBG.search(line)
         if m and d and m.group(1) == m.group(3) and m.group(2) != m.group(4):
             file, ln = _location(meta, d.group(1))
-            if not _SHIM.search(file):
+            if not SHIM_PATH.search(file):
                 return {"file": file, "line": ln}
     return None
 

@@ -353,8 +353,8 @@ def analyze(comp: Compiler, text: str, name: str) -> dict:
     CompileError on recursion; returns {host entry index: {"static_threadgroup_memory_length",
     "max_total_threads_per_threadgroup"}} (cached on disk)."""
     flags = BUILD_FLAGS + ["-O0", "-S", "-emit-llvm"]
-    key = _hash("analysis", PREPASS_VERSION, runtime_sources_hash(), _source_of(analysis), comp.ident,
-                " ".join(flags), text)
+    key = _hash("analysis", PREPASS_VERSION, runtime_sources_hash(), _source_of(analysis), _source_of(rules),
+                comp.ident, " ".join(flags), text)
     target = cache_dir() / f"analysis-{key}.json"
 
     def run(tmp):

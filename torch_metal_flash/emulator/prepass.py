@@ -33,6 +33,7 @@ import re
 from typing import Optional
 
 from .errors import CompileError
+from .rules import SHIM_PATH
 
 BUILTINS = {
     "thread_position_in_grid": 0,
@@ -662,7 +663,6 @@ _UNROLL_PRAGMA_WITH_NAMES = re.compile(r"^[ \t]*#[ \t]*pragma[ \t]+unroll\b[^\n]
 
 
 _VIRTUAL = re.compile(r"\bvirtual\b")
-_SHIM_FILE = re.compile(r"(?:^|[/\\])csrc[/\\]emulator[/\\]shim[/\\]")
 
 
 def _reject_virtual(masked: str, lines: "_Lines") -> None:
@@ -670,7 +670,7 @@ def _reject_virtual(masked: str, lines: "_Lines") -> None:
     the passes allow (a function as a template argument is valid Metal), so the keyword is
     found here."""
     for m in _VIRTUAL.finditer(masked):
-        if not _SHIM_FILE.search(lines.at(m.start())[0]):
+        if not SHIM_PATH.search(lines.at(m.start())[0]):
             file, line = lines.at(m.start())
             raise CompileError(f"{file}:{line}: MSL restriction: virtual functions are not supported", file=file,
                                line=line, rule="virtual")

@@ -98,7 +98,8 @@ def explanations(rule: str) -> set:
 _CONSTANT_EXPRESSION = re.compile(r"constant expression|explicitly-specified argument|initializer of '\w+' is unknown")
 _HEADER = re.compile(r"^(.*?):(\d+):(\d+):((?:\{\d+:\d+-\d+:\d+\})*):? ?(fatal error|error|warning|note): (.*)$")
 _RANGE = re.compile(r"\{(\d+):(\d+)-(\d+):(\d+)\}")
-_SHIM = re.compile(r"[/\\]csrc[/\\]emulator[/\\]shim[/\\]")
+# The shim's files: csrc/ in a checkout, _csrc/ in an installed package; debug info may name them relatively.
+SHIM_PATH = re.compile(r"(?:^|[/\\])_?csrc[/\\]emulator[/\\]shim[/\\]")
 
 
 @dataclasses.dataclass
@@ -173,10 +174,10 @@ def rule_of(d: Diagnostic, constants: set = frozenset()) -> tuple:
 def _user_location(d: Diagnostic) -> tuple:
     """Where in the user's code an error is: the innermost note outside the shim
     (e.g. the instantiation) when clang reports it inside the shim."""
-    if _SHIM.search(d.file):
+    if SHIM_PATH.search(d.file):
         for line in d.text.splitlines()[1:]:
             m = _HEADER.match(line)
-            if m and not _SHIM.search(m.group(1)):
+            if m and not SHIM_PATH.search(m.group(1)):
                 return m.group(1), int(m.group(2))
     return d.file, d.line
 
@@ -196,7 +197,7 @@ def _wide_scalar_operand(d: Diagnostic) -> Optional[tuple]:
     converts the scalar to the vector's element type, C++ for OpenCL rejects it."""
     m = re.match(r"scalar operand type has greater rank than the type of the vector element\. \('([^']*)'( \(vector)?",
                  d.message)
-    if not m or len(d.ranges) != 2 or _SHIM.search(d.file):
+    if not m or len(d.ranges) != 2 or SHIM_PATH.search(d.file):
         return None
     first_is_vector = bool(m.group(2)) or "ext_vector_type" in m.group(1)
     return d.ranges[1] if first_is_vector else d.ranges[0]
@@ -209,10 +210,10 @@ def judge_generic(stderr: str, name: str, constants: set) -> dict:
     copies, warnings = [], []
     for d in parse(stderr):
         if d.severity == "warning":
-            if not _SHIM.search(d.file) and not _FLOAT_LITERAL.search(d.message):
+            if not SHIM_PATH.search(d.file) and not _FLOAT_LITERAL.search(d.message):
                 warnings.append(d.text)
             continue
-        if _copies_from_constant(d) and d.ranges and not _SHIM.search(d.file):
+        if _copies_from_constant(d) and d.ranges and not SHIM_PATH.search(d.file):
             copies.append(d.ranges[-1])  # the last range is the source (`a = b`: b)
             continue
         scalar = _wide_scalar_operand(d)
@@ -226,7 +227,7 @@ def judge_generic(stderr: str, name: str, constants: set) -> dict:
 def judge_this(stderr: str, name: str) -> Optional[dict]:
     """The pass without a generic address space: the first error Metal makes too."""
     for d in parse(stderr):
-        if d.severity != "warning" and not _SHIM.search(d.file) and _breaks_thread_rules(d):
+        if d.severity != "warning" and not SHIM_PATH.search(d.file) and _breaks_thread_rules(d):
             return _error_dict(d, *rule_of(d), name)
     return None
 
