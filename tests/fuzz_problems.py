@@ -965,8 +965,8 @@ def runs_on_kernels(p: dict) -> bool:
     mask = p.get("mask")
     if mask is not None and mask["kind"] == "float" and mask["dtype"] not in KERNEL_DTYPES:
         return False
-    if _quantized(p) and p["kv"]["mode"] == "symmetric" and p["d"] % 4:
-        return False  # int8 rows are read as 4-byte words (docs/kvcache.md)
+    if _quantized(p) and p["kv"]["mode"] == "symmetric" and p["d"] % 4 and "lens_q" not in p:
+        return False  # the decode kernels read int8 rows as 4-byte words (docs/kvcache.md); varlen dequantizes first
     return p.get("dropout_p", 0.0) == 0.0
 
 
@@ -1129,6 +1129,14 @@ def check_problem(p: dict) -> None:
     inputs, grads = face.build(p, gen)
     if p.get("extreme", "none").startswith("nan"):
         grads = []  # forward only: gradients of NaN inputs are NaN wherever they reach
+    _check(face, p, inputs, grads)
+    if p.get("decode") and grads and face.differentiable:
+        # A call that keeps state for a backward takes the prefill kernels: forward only again,
+        # so decode-shaped problems reach the split-K decode kernels on every face.
+        _check(face, p, inputs, [])
+
+
+def _check(face: Face, p: dict, inputs: dict, grads) -> None:
     snapshot = {n: _fresh(t) for n, t in inputs.items()}
     dtype = p_dtype(p)
     on_kernels = runs_on_kernels(p)
