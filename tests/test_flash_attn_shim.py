@@ -203,3 +203,59 @@ def test_varlen_and_kvcache_forward_to_ours(shim):
             n = int(seqlens[b])
             want = _ref(q[b:b + 1], kc[b:b + 1, :n], vc[b:b + 1, :n], causal=True)[0]
             torch.testing.assert_close(out[b].double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_bert_padding_round_trip_and_gradients(shim):
+    """flash_attn.bert_padding: unpad_input / pad_input as flash-attn 2.7+ (five return values),
+    gradients scatter back to the kept rows only."""
+    from flash_attn.bert_padding import index_first_axis, pad_input, unpad_input
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 5, 2, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 1, 1, 0, 0]])
+    unused = torch.tensor([[0, 0, 0, 1, 0], [0] * 5, [0] * 5])
+    rows, idx, cu, max_len, used = unpad_input(x, mask, unused)
+    keep = (mask + unused).bool()
+    assert torch.equal(rows, x[keep]) and torch.equal(idx, keep.flatten().nonzero().flatten())
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, 4, 9, 11]
+    assert max_len == 5 and isinstance(max_len, int) and used.tolist() == [3, 5, 2]
+    back = pad_input(rows, idx, 3, 5)
+    assert torch.equal(back, x * keep[..., None, None])
+    (gx,) = torch.autograd.grad((back * torch.arange(4.0, dtype=torch.float64)).sum(), x)
+    assert torch.equal(gx, keep[..., None, None] * torch.arange(4.0, dtype=torch.float64).expand_as(x))
+    rows2 = torch.randn(11, 2, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    torch.autograd.gradcheck(lambda r: pad_input(r, idx, 3, 5), (rows2,))
+    torch.autograd.gradcheck(lambda t: index_first_axis(t, idx), (x.detach().reshape(15, 2, 4).requires_grad_(),))
+    with pytest.raises(ValueError, match="attention_mask: expected shape \\(batch, seqlen\\) = \\(3, 5\\)"):
+        unpad_input(x, mask[:, :4])
+    with pytest.raises(TypeError, match="indices: expected a 1-d int32/int64 tensor"):
+        index_first_axis(x, idx.float())
+
+
+def test_bert_padding_for_concatenated_sequences(shim):
+    from flash_attn.bert_padding import unpad_input_for_concatenated_sequences
+    x = torch.arange(12.0).reshape(2, 6, 1)
+    lengths = torch.tensor([[2, 3, 0, 0, 0, 0], [3, 2, 1, 0, 0, 0]])
+    rows, idx, cu, max_len = unpad_input_for_concatenated_sequences(x, lengths)
+    assert idx.tolist() == [0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 11] and rows.flatten().tolist() == [float(i) for i in idx]
+    assert cu.tolist() == [0, 2, 5, 8, 10, 11] and max_len == 3
+
+
+def test_bert_padding_feeds_varlen_like_padded_attention(shim):
+    """The training-script pattern: unpad a padded batch, flash_attn_varlen_func on the kernels,
+    pad back; equals attention over each sequence's own tokens."""
+    from flash_attn import flash_attn_varlen_func
+    from flash_attn.bert_padding import pad_input, unpad_input
+    import torch_metal_flash as tmf
+    g = torch.Generator().manual_seed(4)
+    B, L, H, D = 3, 7, 2, 16
+    q, k, v = (torch.randn(B, L, H, D, generator=g) for _ in range(3))
+    mask = torch.zeros(B, L, dtype=torch.bool)
+    for b, n in enumerate((7, 3, 5)):
+        mask[b, :n] = True
+    (qu, idx, cu, max_len, _), (ku, *_), (vu, *_) = (unpad_input(t, mask) for t in (q, k, v))
+    with tmf.backend("emulator", strict=True):
+        out = pad_input(flash_attn_varlen_func(qu, ku, vu, cu, cu, max_len, max_len, causal=True), idx, B, L)
+    for b, n in enumerate((7, 3, 5)):
+        want = _ref(q[b:b + 1, :n], k[b:b + 1, :n], v[b:b + 1, :n], causal=True)[0]
+        torch.testing.assert_close(out[b, :n].double(), want, atol=1e-5, rtol=1e-5)
+        assert not out[b, n:].any()

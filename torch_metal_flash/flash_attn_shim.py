@@ -25,7 +25,7 @@ from types import ModuleType
 __all__ = ["install_flash_attn_shim", "uninstall_flash_attn_shim", "is_flash_attn_shim_installed"]
 
 _SHIM_PACKAGE = "torch_metal_flash._flash_attn_shim"
-_SUBMODULES = ("flash_attn_interface",)
+_SUBMODULES = ("flash_attn_interface", "bert_padding")
 
 _lock = threading.Lock()
 _saved: dict = {}  # what sys.modules held under our names before install (force=True)
