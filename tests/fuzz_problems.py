@@ -14,11 +14,13 @@ schedule orders and holds the results to the float64 oracle under the rule of
 dtype of the very problems the face's math states, see :func:`budget`),
 forward and backward, and the two runs to each other bit for bit.
 
-Later features plug in with a line or two: a draw in the face's strategy
-(in-kernel varlen needs none: the varlen face already draws ragged batches;
-``dropout_p`` in ``_draw_flash_features``, checked with a fixed generator seed
-against the same mask in the oracle) and, while the kernels do not cover it,
-the :func:`runs_on_kernels` predicate.
+Dropout (the SDPA, override and flash-attn faces): the face draws its Philox
+``rng_state`` from torch's default generator seeded with the problem's seed, and the
+oracle applies the keep mask :mod:`torch_metal_flash.philox` computes from the same
+state (:func:`dropout_keep`).
+
+Later features plug in with a line or two: a draw in the face's strategy and, while the
+kernels do not cover it, the :func:`runs_on_kernels` predicate.
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ import torch.nn.functional as F
 from hypothesis import strategies as st
 
 import torch_metal_flash as tmf
-from torch_metal_flash import backends, emulator, testing
+from torch_metal_flash import backends, emulator, philox, testing
 from torch_metal_flash.quant import QuantizedTensor, flat_format
 from torch_metal_flash.spec import make_spec
 
@@ -210,12 +212,39 @@ def make_mask(spec: Optional[dict], gen: torch.Generator) -> Optional[torch.Tens
 # Dense semantics (the oracle in float64) and the hand-over to the budget
 # ---------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def seeded(p: dict):
+    """torch's default generator at the problem's seed (restored after): where a face with
+    dropout draws its Philox state."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(p["seed"])
+        yield
+
+
+def dropout_keep(p: dict, B: int, Hq: int, Lq: int, Lk: int, batch_entry: int = 0):
+    """``dense_attention``'s ``dropout`` for problem ``p``: (keep mask of batch entries
+    ``batch_entry ...`` (B, Hq, Lq, Lk), p) as philox.py states it, from the state the face
+    draws under :func:`seeded`; None without dropout."""
+    drop_p = p.get("dropout_p", 0.0)
+    if not drop_p:
+        return None
+    with seeded(p):
+        state = philox.new_rng_state("cpu")
+    bh = ((torch.arange(B) + batch_entry) * Hq)[:, None, None, None] + torch.arange(Hq)[:, None, None]
+    return philox.keep_mask(state, drop_p, bh, torch.arange(Lq)[:, None], torch.arange(Lk)), drop_p
+
+
+# the spec testing.plain_attention reads dropout's p from (the mask comes as ``keep``)
+_NO_RNG = torch.zeros(2, dtype=torch.int64)
+
+
 def dense_attention(q, k, v, *, scale: float, softcap: float = 0.0, alibi=None, bias=None, visible=None,
-                    sinks=None):
+                    sinks=None, dropout=None):
     """Softmax attention written out: q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv);
     ``alibi`` = (slopes (B, Hq), diag) subtracts ``slope * |i + diag - j|`` from the (soft-capped)
     scores, then ``bias`` is added, ``visible`` masks them, ``sinks`` (Hq,) adds one logit per
-    head to the denominator.  Rows with nothing visible: zeros, lse = +inf.
+    head to the denominator; ``dropout`` = (keep (B, Hq, Lq, Lk) bool, p) scales the kept
+    probabilities by 1 / (1 - p) and zeroes the others.  Rows with nothing visible: zeros, lse = +inf.
     Rows whose scores are all below -1e37 average the values and pass no gradient (spec.py).
     Differentiable; computes in the inputs' dtype.
 
@@ -223,11 +252,11 @@ def dense_attention(q, k, v, *, scale: float, softcap: float = 0.0, alibi=None, 
     (:class:`_HandOver`)."""
     mode = _BUDGET.get()
     if mode is not None:
-        return _HandOver.apply(mode, scale, softcap, alibi, q, k, v, bias, visible, sinks)
-    return _dense(q, k, v, scale, softcap, alibi, bias, visible, sinks)
+        return _HandOver.apply(mode, scale, softcap, alibi, dropout, q, k, v, bias, visible, sinks)
+    return _dense(q, k, v, scale, softcap, alibi, bias, visible, sinks, dropout)
 
 
-def _dense(q, k, v, scale, softcap, alibi, bias, visible, sinks):
+def _dense(q, k, v, scale, softcap, alibi, bias, visible, sinks, dropout=None):
     B, Hq, Lq, _ = q.shape
     G = Hq // max(1, k.shape[1])
     kk, vv = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
@@ -252,6 +281,9 @@ def _dense(q, k, v, scale, softcap, alibi, bias, visible, sinks):
     lse = (m + torch.log(total)).masked_fill(empty, float("inf")).squeeze(-1)
     saturated = (lse < SATURATED).unsqueeze(-1)
     p = torch.where(saturated, p.detach(), p)[..., :s.shape[-1]]
+    if dropout is not None:
+        keep, drop_p = dropout
+        p = p * (keep.to(p.dtype) * philox.keep_scale(drop_p))
     out = torch.where(saturated, p @ vv.detach(), p @ vv)
     return out, lse
 
@@ -271,7 +303,7 @@ class _HandOver(torch.autograd.Function):
     """dense_attention's problem as plain math in T (``magnitudes=False``) or its magnitudes M."""
 
     @staticmethod
-    def forward(ctx, mode, scale, softcap, alibi, q, k, v, bias, visible, sinks):
+    def forward(ctx, mode, scale, softcap, alibi, dropout, q, k, v, bias, visible, sinks):
         dtype, magnitudes = mode
         # A NaN input only reaches elements the rule does not compare (check_problem: the NaN
         # sets): the budget is the one of the same problem with the NaNs set to 0.
@@ -281,15 +313,17 @@ class _HandOver(torch.autograd.Function):
         if visible is not None:
             mask = visible if bias is None else bias.masked_fill(~visible, float("-inf"))
         slopes, diag = (None, 0) if alibi is None else (alibi[0].expand(q.shape[0], q.shape[1]), alibi[1])
-        ctx.spec = make_spec(q, k, v, mask, slopes, sinks, scale=scale, diag_offset=diag, softcap=softcap)
+        ctx.keep, drop_p = (None, 0.0) if dropout is None else dropout
+        ctx.spec = make_spec(q, k, v, mask, slopes, sinks, scale=scale, diag_offset=diag, softcap=softcap,
+                             dropout_p=drop_p, rng_state=_NO_RNG)
         ctx.dtype = torch.float64 if magnitudes else dtype
         ctx.magnitudes = magnitudes
-        ctx.dbias = bias is not None and ctx.needs_input_grad[7]
+        ctx.dbias = bias is not None and ctx.needs_input_grad[8]
         ctx.set_materialize_grads(True)
-        res = testing.plain_attention(ctx.spec, ctx.dtype, exact=magnitudes)
+        res = testing.plain_attention(ctx.spec, ctx.dtype, exact=magnitudes, keep=ctx.keep)
         if magnitudes:
             # The hand-over states the face's problem: in float64 it gives the oracle's numbers.
-            exact = _dense(q, k, v, scale, softcap, alibi, bias, visible, sinks)
+            exact = _dense(q, k, v, scale, softcap, alibi, bias, visible, sinks, dropout)
             for name, a, b in (("out", res.out, exact[0]), ("lse", res.lse, exact[1])):
                 scale_ = max(1.0, b[torch.isfinite(b)].abs().max().item()) if torch.isfinite(b).any() else 1.0
                 assert torch.allclose(a, b, rtol=0, atol=1e-9 * scale_, equal_nan=True), \
@@ -300,9 +334,9 @@ class _HandOver(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         res = testing.plain_attention(ctx.spec, ctx.dtype, dout=dout.detach(), compute_dbias=ctx.dbias,
-                                      exact=ctx.magnitudes)
+                                      exact=ctx.magnitudes, keep=ctx.keep)
         g = res.magnitude if ctx.magnitudes else vars(res)
-        return (None, None, None, None, g["dq"], g["dk"], g["dv"], g["dbias"] if ctx.dbias else None, None,
+        return (None, None, None, None, None, g["dq"], g["dk"], g["dv"], g["dbias"] if ctx.dbias else None, None,
                 g.get("dsinks") if ctx.spec.sinks is not None else None)
 
 
@@ -371,6 +405,7 @@ def _draw_sdpa(draw, mask_min_rank=1, kv=True):
     p["extreme"] = draw_extreme(draw, p["dtype"])
     if kv:
         draw_kv(draw, p)
+    p["dropout_p"] = draw(st.sampled_from((0.0,) * 4 + (0.17, 0.6)))
     return p
 
 
@@ -394,7 +429,8 @@ def _build_sdpa(p, gen):
 
 def _call_sdpa(p, x):
     out = tmf.scaled_dot_product_attention(x["q"], x["k"], x["v"], attn_mask=x.get("attn_mask"),
-                                           is_causal=p["causal"], scale=p["scale"], enable_gqa=p["hq"] != p["hkv"])
+                                           dropout_p=p.get("dropout_p", 0.0), is_causal=p["causal"],
+                                           scale=p["scale"], enable_gqa=p["hq"] != p["hkv"])
     return out, None
 
 
@@ -410,8 +446,8 @@ def _call_override(p, x):
     before = tmf.sdpa_stats().get("routed", 0)
     with tmf.sdpa_override():
         out = F.scaled_dot_product_attention(x["q"], x["k"], x["v"], attn_mask=x.get("attn_mask"),
-                                             is_causal=p["causal"], scale=p["scale"],
-                                             enable_gqa=p["hq"] != p["hkv"])
+                                             dropout_p=p.get("dropout_p", 0.0), is_causal=p["causal"],
+                                             scale=p["scale"], enable_gqa=p["hq"] != p["hkv"])
     routed = tmf.sdpa_stats().get("routed", 0) - before
     if backends.requested() == "emulator":
         assert routed == 1, f"the override did not route the call: {tmf.sdpa_stats()}"
@@ -433,7 +469,8 @@ def _math_sdpa(p, x):
         else:
             bias = m.to(q.dtype)
     scale = p["d"] ** -0.5 if p["scale"] is None else p["scale"]
-    out, _ = dense_attention(q, k, v, scale=scale, bias=bias, visible=visible)
+    out, _ = dense_attention(q, k, v, scale=scale, bias=bias, visible=visible,
+                             dropout=dropout_keep(p, B, Hq, Lq, Lk))
     return (out if p["rank"] == 4 else out[0]), None
 
 
@@ -451,6 +488,7 @@ def _draw_flash_features(draw, p):
     p["extreme"] = draw_extreme(draw, p["dtype"])
     if p.get("packing", "none") == "none":
         draw_kv(draw, p)
+    p["dropout_p"] = draw(st.sampled_from((0.0,) * 4 + (0.17, 0.6)))
     return p
 
 
@@ -497,8 +535,9 @@ def _drop_dim(layout: dict) -> dict:
 
 
 def _flash_kwargs(p, x):
-    return dict(softmax_scale=p["scale"], causal=p["causal"], window_size=p["window"], softcap=p["softcap"],
-                alibi_slopes=x.get("alibi_slopes"), return_attn_probs=p["return_lse"])
+    return dict(dropout_p=p.get("dropout_p", 0.0), softmax_scale=p["scale"], causal=p["causal"],
+                window_size=p["window"], softcap=p["softcap"], alibi_slopes=x.get("alibi_slopes"),
+                return_attn_probs=p["return_lse"])
 
 
 def _unpack_lse(res, p):
@@ -514,8 +553,9 @@ def _call_flash(p, x):
     return _unpack_lse(tmf.flash_attn_func(x["q"], x["k"], x["v"], **kw), p)
 
 
-def _flash_math_one(p, q, k, v, slopes, seqlen_k_clamp):
-    """flash-attn semantics on (B, L, H, D) tensors: causal and windows bottom-right."""
+def _flash_math_one(p, q, k, v, slopes, seqlen_k_clamp, batch_entry=0):
+    """flash-attn semantics on (B, L, H, D) tensors: causal and windows bottom-right
+    (``batch_entry``: of q[0] in dropout's counters, the sequence for varlen)."""
     B, Lq, Hq, D = q.shape
     Lk = k.shape[1]
     left, right = flash_window(p["window"], p["causal"], seqlen_k_clamp)
@@ -524,7 +564,7 @@ def _flash_math_one(p, q, k, v, slopes, seqlen_k_clamp):
     scale = D ** -0.5 if p["scale"] is None else p["scale"]
     out, lse = dense_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale,
                                softcap=p["softcap"], alibi=None if slopes is None else (slopes, diag),
-                               visible=visible)
+                               visible=visible, dropout=dropout_keep(p, B, Hq, Lq, Lk, batch_entry))
     return out.transpose(1, 2), lse
 
 
@@ -580,7 +620,7 @@ def _math_varlen(p, x):
     for b in range(p["batch"]):
         sl = None if slopes is None else (slopes if slopes.dim() == 1 else slopes[b])
         o, lse = _flash_math_one(p, x["q"][None, cq[b]:cq[b + 1]], x["k"][None, ck[b]:ck[b + 1]],
-                                 x["v"][None, ck[b]:ck[b + 1]], sl, max(p["lens_k"]))
+                                 x["v"][None, ck[b]:ck[b + 1]], sl, max(p["lens_k"]), b)
         outs.append(o[0])
         lses.append(lse[0])
     if not outs:
@@ -965,9 +1005,10 @@ def runs_on_kernels(p: dict) -> bool:
     mask = p.get("mask")
     if mask is not None and mask["kind"] == "float" and mask["dtype"] not in KERNEL_DTYPES:
         return False
-    if _quantized(p) and p["kv"]["mode"] == "symmetric" and p["d"] % 4 and "lens_q" not in p:
-        return False  # the decode kernels read int8 rows as 4-byte words (docs/kvcache.md); varlen dequantizes first
-    return p.get("dropout_p", 0.0) == 0.0
+    dequantized = "lens_q" in p or p.get("dropout_p", 0.0) > 0  # varlen and dropout dequantize K/V first
+    if _quantized(p) and p["kv"]["mode"] == "symmetric" and p["d"] % 4 and not dequantized:
+        return False  # the decode kernels read int8 rows as 4-byte words (docs/kvcache.md)
+    return True
 
 
 # ---------------------------------------------------------------------------
@@ -1097,7 +1138,8 @@ def _run(face: Face, p, inputs, grads, dout_seed: int):
     x = {n: _fresh(t) if n in face.mutated else t for n, t in inputs.items()}
     leaves = {n: x[n].detach().requires_grad_() for n in grads}
     x.update(leaves)
-    out, lse = face.call(p, x)
+    with seeded(p):
+        out, lse = face.call(p, x)
     g = {}
     if grads and out.numel() and face.differentiable:
         gen = torch.Generator().manual_seed(dout_seed)
