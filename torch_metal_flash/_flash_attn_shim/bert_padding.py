@@ -82,17 +82,13 @@ def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor, unuse
     ``seqused`` counts the rows of ``attention_mask`` alone (``seqused_k`` of the varlen call).
     """
     _check_padded(hidden_states, attention_mask, "attention_mask")
-    keep = attention_mask != 0
+    tokens = attention_mask != 0
+    keep = tokens
     if unused_mask is not None:
         _check_padded(hidden_states, unused_mask, "unused_mask")
         keep = keep | (unused_mask != 0)
-    seqlens = keep.sum(dim=-1, dtype=torch.int32)
-    used = (attention_mask != 0).sum(dim=-1, dtype=torch.int32)
-    indices = torch.nonzero(keep.flatten()).flatten()
-    max_seqlen = int(seqlens.max()) if seqlens.numel() else 0
-    cu_seqlens = F.pad(torch.cumsum(seqlens, dim=0, dtype=torch.int32), (1, 0))
-    rows = index_first_axis(hidden_states.reshape(-1, *hidden_states.shape[2:]), indices)
-    return rows, indices, cu_seqlens, max_seqlen, used
+    used = tokens.sum(dim=-1, dtype=torch.int32)
+    return (*_pack(hidden_states, keep, keep.sum(dim=-1, dtype=torch.int32)), used)
 
 
 def unpad_input_for_concatenated_sequences(hidden_states: torch.Tensor, attention_mask_in_length: torch.Tensor):
@@ -109,7 +105,12 @@ def unpad_input_for_concatenated_sequences(hidden_states: torch.Tensor, attentio
     # row r keeps its first sum(lengths[r]) positions
     keep = torch.arange(seqlen, device=lengths.device).expand(batch, seqlen) < lengths.sum(-1, keepdim=True)
     seqlens = lengths.flatten()
-    seqlens = seqlens[seqlens > 0].to(torch.int32)
+    return _pack(hidden_states, keep, seqlens[seqlens > 0].to(torch.int32))
+
+
+def _pack(hidden_states: torch.Tensor, keep: torch.Tensor, seqlens: torch.Tensor):
+    """The rows of ``hidden_states`` (batch, seqlen, ...) where ``keep`` (batch, seqlen) is set,
+    packed in order, for sequences of ``seqlens`` (int32) rows: (rows, indices, cu_seqlens, max_seqlen)."""
     indices = torch.nonzero(keep.flatten()).flatten()
     max_seqlen = int(seqlens.max()) if seqlens.numel() else 0
     cu_seqlens = F.pad(torch.cumsum(seqlens, dim=0, dtype=torch.int32), (1, 0))
