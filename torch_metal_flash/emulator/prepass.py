@@ -1056,8 +1056,16 @@ def _glue(kernels, constants, derived) -> str:
         out.append(f"MTL_EXPORT void __mtl_kernel_{i}(MtlThreadInfo* ti) {{ __mtl::invoke(&{k.func}, ti, __mtl_spec_{i}); }}\n")
         out.append(f"MTL_EXPORT int __mtl_kinfo_{i}(MtlParamInfo* o) {{ return __mtl::describe(&{k.func}, o); }}\n")
         out.append(f"MTL_EXPORT const unsigned __mtl_max_threads_{i} = {k.max_threads or 1024};\n")
-        # Built-in parameters must have the types Metal allows (reported at the parameter).
+        # Built-in parameters must have the types Metal allows, buffer and threadgroup ones
+        # their address space (reported at the parameter).
         for j, p in enumerate(k.params):
+            if p.kind in (P_BUFFER, P_THREADGROUP):
+                space = "device or constant" if p.kind == P_BUFFER else "threadgroup"
+                check = "buffer_param_ok" if p.kind == P_BUFFER else "threadgroup_param_ok"
+                msg = f"MSL: kernel parameter '{p.name}' must be a pointer or reference in the {space} address space"
+                out.append(f"# {p.line} {_c_string(p.file)}\n"
+                           f"static_assert(__mtl::{check}<__mtl::param_t<{j}, decltype({k.func})>>, {_c_string(msg)});\n")
+                continue
             if p.kind != P_BUILTIN:
                 continue
             position = p.builtin in POSITION_BUILTINS
