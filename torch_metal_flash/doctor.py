@@ -9,7 +9,7 @@ The first command to run after installing, and what to paste into a bug report:
    ``--all-variants`` for every combination), with the limits each reports;
 3. a probe grid -- forward, backward, decode; fp32/fp16/bf16; several head
    dims; masks, GQA, windows, softcap -- run in strict mode and held to the
-   float64 oracle by the DESIGN.md §5 rule;
+   float64 oracle by the acceptance rule (torch_metal_flash/testing.py);
 4. timing of forward, forward+backward and decode against
    ``F.scaled_dot_product_attention``;
 5. a markdown report; the exit status is 1 when anything failed.
@@ -408,7 +408,7 @@ def main(argv=None) -> int:
             print("probes ...")
             rows, fails = run_probes(probe_grid(full), name, device)
             failures += fails
-            sections.append("## Probes (DESIGN.md §5: max|x - ref64| <= 2 max|lowp - ref64| + atol)\n\n"
+            sections.append("## Probes (acceptance rule, torch_metal_flash.testing: max|x - ref64| <= 2 max|lowp - ref64| + atol)\n\n"
                             + _table(("probe", "worst: error / allowed", "result", "seconds"), rows))
         if "timing" not in skip:
             print("timing ...")
