@@ -111,6 +111,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         checked = _sdpa_checks(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         if signature is not None:
             _SDPA_CHECKED.put(signature, checked)
+    return sdpa_checked(query, key, value, attn_mask, checked)
+
+
+def sdpa_checked(query, key, value, attn_mask, checked):
+    """:func:`scaled_dot_product_attention` after its checks (``checked``: what
+    :func:`_sdpa_checks` returned for these arguments)."""
     scale, window_right, dropout_p, mask_shape = checked
     if isinstance(key, QuantizedTensor):
         checks.inference_only("quantized key/value", (("query", query), ("attn_mask", attn_mask)))
@@ -134,8 +140,7 @@ def _signature(make, *args):
 
 
 def _sdpa_signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
-    return (checks.signature(query), checks.signature(key), checks.signature(value), checks.signature(attn_mask),
-            checks.scalar(dropout_p), checks.scalar(is_causal), checks.scalar(scale), checks.scalar(enable_gqa))
+    return checks.call_signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
 def _sdpa_checks(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
@@ -249,9 +254,7 @@ _FLASH_CHECKED = checks.Memo("checks.flash")
 
 
 def _flash_signature(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes):
-    return (checks.signature(q), checks.signature(k), checks.signature(v), checks.scalar(dropout_p),
-            checks.scalar(softmax_scale), checks.scalar(causal), checks.scalar(window_size), checks.scalar(softcap),
-            checks.signature(alibi_slopes))
+    return checks.call_signature(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
 
 
 def _flash_arguments(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, seqlen_k):
