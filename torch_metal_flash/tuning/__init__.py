@@ -183,10 +183,62 @@ def planned(op: str, part: str, dtype: torch.dtype, head_dim: int, head_dim_v: O
     forced = _forced().get((op, part))
     if forced is not None and accepts(op, part, forced, dtype, head_dim, head_dim_v, fam):
         return forced
-    entry = _current_cache(fam).get(_key(op, part, dtype, head_dim, head_dim_v, seqlen_q, seqlen_k, causal, features))
+    key = _key(op, part, dtype, head_dim, head_dim_v, seqlen_q, seqlen_k, causal, features)
+    entry = _current_cache(fam).get(key)
+    if entry is None and autotune_enabled() and not any(features.values()):
+        entry = _autotune(op, dtype, head_dim, head_dim_v, seqlen_q, seqlen_k, causal, fam, key)
     if entry is not None and accepts(op, part, entry["variant"], dtype, head_dim, head_dim_v, fam):
         return entry["variant"]
     return None
+
+
+# ----------------------------------------------------------------------------- opt-in autotuning
+
+AUTOTUNE_ENV = "TORCH_METAL_FLASH_AUTOTUNE"
+AUTOTUNE_BUDGET_ENV = "TORCH_METAL_FLASH_AUTOTUNE_BUDGET"
+AUTOTUNE_BUDGET = 2.0  # seconds of timing per problem class, default
+_autotuned: set = set()
+_autotune_lock = threading.Lock()
+
+
+def autotune_enabled() -> bool:
+    return os.environ.get(AUTOTUNE_ENV, "0").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def autotune_budget() -> float:
+    return float(os.environ.get(AUTOTUNE_BUDGET_ENV, "") or AUTOTUNE_BUDGET)
+
+
+def budget_timer(budget: float, warmup: int = 1, repeats: int = 3) -> Callable:
+    """:func:`gpu_timer` that stops timing once ``budget`` seconds have passed: the
+    variants left are not run (they cannot win); the first (the default) always is."""
+    timer, start = gpu_timer(warmup, repeats), time.perf_counter()
+    first = [True]
+
+    def timed(variant, run):
+        if not first[0] and time.perf_counter() - start > budget:
+            return float("inf")
+        first[0] = False
+        return timer(variant, run)
+    return timed
+
+
+def _autotune(op, dtype, head_dim, head_dim_v, seqlen_q, seqlen_k, causal, family, key) -> Optional[dict]:
+    """Tune the class of a problem met for the first time (once per class and process; the
+    problem's shape with one batch row and 8 heads; its timing budget per op part)."""
+    if getattr(_local, "autotuning", False):
+        return None  # the tuner's own calls
+    with _autotune_lock:
+        if key[:1] + key[2:] in _autotuned:
+            return None
+        _autotuned.add(key[:1] + key[2:])
+    _local.autotuning = True
+    try:
+        tune([dict(op=op, dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, seqlen_q=seqlen_q,
+                   seqlen_k=seqlen_k, causal=causal, family=family)], timer=budget_timer(autotune_budget()))
+    finally:
+        _local.autotuning = False
+    return _current_cache(family).get(key)
 
 
 def choice(op: str, *, dtype, head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool,
@@ -249,12 +301,13 @@ def _runner(problem: dict, device: torch.device) -> Callable[[], None]:
     from .. import functional
     op, dtype = problem["op"], as_dtype(problem["dtype"])
     B, H = int(problem.get("batch", 1)), int(problem.get("heads", 8))
+    Hkv = int(problem.get("kv_heads", H))
     Lq, Lk, D = int(problem["seqlen_q"]), int(problem["seqlen_k"]), int(problem["head_dim"])
     Dv = int(problem.get("head_dim_v") or D)
     g = torch.Generator().manual_seed(0)
     q = torch.randn(B, Lq, H, D, generator=g).to(dtype).to(device)
-    k = torch.randn(B, Lk, H, D, generator=g).to(dtype).to(device)
-    v = torch.randn(B, Lk, H, Dv, generator=g).to(dtype).to(device)
+    k = torch.randn(B, Lk, Hkv, D, generator=g).to(dtype).to(device)
+    v = torch.randn(B, Lk, Hkv, Dv, generator=g).to(dtype).to(device)
     causal = bool(problem["causal"])
     if op == "bwd":
         q, k, v = (t.requires_grad_() for t in (q, k, v))
@@ -273,7 +326,7 @@ def tune(problems, *, timer: Optional[Callable] = None, cache=None, progress: Op
     ``default``, ``seconds`` (variant -> seconds) and ``speedup`` (default / winner).
 
     ``problems``: dicts with ``op`` plus the keyword arguments of :func:`choice`
-    (optionally ``batch`` and ``heads``, default 1 and 8).  ``timer(variant, run)``
+    (optionally ``batch``, ``heads`` and ``kv_heads``, default 1, 8 and ``heads``).  ``timer(variant, run)``
     returns the seconds of one run (default :func:`gpu_timer`); ``cache``: the file
     to update (default :func:`cache_path`).  ``progress(i, n, text)`` is told of each step."""
     timer = timer or gpu_timer()
@@ -305,6 +358,7 @@ def tune(problems, *, timer: Optional[Callable] = None, cache=None, progress: Op
                     seconds[name] = float(timer(name, run))
                 done += 1
         winner = min(names, key=lambda n: (seconds[n], names.index(n)))
+        seconds = {n: s for n, s in seconds.items() if s != float("inf")}  # not timed (a time budget)
         key = _key(op, part, dtype, problem["head_dim"], problem.get("head_dim_v"), problem["seqlen_q"],
                    problem["seqlen_k"], problem["causal"], features)
         entry = dict(zip(_cache._KEY, key), variant=winner, seconds=seconds)
