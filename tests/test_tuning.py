@@ -254,3 +254,43 @@ def test_stale_or_wrong_entries_are_not_used(tuning_cache):
     tuning.reload()
     assert tuning.choice("fwd", dtype=torch.float16, head_dim=64, seqlen_q=48, seqlen_k=48,
                          causal=True) == ("flash_fwd_f16_d64_q32_k64", "default")
+
+
+def test_autotune_tunes_a_class_once_when_first_met(tuning_cache, monkeypatch, launched):
+    monkeypatch.setenv("TORCH_METAL_FLASH_AUTOTUNE", "1")
+    monkeypatch.setenv("TORCH_METAL_FLASH_AUTOTUNE_BUDGET", "1000")  # time every variant
+    names = tuning.variants("fwd", dtype=torch.float16, head_dim=64)
+    q, k, v = _inputs(torch.float16, 64, 20, 20)
+    with tmf.backend("emulator", strict=True):
+        tmf.flash_attn_func(q, k, v)  # tunes the class: every variant runs, then the call itself
+        winner = tuning.choice("fwd", dtype=torch.float16, head_dim=64, seqlen_q=20, seqlen_k=20, causal=False)
+        assert winner[1] == "tuned" and set(launched[:-1]) == set(names) and launched[-1] == winner[0]
+        launched.clear()
+        tmf.flash_attn_func(q, k, v)  # a plan-cache hit: no tuning
+        tmf.flash_attn_func(q[:, :17], k, v)  # the same class, another shape: planned with the winner, no tuning
+    assert launched == [winner[0], winner[0]]
+    entry, = json.loads(tuning_cache.read_text())["entries"]
+    assert entry["variant"] == winner[0] and set(entry["seconds"]) == set(names)
+
+
+def test_budget_timer_stops_timing_after_the_budget():
+    ran = []
+    timer = tuning.budget_timer(0.0, warmup=0, repeats=1)
+    assert timer("a", lambda: ran.append("a")) >= 0 and ran == ["a"]  # the default is always timed
+    assert timer("b", lambda: ran.append("b")) == float("inf") and ran == ["a"]
+
+
+def test_cli_list_verify_and_tune_without_a_gpu(capsys):
+    from torch_metal_flash.tuning import cli
+    assert cli.main(["--list", "--ops", "bwd", "--dtypes", "bfloat16", "--head-dims", "128"]) == 0
+    text = capsys.readouterr().out
+    assert "flash_bwd_dq_bf16_d128_q64_k32, flash_bwd_dq_bf16_d128_q32_k32, flash_bwd_dkv_bf16_d128_k64_q32_m1" in text
+    assert cli.main(["--verify", "--ops", "decode", "--dtypes", "float16", "--head-dims", "64"]) == 0
+    text = capsys.readouterr().out
+    assert text.count(" ok (") == 2 and "every variant matches the oracle" in text
+    if not torch.backends.mps.is_available():
+        assert cli.main([]) == 2 and "tune --list" in capsys.readouterr().err
+    grid = cli.grid(["fwd", "decode"], [torch.float16], [64], quick=True)
+    assert len(grid) == 3 and {p["op"] for p in grid} == {"fwd", "decode"}
+    row = dict(op="fwd", dtype=torch.float16, head_dim=64, seqlen_q=1024, seqlen_k=1024, causal=False, heads=16)
+    assert cli.rate(row, 1e-3) == f"{4 * 16 * 1024 * 1024 * 64 / 1e-3 / 1e12:.2f} TFLOP/s"
