@@ -90,9 +90,15 @@ _MLX = {"f32": dict(_BASE["f32"]),
         "f16": {**_BASE["f16"], 64: (32, 32, False), 128: (32, 16, False), 160: (32, 16, False),
                 192: (32, 16, False), 256: (32, 16, False)}}
 _MLX["bf16"] = dict(_MLX["f16"])
+# MLX's blocks where its neural-accelerator path runs (GPU generation 17, M5): 64 query rows,
+# 32 keys per step, at the head dims it takes that path for (K/V share a buffer at 256 to fit).
+_MLX_NAX = {"f32": dict(_BASE["f32"]),
+            "f16": {**_MLX["f16"], 64: (64, 32, False), 96: (64, 32, False), 128: (64, 32, False),
+                    256: (64, 32, True)}}
+_MLX_NAX["bf16"] = dict(_MLX_NAX["f16"])
 
 FORWARD_TILES: dict[str, dict[str, dict[int, tuple[int, int, bool]]]] = {
-    "apple7": _BASE, "apple8": _BASE, "apple9": _MLX, "apple10": _MLX,
+    "apple7": _BASE, "apple8": _BASE, "apple9": _MLX, "apple10": _MLX_NAX,
 }
 _PRIMARY = {ForwardTile(dt, bd, *row).kernel for dt, rows in _BASE.items() for bd, row in rows.items()}
 
