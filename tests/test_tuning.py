@@ -271,6 +271,16 @@ def test_autotune_tunes_a_class_once_when_first_met(tuning_cache, monkeypatch, l
     assert launched == [winner[0], winner[0]]
     entry, = json.loads(tuning_cache.read_text())["entries"]
     assert entry["variant"] == winner[0] and set(entry["seconds"]) == set(names)
+    # a backward pass meets the bwd class: tuned inside the backward (the ops are timed directly)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    with tmf.backend("emulator", strict=True):
+        tmf.flash_attn_func(q, k, v).sum().backward()
+    parts = {e["part"]: e for e in json.loads(tuning_cache.read_text())["entries"]}
+    assert set(parts) == {"fwd", "dq", "dkv"}
+    for part in ("dq", "dkv"):
+        assert tuning.choice("bwd", dtype=torch.float16, head_dim=64, seqlen_q=20, seqlen_k=20, causal=False,
+                             part=part) == (parts[part]["variant"], "tuned")
+        assert len(parts[part]["seconds"]) == 2
 
 
 def test_budget_timer_stops_timing_after_the_budget():

@@ -153,13 +153,18 @@ def _current_cache(family: str) -> _cache.Cache:
         with _cache_lock:
             c = _loaded
             if c is None or c.path != path or c.gpu != gpu:
+                # plans made so far saw the old file (none when this is the first load)
+                changed = c is not None
                 c = _loaded = _cache.Cache(path, gpu)
-                _bump()
+                if changed:
+                    _bump()
     return c
 
 
 def reload() -> None:
-    """Read the cache file again (e.g. after another process tuned)."""
+    """Read the cache file again (e.g. after another process tuned, or after
+    ``TORCH_METAL_FLASH_TUNING_CACHE`` changed: plans already cached keep their
+    choice until then)."""
     global _loaded
     with _cache_lock:
         _loaded = None
@@ -297,27 +302,32 @@ def gpu_timer(warmup: int = 2, repeats: int = 7) -> Callable[[str, Callable[[], 
 
 
 def _runner(problem: dict, device: torch.device) -> Callable[[], None]:
-    """A closure that runs ``problem`` once on ``device`` (forward, forward + backward, or decode)."""
-    from .. import functional
+    """A closure that runs ``problem``'s op once on ``device``: the forward op (which takes
+    the decode kernels for decode shapes), or the backward op alone (its forward run once
+    here).  The ops are called directly: no autograd, so this also works inside a backward
+    pass (autotuning) and times the kernels, not the faces."""
     op, dtype = problem["op"], as_dtype(problem["dtype"])
     B, H = int(problem.get("batch", 1)), int(problem.get("heads", 8))
     Hkv = int(problem.get("kv_heads", H))
     Lq, Lk, D = int(problem["seqlen_q"]), int(problem["seqlen_k"]), int(problem["head_dim"])
     Dv = int(problem.get("head_dim_v") or D)
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(B, Lq, H, D, generator=g).to(dtype).to(device)
-    k = torch.randn(B, Lk, Hkv, D, generator=g).to(dtype).to(device)
-    v = torch.randn(B, Lk, Hkv, Dv, generator=g).to(dtype).to(device)
+    q = torch.randn(B, H, Lq, D, generator=g).to(dtype).to(device)
+    k = torch.randn(B, Hkv, Lk, D, generator=g).to(dtype).to(device)
+    v = torch.randn(B, Hkv, Lk, Dv, generator=g).to(dtype).to(device)
     causal = bool(problem["causal"])
-    if op == "bwd":
-        q, k, v = (t.requires_grad_() for t in (q, k, v))
-        dout = torch.randn(B, Lq, H, Dv, generator=g).to(dtype).to(device)
+    scalars = (D ** -0.5, Lk - Lq, -1, 0 if causal else -1, 0.0)  # scale, bottom-right diagonal, window, softcap
+    rest = (0.0, None, None, None, None)  # dropout_p, rng_state, cu_seqlens_q/k, seqused_k
 
-        def run():
-            out = functional.flash_attn_func(q, k, v, causal=causal)
-            torch.autograd.grad(out, (q, k, v), dout)
-        return run
-    return lambda: functional.flash_attn_func(q, k, v, causal=causal)
+    def forward(return_aux: bool):
+        return torch.ops.metal_flash.fwd(q, k, v, None, None, None, *scalars, return_aux, *rest, None, 0, 0)
+    if op != "bwd":
+        return lambda: forward(False)
+    with torch.no_grad():
+        out, _, aux = forward(True)
+    dout = torch.randn(B, H, Lq, Dv, generator=g).to(dtype).to(device)
+    return lambda: torch.ops.metal_flash.bwd(dout, q, k, v, out, aux, None, None, None, None, *scalars, False,
+                                             *rest, 0, 0)
 
 
 def tune(problems, *, timer: Optional[Callable] = None, cache=None, progress: Optional[Callable] = None) -> list:
@@ -334,10 +344,14 @@ def tune(problems, *, timer: Optional[Callable] = None, cache=None, progress: Op
     from .. import backends
     backend_name = "metal" if device.type == "mps" else "emulator"
     steps = []
+    here = _family(None)
     for problem in problems:
         problem = dict(problem)
         op = check_op(problem.pop("op"))
         dtype, fam = as_dtype(problem["dtype"]), _family(problem.get("family"))
+        if fam != here:
+            raise ValueError(f"tuning.tune times this device, whose GPU family is {here}; a problem asks for "
+                             f"family={fam!r}")
         features = {k: bool(problem[k]) for k in FEATURES if k in problem}
         for part in PARTS[op]:
             names = part_variants(op, part, dtype, problem["head_dim"], problem.get("head_dim_v"), fam)
@@ -346,7 +360,7 @@ def tune(problems, *, timer: Optional[Callable] = None, cache=None, progress: Op
     total = sum(len(s[-1]) for s in steps)
     done = 0
     results = []
-    c = _cache.Cache(Path(cache), _cache.gpu_name(_family(None))) if cache is not None else _current_cache(_family(None))
+    c = _cache.Cache(Path(cache), _cache.gpu_name(here)) if cache is not None else _current_cache(here)
     for op, part, dtype, fam, features, problem, names in steps:
         run = _runner({**problem, "op": op}, device)
         seconds = {}

@@ -11,6 +11,7 @@ make a call slower, never wrong (every variant is verified) nor crash it.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -46,6 +47,7 @@ def feature_class(causal: bool, features: dict) -> str:
     return "+".join(["causal" if causal else "full", *on])
 
 
+@functools.lru_cache(maxsize=None)
 def gpu_name(family: str) -> str:
     """The device the choices are made for: the Mac's chip, else the emulator and its family."""
     if sys.platform == "darwin":

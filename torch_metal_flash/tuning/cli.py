@@ -38,13 +38,13 @@ def grid(ops, dtypes, head_dims, quick: bool) -> list[dict]:
 
 
 def rate(result: dict, seconds: float) -> str:
-    """TFLOP/s of the matrix work (forward 4 L_q L_k D per head, halved when causal; a
-    backward run also runs its forward: 3.5 x), or GB/s of K/V read for decode."""
+    """TFLOP/s of the matrix work (forward 4 L_q L_k D per head, halved when causal; the
+    backward 2.5 x that, as flash-attn counts), or GB/s of K/V read for decode."""
     h, lq, lk, d = result.get("heads", 8), result["seqlen_q"], result["seqlen_k"], result["head_dim"]
     if result["op"] == "decode":
         nbytes = 2 * result.get("kv_heads", h) * lk * d * torch.empty(0, dtype=result["dtype"]).element_size()
         return f"{nbytes / seconds / 1e9:.1f} GB/s"
-    flops = 4 * h * lq * lk * d * (0.5 if result["causal"] else 1.0) * (3.5 if result["op"] == "bwd" else 1.0)
+    flops = 4 * h * lq * lk * d * (0.5 if result["causal"] else 1.0) * (2.5 if result["op"] == "bwd" else 1.0)
     return f"{flops / seconds / 1e12:.2f} TFLOP/s"
 
 
