@@ -304,3 +304,28 @@ def test_cli_list_verify_and_tune_without_a_gpu(capsys):
     assert len(grid) == 3 and {p["op"] for p in grid} == {"fwd", "decode"}
     row = dict(op="fwd", dtype=torch.float16, head_dim=64, seqlen_q=1024, seqlen_k=1024, causal=False, heads=16)
     assert cli.rate(row, 1e-3) == f"{4 * 16 * 1024 * 1024 * 64 / 1e-3 / 1e12:.2f} TFLOP/s"
+
+
+def test_forced_variants_are_per_thread(launched):
+    import threading
+    names = tuning.variants("fwd", dtype=torch.float16, head_dim=96)
+    q, k, v = _inputs(torch.float16, 96, 12, 12)
+    other = []
+
+    def run_elsewhere():
+        with tmf.backend("emulator", strict=True):
+            tmf.flash_attn_func(q, k, v)
+        other.append(tuning.choice("fwd", dtype=torch.float16, head_dim=96, seqlen_q=12, seqlen_k=12, causal=False))
+
+    with tuning.use("fwd", names[2]), tmf.backend("emulator", strict=True):
+        assert tuning.choice("fwd", dtype=torch.float16, head_dim=96, seqlen_q=12, seqlen_k=12,
+                             causal=False) == (names[2], "forced")
+        tmf.flash_attn_func(q, k, v)
+        thread = threading.Thread(target=run_elsewhere)
+        thread.start()
+        thread.join()
+        tmf.flash_attn_func(q, k, v)  # a hit of this thread's plan
+    assert launched == [names[2], names[0], names[2]] and other == [(names[0], "default")]
+    with tmf.backend("emulator", strict=True):
+        tmf.flash_attn_func(q, k, v)
+    assert launched[-1] == names[0]
