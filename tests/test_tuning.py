@@ -18,7 +18,6 @@ import torch_metal_flash as tmf
 from torch_metal_flash import emulator, tuning
 from torch_metal_flash.backends.emulator import EmulatorBackend
 from torch_metal_flash.planner import backward_tiles, decode, tiles
-from torch_metal_flash.planner.limits import PipelineInfo  # noqa: F401  (the limits the planner checks)
 from torch_metal_flash.spec import make_spec
 from torch_metal_flash.testing import check_backward, check_forward
 
@@ -92,7 +91,8 @@ def test_variant_space_sizes_and_limits():
 
 
 def test_use_rejects_unknown_and_inapplicable_variants():
-    with pytest.raises(ValueError, match=r"'flash_fwd_f16_d64_q8_k8' is not a variant of 'fwd'.*flash_fwd_f16_d64_q32_k64"):
+    with pytest.raises(ValueError,
+                       match=r"'flash_fwd_f16_d64_q8_k8' is not a variant of 'fwd'.*flash_fwd_f16_d64_q32_k64"):
         with tuning.use("fwd", "flash_fwd_f16_d64_q8_k8"):
             pass
     with pytest.raises(ValueError, match=r"'flash_bwd_dq_f16_d64_q64_k32' is not a variant of 'fwd'"):

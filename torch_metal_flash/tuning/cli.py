@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from . import PARTS, cache_path, tune, variants
-from .space import OPS, as_dtype
+from . import cache_path, tune, variants
+from .space import OPS
 
 DTYPE_FLAGS = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -107,7 +107,8 @@ def verify(ops, dtypes, head_dims, report=print) -> int:
                     for name in variants(op, dtype=dtype, head_dim=d, family="apple8"):
                         start = time.perf_counter()
                         try:
-                            lq, lk, hq, hkv = (1, 300, 4, 2) if op == "decode" else (40, 72 if op == "fwd" else 40, 2, 1)
+                            lq, lk, hq, hkv = (1, 300, 4, 2) if op == "decode" else \
+                                (40, 72 if op == "fwd" else 40, 2, 1)
                             g = torch.Generator().manual_seed(d)
                             q, k, v = (torch.randn(1, L, H, d, generator=g).to(dtype).requires_grad_(op == "bwd")
                                        for L, H in ((lq, hq), (lk, hkv), (lk, hkv)))
