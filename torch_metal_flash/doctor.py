@@ -445,9 +445,13 @@ def main(argv=None) -> int:
             sections.append("## Timing (ms per call)\n\n" + _table(
                 ("case", "torch_metal_flash", "F.scaled_dot_product_attention", "speed-up"), rows) + note)
     machine.append(("math mode", math_mode(name, backend)))
-    if backend is not None:
-        tuned, rows = tuning_rows(backend.family)
+    try:
+        tuned, rows = tuning_rows(backend.family) if backend is not None else (None, [])
+    except ValueError as exc:  # a GPU family without kernels: reported by the sections above
+        tuned, rows = f"none ({exc})", []
+    if tuned is not None:
         machine.append(("tuning", tuned))
+    if rows:
         sections.append("## Tuning (the kernel variants in force)\n\n" + _table(
             ("op", "part", "dtype", "head dim", "L_q x L_k", "causal", "variant", "source"), rows))
     verdict = ("**PASS**" if not failures else
