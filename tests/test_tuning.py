@@ -383,3 +383,19 @@ def test_sampled_matrix_backward_with_forced_variants(i, case, variant, launched
     with tuning.use("bwd", variant), tuning.use("bwd", dkv if i % 2 else variant):
         bk.run_and_check(case, orders=(ORDERS, ORDERS[::-1])[i % 2])
     assert variant in launched and (not i % 2 or dkv in launched)
+
+
+def test_doctor_reports_tuned_or_not_and_the_choices_in_force(tuning_cache):
+    from torch_metal_flash import doctor
+    tuned, rows = doctor.tuning_rows("apple8")
+    assert tuned.startswith("not tuned: the apple8 defaults") and str(tuning_cache) in tuned
+    assert all(row[-1] == "default" for row in rows)
+    key = dict(op="fwd", part="fwd", dtype="f16", head_dim=64, head_dim_v=64, features="causal", seq="q1K_k1K")
+    machine = dict(gpu="emulator-apple8", os=__import__("platform").system(), package=tmf.__version__)
+    tuning_cache.write_text(json.dumps({"format": 1, "entries": [{**key, **machine,
+                                                                   "variant": "flash_fwd_f16_d64_q64_k32"}]}))
+    tuning.reload()
+    tuned, rows = doctor.tuning_rows("apple8")
+    assert tuned.startswith("tuned: 1 choices measured on this machine")
+    tuned_rows = [row for row in rows if row[-1] == "tuned"]
+    assert tuned_rows == [("fwd", "fwd", "float16", 64, "1024 x 1024", True, "flash_fwd_f16_d64_q64_k32", "tuned")]
