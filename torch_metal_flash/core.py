@@ -145,6 +145,8 @@ def load():
                 _register_with(ext, i)
             backends._mirror = ext.core.set_thread_backend
             checks.use_native_signature(getattr(ext.core, "signature", None))
+            from . import tuning
+            tuning.sync_core(ext)
             _ext = ext
     return _ext
 
