@@ -343,7 +343,6 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     checks.dim_equal("v", v.shape[0], k.shape[0], "number of blocks equal to k's" if paged else "seqlen equal to k's")
     if paged:
         checks.dim_equal("v", v.shape[1], k.shape[1], "page size equal to k's")
-        checks.inference_only("paged k/v (block_table)", (("q", q), ("k", k), ("v", v)))
     checks.gqa_heads(q.shape[1], k.shape[-2], "q", "k/v")
     dropout_p = checks.dropout(dropout_p)
     cu_q, cu_k = (_index_vector(name, t, q.device) for name, t in (("cu_seqlens_q", cu_seqlens_q),

@@ -95,7 +95,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import backends, checks, core, kvcache_reference, planner, reference
+from . import backends, checks, core, kvcache_reference, paged, planner, reference
 from .layout import empty_in_layout
 from .plan import Unsupported
 from .planner.kvcache import KvCacheProblem, plan_kvcache
@@ -426,22 +426,29 @@ def _setup_context(ctx, inputs, output):
     out, lse, aux = output
     ctx.mark_non_differentiable(aux)
     ctx.save_for_backward(q, k, v, out, aux, attn_mask, alibi_slopes, sinks, rng_state, cu_seqlens_q,
-                          cu_seqlens_k, seqused_k)
+                          cu_seqlens_k, seqused_k, block_table)
     ctx.scalars = inputs[6:11]
     ctx.dropout_p, ctx.max_seqlens = inputs[12], inputs[18:20]
-    ctx.paged = block_table is not None
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dout, dlse, _daux):
     q, k, v, out, aux, attn_mask, alibi_slopes, sinks, *extra = ctx.saved_tensors
-    rng_state, cu_seqlens_q, cu_seqlens_k, seqused_k = extra
+    rng_state, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table = extra
     needs = dict(zip(_FWD_ARGS, ctx.needs_input_grad))
     if needs["alibi_slopes"]:
         raise NotImplementedError("metal_flash.fwd: gradients for alibi_slopes are not supported")
-    if ctx.paged:
-        raise NotImplementedError("metal_flash.fwd: paged K/V (block_table) is inference-only (no backward); "
-                                  "pass k/v packed along cu_seqlens_k to train")
+    max_seqlens = ctx.max_seqlens
+    layout = None
+    if block_table is not None:
+        # Paged K/V: the varlen backward runs on the cache gathered into a padded packed
+        # layout; dK/dV are summed back into the blocks (torch_metal_flash.paged).
+        layout = paged.padded_layout(block_table, cu_seqlens_k, seqused_k, max_seqlens[1], page=k.shape[2],
+                                     num_blocks=k.shape[0])
+        caches = (k, v)
+        k, v = paged.gather(k, layout), paged.gather(v, layout)
+        cu_seqlens_k, seqused_k, max_seqlens = layout.cu_seqlens_k, layout.seqused_k, (max_seqlens[0],
+                                                                                        layout.max_seqlen_k)
     if dout is None:
         dout = torch.zeros_like(out)
     elif dout.shape[-1] > 1 and dout.stride(-1) != 1:
@@ -452,11 +459,13 @@ def _backward(ctx, dout, dlse, _daux):
     if aux.dim() == 1:
         # fwd ran with return_aux=False (a direct op call): recompute the row state.
         _, _, aux = torch.ops.metal_flash.fwd(q, k, v, attn_mask, alibi_slopes, sinks, *ctx.scalars, True,
-                                              ctx.dropout_p, rng_state, *varlen, None, *ctx.max_seqlens)
+                                              ctx.dropout_p, rng_state, *varlen, None, *max_seqlens)
     compute_dbias = bool(needs["attn_mask"])
     dq, dk, dv, dbias, dsinks = torch.ops.metal_flash.bwd(
         dout, q, k, v, out, aux, dlse, attn_mask, alibi_slopes, sinks, *ctx.scalars, compute_dbias, ctx.dropout_p,
-        rng_state, *varlen, *ctx.max_seqlens)
+        rng_state, *varlen, *max_seqlens)
+    if layout is not None:
+        dk, dv = paged.scatter_sums((dk if needs["k"] else None, dv if needs["v"] else None), layout, caches)
     dmask = dbias.sum_to_size(attn_mask.shape).to(attn_mask.dtype) if compute_dbias else None
     dsinks = dsinks.to(sinks.dtype) if needs["sinks"] else None
     return (dq, dk, dv, dmask, None, dsinks) + (None,) * (len(_FWD_ARGS) - 6)
