@@ -310,7 +310,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         k, v may also be quantized (:class:`~torch_metal_flash.quant.QuantizedTensor`) or
             float16 / bfloat16 under a float32 ``q``: converted to q's dtype first (a copy).
         block_table: int32 (batch, max_num_blocks_per_seq): sequence b's key j is row
-            j % page_block_size of block block_table[b, j // page_block_size] (inference only).
+            j % page_block_size of block block_table[b, j // page_block_size].  Differentiable: the
+            caches' gradients have their shape (torch_metal_flash.paged: blocks shared by several
+            sequences get the sum of their gradients, deterministically).
         seqused_k: int32 (batch,) (flash-attn 3's argument): only the first seqused_k[b]
             keys of sequence b are attended (causal/windows aligned to them).
         The other arguments are those of :func:`flash_attn_func`, applied per sequence

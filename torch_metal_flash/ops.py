@@ -35,7 +35,9 @@ calls keep their meaning (the defaults switch both off).
   no data-dependent shapes) bound the sequence lengths; ``seqused_k``
   (num_seqs,) uses only the first keys of each sequence; ``block_table``
   (num_seqs, max_blocks) makes ``k``/``v`` paged caches (num_blocks, Hkv,
-  page_size, D)-indexed (inference only).  The kernels read these index vectors
+  page_size, D)-indexed (``bwd`` takes packed K/V only: fwd's autograd formula
+  gathers paged K/V into a packed layout and sums dK/dV back into the blocks,
+  :mod:`torch_metal_flash.paged`).  The kernels read these index vectors
   on the GPU (no host synchronisation) and clamp what is out of range to the
   tensors: offsets to [0, total], each length to [0, max_seqlen] (an end before
   its start: an empty sequence), ``seqused_k`` to [0, the sequence's keys], block
@@ -350,7 +352,7 @@ def _bwd_buffers(spec: AttentionSpec, compute_dbias: bool):
 
 
 def _bwd_spec(args: tuple) -> AttentionSpec:
-    """The spec of bwd's arguments (no block_table: paged K/V is inference only)."""
+    """The spec of bwd's arguments (no block_table: bwd takes packed K/V, see :mod:`torch_metal_flash.paged`)."""
     q, k, v = args[1:4]
     return _spec(q, k, v, *args[7:15], *args[16:21], None, *args[21:23])
 
