@@ -98,20 +98,32 @@ def test_faces_match_per_sequence_calls_and_differentiate():
 
 def test_paged_face_equals_the_packed_call_bit_for_bit():
     """flash_attn_varlen_func with paged caches (GQA, shuffled blocks, unused table entries and
-    blocks) computes, forward and backward, exactly what it computes with the same keys packed:
-    out and dq bit for bit, dK/dV of each cache row the gradient of the packed row it holds,
-    zero where no sequence reads."""
+    blocks; dropout, ALiBi) computes, forward and backward, exactly what it computes with the
+    same keys packed: out and dq bit for bit, dK/dV of each cache row the gradient of the
+    packed row it holds, zero where no sequence reads; torch.compile(fullgraph=True) of the
+    paged call too."""
     x = vc.build(CASES[5])
     c = x["c"]
-    cu = (x["cu_q"], x["cu_k"], max(c["lens_q"]), max(c["lens_k"]))
     dout = x["dout"][0].transpose(0, 1)
-    results = []
+
+    def grads(k, v, table, compiled=False):
+        q, k, v = (t.clone().requires_grad_(True) for t in (x["q"], k, v))
+
+        def attend(q, k, v):
+            return tmf.flash_attn_varlen_func(q, k, v, x["cu_q"], x["cu_k"], max(c["lens_q"]), max(c["lens_k"]),
+                                              causal=True, dropout_p=0.25, alibi_slopes=torch.full((4,), 0.2),
+                                              block_table=table)
+        torch.manual_seed(7)  # the dropout mask's (seed, offset)
+        out = (torch.compile(attend, fullgraph=True, backend="aot_eager") if compiled else attend)(q, k, v)
+        return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
     with tmf.backend("emulator", strict=True), emulator.settings(checked=False):
-        for k, v, table in ((x["k_cache"], x["v_cache"], x["table"]), (x["k"], x["v"], None)):
-            q, k, v = (t.clone().requires_grad_(True) for t in (x["q"], k, v))
-            out = tmf.flash_attn_varlen_func(q, k, v, *cu, causal=True, block_table=table)
-            results.append((out, *torch.autograd.grad(out, (q, k, v), dout)))
-    (out, dq, dk, dv), (want_out, want_dq, want_dk, want_dv) = results
+        torch._dynamo.reset()
+        results = [grads(x["k_cache"], x["v_cache"], x["table"]), grads(x["k"], x["v"], None),
+                   grads(x["k_cache"], x["v_cache"], x["table"], compiled=True)]
+        torch._dynamo.reset()
+    (out, dq, dk, dv), (want_out, want_dq, want_dk, want_dv), compiled = results
+    assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(results[0], compiled))
     assert dk.shape == x["k_cache"].shape and dv.shape == x["v_cache"].shape
     for got, want in ((out, want_out), (dq, want_dq), (vc.packed_from_cache(x, dk), want_dk.transpose(0, 1)[None]),
                       (vc.packed_from_cache(x, dv), want_dv.transpose(0, 1)[None])):
