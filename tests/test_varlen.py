@@ -136,6 +136,20 @@ def test_paged_face_equals_the_packed_call_bit_for_bit():
     assert (~read).any() and not dk[~read].any() and not dv[~read].any()
 
 
+def test_paged_backward_of_a_direct_op_call_without_aux():
+    """metal_flash.fwd with paged K/V called with return_aux=False: its backward recomputes the
+    row state on the gathered keys and gives the gradients of the return_aux=True call."""
+    x = vc.build(CASES[6])
+    args = vc.fwd_args(x)
+    runs = []
+    with tmf.backend("emulator", strict=True), emulator.settings(checked=False):
+        for return_aux in (True, False):
+            q, k, v = (t.detach().requires_grad_(True) for t in args[:3])
+            out, _, _ = torch.ops.metal_flash.fwd(q, k, v, *args[3:11], return_aux, *args[12:])
+            runs.append((out, *torch.autograd.grad(out, (q, k, v), x["dout"])))
+    assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(*runs))
+
+
 def _shared_prefix_case(page: int, dtype=torch.float32):
     """Four sequences over one block pool: A, B and C start with the same block, A and B share
     the next one too, D has no keys; the rest is each sequence's own, the pool has two unused
