@@ -85,27 +85,9 @@
 #error "csrc/metal/launcher.mm must be compiled with -fobjc-arc (see setup.py)"
 #endif
 
-// MTLCompileOptions.mathMode / mathFloatingPointFunctions exist from the
-// macOS 15 SDK on. When building with an older SDK, declare them exactly as
-// torch 2.13 does in ATen/native/mps/MPSGraphSequoiaOps.h (same guard); they
-// are only used behind @available(macOS 15.0, *).
-#if !defined(__MAC_15_0) && (!defined(MAC_OS_X_VERSION_15_0) || (MAC_OS_X_VERSION_MIN_REQUIRED < MAC_OS_X_VERSION_15_0))
-typedef NS_ENUM(NSInteger, MTLMathMode) {
-  MTLMathModeSafe = 0,
-  MTLMathModeRelaxed = 1,
-  MTLMathModeFast = 2,
-};
-
-typedef NS_ENUM(NSInteger, MTLMathFloatingPointFunctions) {
-  MTLMathFloatingPointFunctionsFast = 0,
-  MTLMathFloatingPointFunctionsPrecise = 1,
-};
-
-@interface MTLCompileOptions ()
-@property(readwrite, nonatomic) MTLMathMode mathMode;
-@property(readwrite, nonatomic) MTLMathFloatingPointFunctions mathFloatingPointFunctions;
-@end
-#endif
+// MTLCompileOptions.mathMode / mathFloatingPointFunctions (macOS 15 SDK), declared
+// when the SDK is older; used only behind @available(macOS 15.0, *).
+#include "macos15_api.h"
 
 namespace py = pybind11;
 
