@@ -11,6 +11,7 @@ or are downloaded by pip once (cached with their extraction).
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import tempfile
 import time
@@ -54,13 +55,20 @@ def row(version: str) -> str:
         try:
             build = xb.cross_build(version, Path(work))
             build_result = f"ok ({len(build.bound)} bound, {len(build.dynamic)} dynamic lookups, all provided)"
-            std = build.torch.default_std()
         except xb.CrossBuildError as exc:
-            build_result = f"**{exc.stage} failed**: {str(exc).splitlines()[0][:200]}"
-            std = "?"
+            build_result = f"**{exc.stage} failed**: {' '.join(str(exc).split())[:300]}"
+    try:
+        std = xb.torch_tree(version, xb.Tools.find()).default_std()
+    except xb.CrossBuildError:
+        std = "?"
     missing = python_apis(version)
     apis = "all present" if not missing else "missing: " + ", ".join(missing)
     return f"| {version} | {std} | {build_result} | {apis} | {time.time() - start:.0f} |"
+
+
+def _commit() -> str:
+    return subprocess.run(["git", "-C", str(xb.ROOT), "describe", "--always", "--dirty"], capture_output=True,
+                          text=True).stdout.strip() or "unknown"
 
 
 def main(argv=None) -> int:
@@ -75,7 +83,7 @@ def main(argv=None) -> int:
     out.write_text("\n".join([
         "# torch versions `_C` builds against (macOS arm64, cross-compiled)", "",
         f"Command: `python bench/torch_range.py{' --versions ' + ' '.join(opts.versions) if opts.versions != VERSIONS else ''}`"
-        f" (SDK: {xb.sdk_path().name}, target {xb.TARGET}, clang/ld64.lld 19)", "",
+        f" at commit {_commit()} (SDK: {xb.sdk_path().name}, target {xb.TARGET}, clang/ld64.lld 19)", "",
         "Each row: the launcher and the C++ op core compiled with setup.py's flags and that wheel's "
         "cpp_extension default `-std`, `-Wall -Wextra -Wunguarded-availability-new` clean in our files, linked "
         "into a Mach-O bundle against the wheel's dylibs, every undefined symbol provided "
