@@ -75,6 +75,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--versions", nargs="+", default=VERSIONS)
     opts = parser.parse_args(argv)
+    commit = _commit()  # before the builds: what they built
     rows = []
     for version in opts.versions:
         rows.append(row(version))
@@ -83,7 +84,7 @@ def main(argv=None) -> int:
     out.write_text("\n".join([
         "# torch versions `_C` builds against (macOS arm64, cross-compiled)", "",
         f"Command: `python bench/torch_range.py{' --versions ' + ' '.join(opts.versions) if opts.versions != VERSIONS else ''}`"
-        f" at commit {_commit()} (SDK: {xb.sdk_path().name}, target {xb.TARGET}, clang/ld64.lld 19)", "",
+        f" at commit {commit} (SDK: {xb.sdk_path().name}, target {xb.TARGET}, clang/ld64.lld 19)", "",
         "Each row: the launcher and the C++ op core compiled with setup.py's flags and that wheel's "
         "cpp_extension default `-std`, `-Wall -Wextra -Wunguarded-availability-new` clean in our files, linked "
         "into a Mach-O bundle against the wheel's dylibs, every undefined symbol provided "
