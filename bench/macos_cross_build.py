@@ -249,6 +249,8 @@ class Build:
     tools: Tools
     work: Path
     args: dict = field(default_factory=extension_args)
+    bound: list = field(default_factory=list)  # (symbol, library) ld64.lld bound, after link()
+    dynamic: list = field(default_factory=list)  # symbols left to dynamic lookup (all audited), after link()
 
     def __post_init__(self):
         mps = self.work / "mps_headers"  # MetalPerformanceShaders(Graph) stubs only: the rest is the real SDK

@@ -58,7 +58,8 @@ def test_compile_flags_are_setup_pys(build):
     assert not any(f.startswith("-std=") for f in setup_flags)
     assert [f for f in flags if f.startswith("-std=")] == ["-std=c++20"]
     assert {"-DTORCH_EXTENSION_NAME=_C", "-DTORCH_API_INCLUDE_EXTENSION_H", "-target", xb.TARGET} <= set(flags)
-    assert [Path(s).name for s in build.args["sources"]] == ["launcher.mm", "bridge.cpp", "core.cpp"]
+    core = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "core").glob("*.cpp") if p.name != "module.cpp")
+    assert build.args["sources"] == ["csrc/metal/launcher.mm", *core]
 
 
 def test_real_build_compiles_clean_links_and_every_symbol_resolves(build):
