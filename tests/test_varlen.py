@@ -1,4 +1,4 @@
-"""Varlen attention (packed sequences, ``cu_seqlens``) on the kernels, issue 15.
+"""Varlen attention (packed sequences, ``cu_seqlens``) on the kernels.
 
 One launch per kernel covers every sequence; the kernels read the boundaries on the
 GPU.  Each case runs forward and backward through the ops in the emulator, in checked
