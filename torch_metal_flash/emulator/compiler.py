@@ -42,10 +42,10 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from . import analysis, prepass, rules
+from . import analysis, prepass, rules, syntax
 from .errors import CompileError, CompilerNotFoundError
 
-PREPASS_VERSION = "10"  # bump when the pre-pass, glue or pass flags change
+PREPASS_VERSION = "11"  # bump when the pre-pass, glue or pass flags change
 
 _compile_seconds = 0.0
 _compile_lock = threading.Lock()
@@ -300,6 +300,58 @@ def _compile(comp: Compiler, flags: list, text: str, tmp: str, *extra) -> subpro
         return _run(list(comp.argv) + flags + ["-include", str(shim_header()), str(src)] + list(extra))
     finally:
         src.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------- clang's AST of the pre-pass view
+
+# The view is parsed as the build parses it (no fp64, function pointers), without warnings.
+SYNTAX_FLAGS = OPENCL + ["-Xclang", "-cl-ext=+__cl_clang_function_pointers,-cl_khr_fp64,-__opencl_c_fp64", "-w"]
+
+
+def shim_pch(comp: Compiler) -> Path:
+    """The shim (and shim/mtl_syntax.h) as a precompiled header, one per compiler and shim: the
+    AST dump of a source then holds the source's declarations only, and parsing skips the shim."""
+    key = _hash("shim-pch", runtime_sources_hash(), comp.ident, " ".join(SYNTAX_FLAGS))
+    target = cache_dir() / f"shim-{key}.pch"
+
+    def build(tmp):
+        proc = _run(list(comp.argv) + SYNTAX_FLAGS + ["-x", "cl-header", str(shim_header().with_name("mtl_syntax.h")),
+                                                      "-o", tmp])
+        if proc.returncode != 0:
+            raise _fail("precompiling the shim", proc.stderr)
+
+    return _atomic_write(target, build)
+
+
+_syntax_cache: dict = {}
+
+
+def syntax_facts(comp: Compiler, view: str) -> dict:
+    """syntax.facts of the pre-pass view: clang -fsyntax-only -ast-dump=json with the shim
+    precompiled (cached in memory and on disk; errors in the view do not matter here, the
+    rules passes report them)."""
+    key = _hash("syntax", PREPASS_VERSION, runtime_sources_hash(), _source_of(syntax), comp.ident, view)
+    if key in _syntax_cache:
+        return _syntax_cache[key]
+    target = cache_dir() / f"syntax-{key}.json"
+
+    def run(tmp):
+        src = Path(tmp).with_suffix(".view.cl.cpp")
+        src.write_text(view)
+        try:
+            argv = list(comp.argv) + SYNTAX_FLAGS + ["-fsyntax-only", "-ferror-limit=0", "-include-pch",
+                                                     str(shim_pch(comp)), "-Xclang", "-ast-dump=json", str(src)]
+            proc = _run(argv)
+            if not proc.stdout.startswith("{"):
+                raise _fail("parsing the source for the pre-pass", proc.stderr)
+            result = syntax.facts(json.loads(proc.stdout), view, str(src))
+        finally:
+            src.unlink(missing_ok=True)
+        Path(tmp).write_text(json.dumps(result))
+
+    result = json.loads(_atomic_write(target, run).read_text())
+    _syntax_cache[key] = result
+    return result
 
 
 # ---------------------------------------------------------------- the passes
