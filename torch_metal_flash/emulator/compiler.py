@@ -251,8 +251,8 @@ def _hash(*parts) -> str:
 def runtime_sources_hash() -> str:
     d = csrc_emulator_dir()
     files = sorted(list(d.glob("*.cpp")) + list(d.glob("*.h")) + list((d / "include").glob("*")) +
-                   list((d / "shim").glob("*")))
-    return _hash(*[f.name.encode() + f.read_bytes() for f in files])
+                   list((d / "shim").glob("*")) + list((d / "runtime").glob("*")))
+    return _hash(*[str(f.relative_to(d)).encode() + f.read_bytes() for f in files])
 
 
 @functools.lru_cache(maxsize=None)
