@@ -5,7 +5,9 @@ markers kept), so instantiations produced by macros are visible.  Every
 rewrite keeps the number of lines, so compiler errors and the runtime's
 source locations point at the original ``.metal`` lines.  It only rewrites
 what clang cannot parse as MSL means it; every language rule is left to the
-compiler (see compiler.py):
+compiler (see compiler.py).  Which parenthesis is a cast, where a cast's
+operand ends and which declarations are threadgroup variables come from
+clang's AST of a view of the text (syntax_view, syntax.py):
 - MSL vector constructors ``float4(x)``, ``half4(f4)``, ``float4(f2, z, w)`` ->
   ``__mtl::make_vec<float, 4>(...)`` (splat / convert / concatenate), and
   casts that convert vectors in MSL but reinterpret them in clang:
