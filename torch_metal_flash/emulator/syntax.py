@@ -22,8 +22,8 @@ the order of the output.
 """
 from __future__ import annotations
 
+import bisect
 import itertools
-import re
 from typing import Optional
 
 CAST_KINDS = ("CStyleCastExpr", "CXXUnresolvedConstructExpr", "CXXStaticCastExpr")
@@ -34,7 +34,6 @@ def _offset_map(text: str):
     if text.isascii():
         return lambda b: b
     table = list(itertools.accumulate(len(c.encode()) for c in text))
-    import bisect
     return lambda b: bisect.bisect_right(table, b)
 
 
@@ -83,6 +82,11 @@ def _local_object(qual_type: str) -> bool:
     return True
 
 
+def _starts_with_word(text: str, at: Optional[int], word: str) -> bool:
+    end = (at or 0) + len(word)
+    return at is not None and text.startswith(word, at) and not (text[end:end + 1].isalnum() or text[end:end + 1] == "_")
+
+
 def _nodes(ast: dict):
     """(node, parent) depth first, in the order of clang's output."""
     stack = [(ast, None)]
@@ -110,7 +114,7 @@ def facts(ast: dict, view: str, main_file: str) -> dict:
         names = {c.get("name") for c in node.get("inner", ()) if c.get("kind") == "TemplateTypeParmDecl"}
         params[id(node)] = params[id(parent)] | (names - {None})
         kind = node.get("kind")
-        if kind in CAST_KINDS or (kind == "DeclStmt" and re.match(r"threadgroup\b", view[extent[id(node)][1] or 0:])):
+        if kind in CAST_KINDS or (kind == "DeclStmt" and _starts_with_word(view, extent[id(node)][1], "threadgroup")):
             (casts if kind in CAST_KINDS else declarations).append(node)
     out = {"casts": [], "threadgroup": []}
     for node in casts:
