@@ -357,6 +357,8 @@ def syntax_facts(comp: Compiler, view: str) -> dict:
         Path(tmp).write_text(json.dumps(result))
 
     result = json.loads(_atomic_write(target, run).read_text())
+    if len(_syntax_cache) >= 64:  # the pieces of one source ask for the same view; a few sources at a time
+        _syntax_cache.clear()
     _syntax_cache[key] = result
     return result
 
