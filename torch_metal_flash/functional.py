@@ -58,8 +58,8 @@ def _attention(q, k, v, mask, alibi_slopes, sinks, scale, diag_offset, window_le
     vl = varlen or _NO_VARLEN
     extra = (float(dropout_p), rng_state, vl.cu_seqlens_q, vl.cu_seqlens_k, vl.seqused_k, vl.block_table,
              vl.max_seqlen_q, vl.max_seqlen_k)
-    out, lse, _ = torch.ops.metal_flash.fwd(q, k, v, mask, alibi_slopes, sinks, scale, diag_offset, window_left,
-                                            window_right, softcap, ops.needs_grad(q, k, v, mask, sinks), *extra)
+    out, lse, _ = _FWD(q, k, v, mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right, softcap,
+                       ops.needs_grad(q, k, v, mask, sinks), *extra)
     if not return_probs:
         return out, lse
     probs = None
@@ -68,6 +68,9 @@ def _attention(q, k, v, mask, alibi_slopes, sinks, scale, diag_offset, window_le
         probs = torch.ops.metal_flash.fwd_probs(*detached, scale, diag_offset, window_left, window_right, softcap,
                                                 *extra)
     return out, lse, probs
+
+
+_FWD = torch.ops.metal_flash.fwd.default  # the overload itself: the packet's __call__ costs a lookup per call
 
 
 def _as_4d(t: torch.Tensor) -> torch.Tensor:
@@ -272,6 +275,12 @@ def _flash_arguments(q, dropout_p, softmax_scale, causal, window_size, softcap, 
 
 def _flash_attn(q, k, v, alibi_slopes, return_attn_probs, dropout_p, scale, left, right, softcap):
     """flash_attn_func on checked arguments."""
+    if dropout_p == 0 and not return_attn_probs and not isinstance(k, QuantizedTensor):
+        # the common call, without _attention's generality (a face's host time is per call)
+        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        out = _FWD(qt, kt, vt, None, alibi_slopes, None, scale, k.shape[1] - q.shape[1], left, right, softcap,
+                   ops.needs_grad(qt, kt, vt), 0.0, None, None, None, None, None, 0, 0)[0]
+        return out.transpose(1, 2)
     res = _attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, alibi_slopes, None, scale,
                      k.shape[1] - q.shape[1], left, right, softcap, dropout_p, return_probs=return_attn_probs)
     out = res[0].transpose(1, 2)

@@ -238,7 +238,12 @@ def unsupported_reason(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offs
 def needs_grad(*tensors: Optional[Tensor]) -> bool:
     """Whether autograd will ask for gradients of a call with these inputs (the
     faces pass it as ``return_aux``)."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    if not torch.is_grad_enabled():
+        return False
+    for t in tensors:
+        if t is not None and t.requires_grad:
+            return True
+    return False
 
 
 # ---------------------------------------------------------------------------
