@@ -1,9 +1,15 @@
-"""Wall-clock and TFLOP/s of forward and forward+backward against torch's SDPA.
+"""Wall-clock and TFLOP/s of forward and forward+backward against torch's SDPA (and MLX's).
 
 On a Mac (the point of it):
 
     python bench/timing.py                      # MPS: our kernels vs F.scaled_dot_product_attention
+    python bench/timing.py --variants           # ... and every forward variant of the tuning space, forced
     python bench/timing.py --commit both        # ... and the effect of the commit after large plans
+
+Each row names the forward and backward kernels in force and why (``tuned``:
+the machine's tuning cache, ``default``: the family table; see docs/tuning.md).
+With ``mlx`` installed, ``mx.fast.scaled_dot_product_attention`` is timed on the
+same problems (forward; MLX's own arrays, evaluated with ``mx.eval``).
 
 Elsewhere it can only exercise the script itself (the reference path on the
 CPU times PyTorch, not our kernels), which CI does not do and nobody should quote:
@@ -56,6 +62,42 @@ def seconds(fn, device, repeats: int) -> float:
         sync(device)
         best = min(best, time.perf_counter() - start)
     return best
+
+
+def in_force(H, L, D, causal, dtype) -> str:
+    """The variants the planner uses for this problem and why (torch_metal_flash.tuning)."""
+    cells = []
+    for op, part in (("fwd", None), ("bwd", "dq"), ("bwd", "dkv")):
+        variant, source = tmf.tuning.choice(op, dtype=dtype, head_dim=D, seqlen_q=L, seqlen_k=L, causal=causal,
+                                            part=part)
+        cells.append(f"{variant} ({source})")
+    return "; ".join(cells)
+
+
+def mlx_seconds(B, H, L, D, causal, dtype, repeats):
+    """MLX's fused attention on the same problem (forward), or None without mlx."""
+    try:
+        import mlx.core as mx
+    except ImportError:
+        return None
+    mdtype = {torch.float16: mx.float16, torch.bfloat16: mx.bfloat16, torch.float32: mx.float32}[dtype]
+    q, k, v = (mx.random.normal((B, H, L, D)).astype(mdtype) for _ in range(3))
+
+    def fwd():
+        mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=D ** -0.5, mask="causal" if causal else None))
+    return seconds(fwd, torch.device("cpu"), repeats)
+
+
+def variant_rows(B, H, L, D, causal, dtype, device, repeats) -> list:
+    """Our forward with each variant of the tuning space forced (ms, TFLOP/s)."""
+    q, k, v = (torch.randn(B, H, L, D, dtype=dtype, device=device) for _ in range(3))
+    flops = 4 * B * H * L * L * D * (0.5 if causal else 1.0)
+    rows = []
+    for variant in tmf.tuning.variants("fwd", dtype=dtype, head_dim=D):
+        with tmf.tuning.use("fwd", variant), torch.no_grad():
+            t = seconds(lambda: tmf.scaled_dot_product_attention(q, k, v, is_causal=causal), device, repeats)
+        rows.append(f"| {B}×{H}×{L}×{D} | {causal} | {variant} | {t * 1e3:.2f} | {flops / t / 1e12:.2f} |")
+    return rows
 
 
 def run_config(B, H, L, D, causal, dtype, device, repeats):
@@ -122,6 +164,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--variants", action="store_true", help="also time every forward variant, forced")
     ap.add_argument("--commit", default="on", choices=["on", "both"],
                     help="'both': also time our kernels with the commit after large plans off and on (MPS)")
     args = ap.parse_args()
@@ -130,8 +173,9 @@ def main() -> None:
              f"`python bench/timing.py --device {args.device} --dtype {args.dtype}`"
              + (" (reference path on the CPU: not our kernels)" if device.type != "mps" else "") + "\n",
              "| B×H×L×D | causal | ours fwd ms | torch fwd ms | ours fwd TFLOP/s | torch fwd TFLOP/s "
-             "| ours fwd+bwd ms | torch fwd+bwd ms | ours fwd+bwd TFLOP/s | torch fwd+bwd TFLOP/s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| ours fwd+bwd ms | torch fwd+bwd ms | ours fwd+bwd TFLOP/s | torch fwd+bwd TFLOP/s "
+             "| MLX fwd ms | MLX fwd TFLOP/s | our kernels (why) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     plot = []
     for B, H, L, D, causal in (QUICK if args.quick else CONFIGS):
         flops, rows = run_config(B, H, L, D, causal, dtype, device, args.repeats)
@@ -144,9 +188,18 @@ def main() -> None:
                 t = rows[name][col]
                 work = flops * (1.0 if col == 0 else 3.5)
                 cells.append("—" if t is None else f"{work / t / 1e12:.2f}")
+        t_mlx = mlx_seconds(B, H, L, D, causal, dtype, args.repeats) if device.type == "mps" else None
+        cells += ["—", "—"] if t_mlx is None else [f"{t_mlx * 1e3:.2f}", f"{flops / t_mlx / 1e12:.2f}"]
+        cells.append(in_force(H, L, D, causal, dtype))
         lines.append(f"| {B}×{H}×{L}×{D} | {causal} | " + " | ".join(cells) + " |")
         plot.append((f"{L}/{D}{'c' if causal else ''}", rows))
         print(lines[-1], flush=True)
+    if args.variants:
+        lines += ["", "## Every forward variant, forced (docs/tuning.md)", "",
+                  "| B×H×L×D | causal | variant | fwd ms | fwd TFLOP/s |", "|---|---|---|---|---|"]
+        for B, H, L, D, causal in (QUICK if args.quick else CONFIGS):
+            lines += variant_rows(B, H, L, D, causal, dtype, device, args.repeats)
+            print("\n".join(lines[-3:]), flush=True)
     if args.commit == "both" and device.type == "mps":
         lines += ["", "## Commit after large plans (ms, commit off | on)", "",
                   "| B×H×L×D | causal | fwd off | fwd on | fwd+bwd off | fwd+bwd on | fwd + host work off "

@@ -660,6 +660,7 @@ template <int NT>
   template [[host_name("flash_bwd_dkv_" #tname "_d" #BD "_k" #BK "_q" #BQ "_m" #MODE)]] [[kernel]] void \
   flash_bwd_dkv<T, BD, BK, BQ, MODE>(FLASH_BWD_DKV_ARGS(T));
 
+#ifndef FLASH_BWD_TEMPLATES_ONLY  // the tuning variants' file includes this one for the templates only
 template [[host_name("flash_bwd_dsinks")]] [[kernel]] void flash_bwd_dsinks<256>(FLASH_BWD_DSINKS_ARGS);
 
 FLASH_BWD_PRE_INSTANTIATE(f32, float)
@@ -736,3 +737,4 @@ FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 192, 32, 16, 1)
 FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 192, 32, 16, 2)
 FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 256, 32, 16, 1)
 FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 256, 32, 16, 2)
+#endif  // FLASH_BWD_TEMPLATES_ONLY

@@ -519,6 +519,7 @@ template <typename T>
   template [[host_name("flash_decode_" #name "_d" #BD "_k" #BK)]] [[kernel]] void \
   flash_decode<TQ, TK, BD, BK>(FLASH_DECODE_ARGS(TQ, TK));
 
+#ifndef FLASH_DECODE_TEMPLATES_ONLY  // the tuning variants' file includes this one for the templates only
 FLASH_DECODE_INSTANTIATE(f32, float, float, 32, 32)
 FLASH_DECODE_INSTANTIATE(f32, float, float, 64, 32)
 FLASH_DECODE_INSTANTIATE(f32, float, float, 96, 16)
@@ -564,3 +565,4 @@ FLASH_DECODE_INSTANTIATE(f32_kvbf16, float, bfloat, 256, 16)
 FLASH_DECODE_COMBINE_INSTANTIATE(f32, float)
 FLASH_DECODE_COMBINE_INSTANTIATE(f16, half)
 FLASH_DECODE_COMBINE_INSTANTIATE(bf16, bfloat)
+#endif  // FLASH_DECODE_TEMPLATES_ONLY

@@ -405,6 +405,7 @@ template <typename T, int BD, int BQ, int BK, bool KVS>
   template [[host_name("flash_fwd_" #tname "_d" #BD "_q" #BQ "_k" #BK "_s")]] [[kernel]] void \
   flash_fwd<T, BD, BQ, BK, true>(FLASH_FWD_ARGS(T));
 
+#ifndef FLASH_FWD_TEMPLATES_ONLY  // the tuning variants' file includes this one for the templates only
 // float32: separate K and V tiles of BK x (BD + 4) floats up to d64, one
 // shared tile above
 FLASH_FWD_INSTANTIATE(f32, float, 32, 32, 32)
@@ -435,3 +436,4 @@ FLASH_FWD_INSTANTIATE(bf16, bfloat, 128, 32, 32)
 FLASH_FWD_INSTANTIATE_SHARED(bf16, bfloat, 160, 32, 32)
 FLASH_FWD_INSTANTIATE_SHARED(bf16, bfloat, 192, 32, 32)
 FLASH_FWD_INSTANTIATE_SHARED(bf16, bfloat, 256, 32, 32)
+#endif  // FLASH_FWD_TEMPLATES_ONLY

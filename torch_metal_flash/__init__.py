@@ -6,7 +6,7 @@ Faces: :func:`scaled_dot_product_attention` (torch semantics),
 """
 from .backends import FallbackWarning, UnsupportedError, backend, run_counts, set_strict
 from .caches import cache_info, clear_caches
-from . import nn
+from . import emulator, nn, tuning
 from .core import plan_cache_clear, plan_cache_info
 from .flash_attn_shim import install_flash_attn_shim, is_flash_attn_shim_installed, uninstall_flash_attn_shim
 from .functional import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
@@ -48,6 +48,8 @@ __all__ = [
     "scaled_dot_product_attention",
     "sdpa_override",
     "sdpa_stats",
+    "tuning",
+    "emulator",
     "set_strict",
     "uninstall_flash_attn_shim",
 ]

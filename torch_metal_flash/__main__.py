@@ -5,6 +5,7 @@ else the reference) and check each result against the float64 oracle.
     python -m torch_metal_flash            # a few shapes and features
     python -m torch_metal_flash --quick    # one small case per face
     python -m torch_metal_flash doctor     # the full self-test (torch_metal_flash/doctor.py)
+    python -m torch_metal_flash tune       # time the kernel variants on this Mac (docs/tuning.md)
 """
 from __future__ import annotations
 
@@ -82,6 +83,9 @@ def main(argv=None) -> int:
     if argv[:1] == ["doctor"]:
         from torch_metal_flash import doctor
         return doctor.main(argv[1:])
+    if argv[:1] == ["tune"]:
+        from torch_metal_flash.tuning import cli
+        return cli.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m torch_metal_flash", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one small case per face")
     parser.add_argument("--backend", choices=backends.BACKENDS, help="force a backend")

@@ -144,6 +144,8 @@ def load():
             for i in range(len(_OPS)):
                 _register_with(ext, i)
             backends._mirror = ext.core.set_thread_backend
+            from . import tuning
+            tuning.sync_core(ext)
             _ext = ext
     return _ext
 

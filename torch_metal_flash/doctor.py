@@ -159,7 +159,8 @@ def machine_rows(name, backend, why) -> tuple[list, list]:
     elif name == "emulator":
         from . import emulator
         checks = "race and bounds checks" if emulator.default_checked() else "fast mode, no checks"
-        rows += [("GPU family", "apple8 (the emulator plans as an M2)"),
+        rows += [("GPU family", f"{backend.family} (the emulator plans as this family; "
+                                f"emulator.settings(family=...) changes it)" if backend is not None else "apple8"),
                  ("Metal language", f"MSL 3.1 as C++20 (emulated; {checks})")]
     if sys.platform == "darwin" or name == "metal":
         from .backends import metal
@@ -176,6 +177,32 @@ def machine_rows(name, backend, why) -> tuple[list, list]:
     else:
         rows.append(("install", "a source checkout (no build record)"))
     return rows, failures
+
+
+TUNING_PROBLEMS = [(op, dtype, d, lq, lk) for op in ("fwd", "bwd") for dtype in (torch.float16, torch.bfloat16)
+                   for d in (64, 128) for lq, lk in ((1024, 1024), (4096, 4096))] + \
+                  [("decode", torch.float16, d, 1, 4096) for d in (64, 128)]
+
+
+def tuning_rows(family: str) -> tuple[str, list]:
+    """(whether this machine is tuned, the choices in force for common problems)."""
+    from . import tuning
+    from .planner.tiles import table_family
+    family = table_family(family)
+    entries = tuning.tuned_entries(family)
+    path = tuning.cache_path(family)
+    auto = "; TORCH_METAL_FLASH_AUTOTUNE=1: new problem classes are tuned when first met" \
+        if tuning.autotune_enabled() else ""
+    tuned = (f"tuned: {len(entries)} choices measured on this machine in {path}" if entries else
+             f"not tuned: the {family} defaults (docs/tuning.md); `python -m torch_metal_flash tune` "
+             f"writes {path}") + auto
+    rows = []
+    for op, dtype, d, lq, lk in TUNING_PROBLEMS:
+        for part in tuning.PARTS[op]:
+            variant, source = tuning.choice(op, dtype=dtype, head_dim=d, seqlen_q=lq, seqlen_k=lk, causal=True,
+                                            family=family, part=part)
+            rows.append((op, part, str(dtype)[6:], d, f"{lq} x {lk}", True, variant, source))
+    return tuned, rows
 
 
 def math_mode(name, backend) -> str:
@@ -418,6 +445,11 @@ def main(argv=None) -> int:
             sections.append("## Timing (ms per call)\n\n" + _table(
                 ("case", "torch_metal_flash", "F.scaled_dot_product_attention", "speed-up"), rows) + note)
     machine.append(("math mode", math_mode(name, backend)))
+    if backend is not None:
+        tuned, rows = tuning_rows(backend.family)
+        machine.append(("tuning", tuned))
+        sections.append("## Tuning (the kernel variants in force)\n\n" + _table(
+            ("op", "part", "dtype", "head dim", "L_q x L_k", "causal", "variant", "source"), rows))
     verdict = ("**PASS**" if not failures else
                f"**FAIL** ({len(failures)})\n\n" + "\n".join(f"- {f}" for f in failures))
     report = "\n\n".join(["# torch_metal_flash doctor", _table(("", ""), machine), *sections,

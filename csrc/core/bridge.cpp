@@ -400,6 +400,10 @@ void bind_core(py::module_& parent) {
         "returns its index.");
   m.def("set_thread_backend", &core::set_thread_choice, py::arg("name"),
         "Mirror this thread's torch_metal_flash.backend() choice (None: the environment decides).");
+  m.def("set_thread_tuning", &core::set_thread_tuning, py::arg("token"),
+        "Mirror this thread's forced tuning variants and emulator family (a token from torch_metal_flash.tuning).");
+  m.def("set_tuning_generation", &core::set_tuning_generation, py::arg("generation"),
+        "The tuning cache's generation: plans made under another are not reused.");
   m.def("call", [](int32_t op_index, py::sequence args) {
     torch::jit::Stack stack = to_stack(op_index, args);
     return core::call(op_index, stack);

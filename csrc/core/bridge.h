@@ -78,6 +78,8 @@ struct CacheInfo {
 
 int32_t register_op(const std::string& qualified_name, bool debug_check);
 void set_thread_choice(const std::optional<std::string>& name);
+void set_thread_tuning(int64_t token);
+void set_tuning_generation(int64_t generation);
 std::vector<at::Tensor> call(int32_t op_index, torch::jit::Stack& args);
 std::optional<std::string> probe(int32_t op_index, const std::string& backend, torch::jit::Stack& args);
 const c10::FunctionSchema& schema(int32_t op_index);

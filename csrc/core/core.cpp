@@ -87,6 +87,11 @@ enum class Choice : int8_t { Unsynced = -2, Env = -1, Auto = 0, Metal, Emulator,
 
 thread_local Choice tls_choice = Choice::Unsynced;
 
+// The tuner's state plans depend on (torch_metal_flash.tuning): this thread's forced
+// variants and emulator family (a token Python interns), and the cache's generation.
+thread_local int64_t tls_tuning = 0;
+std::atomic<int64_t> g_tuning_generation{0};
+
 // An environment value as the Python side reads it: stripped, lower case.
 std::string normalized(const char* text) {
   std::string v(text);
@@ -396,6 +401,8 @@ TemplatePtr lookup_or_plan(const OpEntry& e, Encoder& enc, c10::ArrayRef<c10::IV
   words.clear();
   words.push_back(e.index);
   words.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(&enc)));
+  words.push_back(tls_tuning);
+  words.push_back(g_tuning_generation.load(std::memory_order_relaxed));
   add_key_words(words, args);
   const uint64_t hash = hash_words(words);
   PlanCache& c = cache();
@@ -573,6 +580,10 @@ int32_t register_op(const std::string& qualified_name, bool debug_check) {
 void set_thread_choice(const std::optional<std::string>& name) {
   tls_choice = name ? parse_choice(name->c_str()) : Choice::Env;
 }
+
+void set_thread_tuning(int64_t token) { tls_tuning = token; }
+
+void set_tuning_generation(int64_t generation) { g_tuning_generation.store(generation); }
 
 std::vector<at::Tensor> call(int32_t op_index, torch::jit::Stack& args) { return run_op(entry_at(op_index), args); }
 

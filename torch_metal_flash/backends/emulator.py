@@ -40,7 +40,11 @@ _pipeline_infos = LRU("emulator.pipeline_info", 1024)
 
 class EmulatorBackend:
     name = "emulator"
-    family = "apple8"  # the emulator plans with an M2's tile tables
+
+    @property
+    def family(self) -> str:
+        """The tile tables it plans with: an M2's, or ``emulator.settings(family=...)``."""
+        return config.backend_family()
 
     def __init__(self):
         self._local = threading.local()

@@ -94,13 +94,29 @@ def default_workers() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
+DEFAULT_FAMILY = "apple8"  # the emulator backend plans with an M2's tile tables
+FAMILIES = ("apple7", "apple8", "apple9", "apple10")
+
+
+def family_override() -> Optional[str]:
+    """The GPU family of the innermost ``settings(family=...)``, or None."""
+    return _ctx.get().get("family")
+
+
+def backend_family() -> str:
+    """The GPU family the emulator backend plans as."""
+    return family_override() or DEFAULT_FAMILY
+
+
 @contextlib.contextmanager
 def settings(*, order: Optional[str] = None, checked: Optional[bool] = None, seed: Optional[int] = None,
-             math_mode: Optional[str] = None) -> Iterator[None]:
+             math_mode: Optional[str] = None, family: Optional[str] = None) -> Iterator[None]:
     """Defaults for launches in this context (also those the emulator backend
-    makes; ``math_mode`` applies to the backend's shader libraries)::
+    makes; ``math_mode`` applies to the backend's shader libraries; ``family``
+    (``"apple7"`` ... ``"apple10"``) is the GPU family whose tile tables the
+    backend plans with, default apple8)::
 
-        with emulator.settings(order="reverse", checked=True, math_mode="fast"):
+        with emulator.settings(order="reverse", checked=True, math_mode="fast", family="apple9"):
             out = op(...)
     """
     new = dict(_ctx.get())
@@ -112,8 +128,23 @@ def settings(*, order: Optional[str] = None, checked: Optional[bool] = None, see
         new["seed"] = int(seed)
     if math_mode is not None:
         new["math_mode"] = check_math_mode(math_mode)
+    if family is not None:
+        if family not in FAMILIES:
+            raise ValueError(f"emulator: unknown GPU family {family!r}; expected one of {', '.join(FAMILIES)}")
+        new["family"] = family
     token = _ctx.set(new)
+    if family is not None:
+        _sync_plan_cache()
     try:
         yield
     finally:
         _ctx.reset(token)
+        if family is not None:
+            _sync_plan_cache()
+
+
+def _sync_plan_cache() -> None:
+    # the package's plan cache keys on the family this thread plans with
+    from .. import core, tuning
+    core.load()
+    tuning.sync_thread()

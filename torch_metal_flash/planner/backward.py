@@ -148,8 +148,14 @@ def plan_backward(spec: AttentionSpec, dout: torch.Tensor, out: torch.Tensor, au
     reason = _check(spec, dout, out, aux, dlse, dq, dk, dv, dbias, dsinks)
     if reason is not None:
         return Unsupported(reason)
+    from .. import tuning
+    from .forward import features, is_causal, max_seqlens
+    max_q, max_k = max_seqlens(spec)
     try:
-        candidates = backward_candidates(spec.q.dtype, max(spec.head_dim, spec.head_dim_v), family)
+        chosen = [tuning.planned("bwd", part, spec.q.dtype, spec.head_dim, spec.head_dim_v, family=family,
+                                 seqlen_q=max_q, seqlen_k=max_k, causal=is_causal(spec), features=features(spec))
+                  for part in ("dq", "dkv")]
+        candidates = backward_candidates(spec.q.dtype, max(spec.head_dim, spec.head_dim_v), family, *chosen)
     except (KeyError, ValueError) as e:
         return Unsupported(str(e))
     if spec.varlen is not None and spec.varlen.block_table is not None:
@@ -262,14 +268,14 @@ def _plan_tiles(spec: AttentionSpec, dout, out, aux, dlse, dq, dk, dv, dbias, ds
     dq_bufs[BUF_DQ] = dq
     if compute_dbias:
         dq_bufs[BUF_DBIAS] = dbias
-    launches.append(Launch(source=SOURCE, kernel=tiles.dq.kernel,
+    launches.append(Launch(source=tiles.dq.source, kernel=tiles.dq.kernel,
                            threadgroups=(f.num_q_blocks, Hq, spec.num_seqs), threadgroup=(tiles.dq.threads, 1, 1),
                            buffers=dq_bufs, function_constants=dict(constants)))
     for t in tiles.dkv:
         bufs = dict(common)
         bufs[BUF_DK] = dk
         bufs[BUF_DV] = dv
-        launches.append(Launch(source=SOURCE, kernel=t.kernel,
+        launches.append(Launch(source=t.source, kernel=t.kernel,
                                threadgroups=(-(-max_k // t.bk), Hkv, spec.num_seqs), threadgroup=(t.threads, 1, 1),
                                buffers=bufs, function_constants=dict(constants)))
     if spec.sinks is not None:

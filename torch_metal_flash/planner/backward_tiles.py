@@ -17,10 +17,14 @@ Plus two fixed kernels: ``flash_bwd_pre_<dt>`` (8 rows per threadgroup of
 256 threads) and ``flash_bwd_dsinks`` (one threadgroup of 256 per head,
 1 KiB of threadgroup memory).
 
-Values are starting points that keep every variant at or under ~17.5 KiB of
-threadgroup memory (``threads`` = 4 x the owned block: 256 for 64-row blocks); they are meant to be tuned per family on Macs.  A new
-entry needs matching ``FLASH_BWD_*_INSTANTIATE`` lines in the shader (a test
-checks).
+The table's values (the default of every family, not measured; sources:
+docs/tuning.md) keep every tile at or under ~17.5 KiB of threadgroup memory
+(``threads`` = 4 x the owned block: 256 for 64-row blocks).  The tuner
+(:mod:`torch_metal_flash.tuning`) chooses the dQ and the dK/dV tile among
+:func:`dq_variants` / :func:`dkv_variants`: the table's plus half-height owned
+blocks (:data:`EXTRA_BUCKETS`), instantiated in
+``shaders/flash_bwd_variants.metal`` (the same templates).  A new entry needs
+matching ``FLASH_BWD_*_INSTANTIATE`` lines in the shader (a test checks).
 """
 from __future__ import annotations
 
@@ -36,6 +40,12 @@ PRE_ROWS_PER_GROUP = 8
 DSINKS_THREADS = 256
 DSINKS_KERNEL = "flash_bwd_dsinks"
 FUSED_MAX_BD = 64
+SOURCE = "flash_bwd.metal"
+VARIANTS_SOURCE = "flash_bwd_variants.metal"
+# Buckets with a second dQ and dK/dV tile for the tuner: the owned block halved (half the
+# threads, twice the threadgroups: better for short problems and small GPUs; the same
+# threadgroup memory, as the streamed tiles do not depend on the owned block).
+EXTRA_BUCKETS = (64, 128)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +62,10 @@ class DQTile:
     @property
     def kernel(self) -> str:
         return f"flash_bwd_dq_{self.dtype}_d{self.bd}_q{self.bq}_k{self.bk}"
+
+    @property
+    def source(self) -> str:
+        return SOURCE if (self.bq, self.bk) == _DQ[self.dtype][self.bd] else VARIANTS_SOURCE
 
     @property
     def threadgroup_memory(self) -> int:
@@ -74,6 +88,10 @@ class DKVTile:
     @property
     def kernel(self) -> str:
         return f"flash_bwd_dkv_{self.dtype}_d{self.bd}_k{self.bk}_q{self.bq}_m{self.mode}"
+
+    @property
+    def source(self) -> str:
+        return SOURCE if (self.bk, self.bq) == _DKV[self.dtype][self.bd] else VARIANTS_SOURCE
 
     @property
     def threadgroup_memory(self) -> int:
@@ -113,8 +131,35 @@ _DKV["bf16"] = dict(_DKV["f16"])
 BACKWARD_TILES = {family: {"dq": _DQ, "dkv": _DKV} for family in FAMILIES}
 
 
-def backward_tiles(dtype: torch.dtype, head_dim: int, family: str = "apple8") -> BackwardTiles:
-    """Tiles for ``dtype`` and ``head_dim`` (max of D and Dv); raises KeyError/ValueError."""
+def _modes(bd: int) -> tuple[int, ...]:
+    return (0,) if bd <= FUSED_MAX_BD else (1, 2)
+
+
+def dq_variants(dtype: torch.dtype, head_dim: int, family: str = "apple8") -> list[DQTile]:
+    """The dQ tiles the tuner may choose, the family's default first."""
+    first = backward_tiles(dtype, head_dim, family).dq
+    out = [first]
+    if first.bd in EXTRA_BUCKETS:
+        out.append(DQTile(first.dtype, first.bd, first.bq // 2, first.bk))
+    return out
+
+
+def dkv_variants(dtype: torch.dtype, head_dim: int, family: str = "apple8") -> list[tuple[DKVTile, ...]]:
+    """The dK/dV tiles (one fused kernel, or the dK and the dV kernel) the tuner may choose,
+    the family's default first."""
+    first = backward_tiles(dtype, head_dim, family).dkv
+    out = [first]
+    t = first[0]
+    if t.bd in EXTRA_BUCKETS:
+        out.append(tuple(DKVTile(t.dtype, t.bd, t.bk // 2, t.bq, m) for m in _modes(t.bd)))
+    return out
+
+
+def backward_tiles(dtype: torch.dtype, head_dim: int, family: str = "apple8", dq_variant: str | None = None,
+                   dkv_variant: str | None = None) -> BackwardTiles:
+    """Tiles for ``dtype`` and ``head_dim`` (max of D and Dv), the table's or the named
+    variants (a dQ kernel name; a dK/dV kernel name, either of a split pair); raises
+    KeyError/ValueError."""
     dt = DTYPE_NAMES[dtype]
     bd = head_dim_bucket(head_dim)
     if bd is None:
@@ -123,16 +168,24 @@ def backward_tiles(dtype: torch.dtype, head_dim: int, family: str = "apple8") ->
     table = BACKWARD_TILES[table_family(family)]
     bq, bk = table["dq"][dt][bd]
     kbk, kbq = table["dkv"][dt][bd]
-    modes = (0,) if bd <= FUSED_MAX_BD else (1, 2)
-    return BackwardTiles(DQTile(dt, bd, bq, bk), tuple(DKVTile(dt, bd, kbk, kbq, m) for m in modes))
+    tiles = BackwardTiles(DQTile(dt, bd, bq, bk), tuple(DKVTile(dt, bd, kbk, kbq, m) for m in _modes(bd)))
+    if dq_variant is not None:
+        tiles = dataclasses.replace(tiles, dq=next(
+            x for x in dq_variants(dtype, head_dim, family) if x.kernel == dq_variant))
+    if dkv_variant is not None:
+        tiles = dataclasses.replace(tiles, dkv=next(
+            x for x in dkv_variants(dtype, head_dim, family) if dkv_variant in (y.kernel for y in x)))
+    return tiles
 
 
-def backward_candidates(dtype: torch.dtype, head_dim: int, family: str = "apple8") -> list[BackwardTiles]:
-    """The tiles the planner may use for ``head_dim``, preferred first: the table's,
+def backward_candidates(dtype: torch.dtype, head_dim: int, family: str = "apple8", dq_variant: str | None = None,
+                        dkv_variant: str | None = None) -> list[BackwardTiles]:
+    """The tiles the planner may use for ``head_dim``, preferred first: the table's
+    (or the named variants, see :func:`backward_tiles`),
     then those of larger buckets (head dim zero-padded) whose dQ or dK/dV kernels
     need fewer threads or less threadgroup memory, for pipelines whose limits the
     first exceeds."""
-    first = backward_tiles(dtype, head_dim, family)
+    first = backward_tiles(dtype, head_dim, family, dq_variant, dkv_variant)
 
     def needs(t: BackwardTiles) -> tuple[int, int, int, int]:
         return (t.dq.threads, max(x.threads for x in t.dkv), t.dq.threadgroup_memory,
@@ -143,13 +196,14 @@ def backward_candidates(dtype: torch.dtype, head_dim: int, family: str = "apple8
 
 
 def backward_variants() -> list:
-    """Every distinct tiled instantiation the table can select."""
+    """Every distinct tiled instantiation the table and the tuner can select."""
     seen = {}
     for family in FAMILIES:
         for dt in ("f32", "f16", "bf16"):
             for bd in HEAD_DIM_BUCKETS:
                 dtype = {v: k for k, v in DTYPE_NAMES.items()}[dt]
                 t = backward_tiles(dtype, bd, family)
-                for x in (t.dq, *t.dkv):
+                for x in (t.dq, *t.dkv, *dq_variants(dtype, bd, family),
+                          *(y for pair in dkv_variants(dtype, bd, family) for y in pair)):
                     seen[x.kernel] = x
-    return sorted(seen.values(), key=lambda t: (type(t).__name__, t.dtype, t.bd, getattr(t, "mode", 0)))
+    return sorted(seen.values(), key=lambda t: (type(t).__name__, t.dtype, t.bd, getattr(t, "mode", 0), t.bq, t.bk))

@@ -42,6 +42,7 @@ from .kvformat import MIXED_KV_DTYPES
 from .limits import PipelineInfo, first_fitting
 
 SOURCE = "flash_decode.metal"
+VARIANTS_SOURCE = "flash_decode_variants.metal"  # the tuner's further tiles (the same template)
 
 # [[function_constant(i)]] indices of flash_decode.metal
 (FC_PAGED, FC_HAS_LEFTPAD, FC_HAS_BATCH_IDX, FC_HAS_ALIBI, FC_HAS_SOFTCAP, FC_HAS_BAND, FC_USE_SPLITS,
@@ -62,6 +63,9 @@ DECODE_TILES = {
     "f16": {32: 64, 64: 64, 96: 32, 128: 32, 192: 16, 256: 16},
     "bf16": {32: 64, 64: 64, 96: 32, 128: 32, 192: 16, 256: 16},
 }
+# The tuner's second tile for q and caches of one dtype (docs/tuning.md): half the keys per
+# tile (twice the steps, half the threadgroup memory, so more threadgroups per core).
+DECODE_EXTRA = {dt: {bd: rows[bd] // 2 for bd in (64, 128)} for dt, rows in DECODE_TILES.items()}
 # Query rows (GQA group x seqlen_q) per threadgroup: 16 simdgroups (512 threads) up to head-dim
 # bucket 128; 8 simdgroups above, where Q and O fragments take ~128 registers per thread and the
 # pipeline's maxTotalThreadsPerThreadgroup may drop below 512.
@@ -151,25 +155,42 @@ class DecodeTile:
         kv = f"_kv{self.kv_dtype}" if self.kv_dtype else ""
         return f"flash_decode_{self.dtype}{kv}_d{self.bd}_k{self.bk}"
 
+    @property
+    def source(self) -> str:
+        return SOURCE if self.kv_dtype or DECODE_TILES[self.dtype][self.bd] == self.bk else VARIANTS_SOURCE
+
 
 def combine_kernel(dtype: str) -> str:
     """The kernel that merges the split partials, for dtype name ``f32|f16|bf16``."""
     return f"flash_decode_combine_{dtype}"
 
 
-def decode_tile(dtype: torch.dtype, head_dim: int, kv_dtype: Optional[torch.dtype] = None) -> DecodeTile:
+def decode_tile(dtype: torch.dtype, head_dim: int, kv_dtype: Optional[torch.dtype] = None,
+                variant: Optional[str] = None) -> DecodeTile:
     """The tile for q of ``dtype`` over caches of (logical) ``kv_dtype`` (default: the same);
-    the K/V tiles are in the cache dtype, so its table sets BK."""
+    the K/V tiles are in the cache dtype, so its table sets BK.  ``variant``: a kernel
+    name of :func:`tile_variants` instead of the table's."""
     dt = DTYPE_NAMES[dtype]
     kv = DTYPE_NAMES[kv_dtype or dtype]
     for bd in HEAD_DIM_BUCKETS:
         if head_dim <= bd:
-            return DecodeTile(dt, bd, DECODE_TILES[kv][bd], "" if kv == dt else kv)
+            tile = DecodeTile(dt, bd, DECODE_TILES[kv][bd], "" if kv == dt else kv)
+            if variant is not None and not tile.kv_dtype:
+                tile = next(t for t in tile_variants(dtype, head_dim) if t.kernel == variant)
+            return tile
     raise ValueError(f"head dim {head_dim} > {MAX_HEAD_DIM}")
+
+
+def tile_variants(dtype: torch.dtype, head_dim: int) -> list[DecodeTile]:
+    """The tiles the tuner may choose for q and caches of ``dtype``, the table's first."""
+    first = decode_tile(dtype, head_dim)
+    extra = DECODE_EXTRA[first.dtype].get(first.bd)
+    return [first] + ([DecodeTile(first.dtype, first.bd, extra)] if extra else [])
 
 
 def decode_variants() -> list[DecodeTile]:
     same = [DecodeTile(dt, bd, bk) for dt, rows in DECODE_TILES.items() for bd, bk in rows.items()]
+    same += [DecodeTile(dt, bd, bk) for dt, rows in DECODE_EXTRA.items() for bd, bk in rows.items()]
     mixed = [decode_tile(torch.float32, bd, kv) for kv in MIXED_KV_DTYPES for bd in HEAD_DIM_BUCKETS]
     return same + mixed
 
@@ -283,7 +304,12 @@ def plan_decode(pb: DecodeProblem, num_splits: int = 0, gpu_cores: int = DEFAULT
     B, Hq, Lq, D = pb.q.shape
     if B == 0 or Hq == 0 or Lq == 0:
         return Plan(launches=())
-    tile = decode_tile(pb.q.dtype, D, pb.k_cache.dtype)
+    from .. import tuning
+    variant = None
+    if pb.k_cache.dtype == pb.q.dtype:
+        variant = tuning.planned("decode", "decode", pb.q.dtype, D, D, seqlen_q=Lq, seqlen_k=pb.capacity,
+                                 causal=pb.window_right == 0, features={"mask": pb.mask is not None})
+    tile = decode_tile(pb.q.dtype, D, pb.k_cache.dtype, variant)
     widest = row_cap(tile.bd)
     caps = [widest >> i for i in range(widest.bit_length()) if widest >> i >= 8]  # halved down to one simdgroup
     return first_fitting((_plan_rows(pb, tile, cap, num_splits, gpu_cores) for cap in caps), pipeline_info)
@@ -369,7 +395,7 @@ def _plan_rows(pb: DecodeProblem, tile: DecodeTile, cap: int, num_splits: int, g
                                    pb.alibi_slopes is not None, has_softcap, wl >= 0 or wr >= 0, use_splits,
                                    pb.seqlens is not None, pb.mask is not None, pb.sinks is not None,
                                    kvformat.kv_format(kc))
-    launches = [Launch(source=SOURCE, kernel=tile.kernel, threadgroups=(splits, Hkv * row_blocks, B),
+    launches = [Launch(source=tile.source, kernel=tile.kernel, threadgroups=(splits, Hkv * row_blocks, B),
                        threadgroup=(32 * simdgroups, 1, 1), buffers=buffers, function_constants=constants)]
     if use_splits:
         launches.append(Launch(

@@ -246,14 +246,27 @@ def plan_forward(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor, aux:
     reason = _check(spec, out, lse, aux) or _check_probs(spec, probs)
     if reason is not None:
         return Unsupported(reason)
+    from .. import tuning
+    max_q, max_k = max_seqlens(spec)
     try:
-        tiles = forward_candidates(spec.q.dtype, max(spec.head_dim, spec.head_dim_v), family)
+        variant = tuning.planned("fwd", "fwd", spec.q.dtype, spec.head_dim, spec.head_dim_v, family=family,
+                                 seqlen_q=max_q, seqlen_k=max_k, causal=is_causal(spec), features=features(spec))
+        tiles = forward_candidates(spec.q.dtype, max(spec.head_dim, spec.head_dim_v), family, variant)
     except (KeyError, ValueError) as e:
         return Unsupported(str(e))
-    max_q, _ = max_seqlens(spec)
     if spec.num_seqs == 0 or spec.heads == 0 or spec.seqlen_q == 0 or max_q == 0:
         return Plan(launches=())
     return first_fitting((_plan_tile(spec, out, lse, aux, tile, probs) for tile in tiles), pipeline_info)
+
+
+def is_causal(spec: AttentionSpec) -> bool:
+    """Whether the tuner files ``spec`` under causal problems (no key right of the diagonal)."""
+    return spec.window_right == 0
+
+
+def features(spec: AttentionSpec) -> dict:
+    """The features that set a problem's tuning class (:func:`torch_metal_flash.tuning.choice`)."""
+    return {"mask": spec.mask is not None, "dropout": spec.dropout is not None, "varlen": spec.varlen is not None}
 
 
 def max_seqlens(spec: AttentionSpec) -> tuple[int, int]:
@@ -365,7 +378,7 @@ def _plan_tile(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor, aux: O
                                    vl is not None and vl.block_table is not None, spec.dropout is not None,
                                    probs is not None)
     launch = Launch(
-        source=SOURCE,
+        source=tile.source,
         kernel=tile.kernel,
         threadgroups=(p.num_q_blocks, Hq // p.pack, spec.num_seqs),
         threadgroup=(tile.threads, 1, 1),

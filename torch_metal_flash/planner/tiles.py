@@ -13,10 +13,15 @@ Each entry is a template instantiation of ``shaders/flash_fwd.metal`` named
   threadgroup memory for two more barriers per step, used to keep 32 keys
   per step at large head dims and in float32.
 
-The values are starting points sized to keep threadgroup memory under ~18 KiB
-(so at least one more threadgroup fits next to it in 32 KiB); they are meant
-to be tuned on Macs per family.  A new entry needs a matching
-``FLASH_FWD_INSTANTIATE`` line in the shader (a test checks).
+The family tables are the defaults of an untuned machine (their sources:
+docs/tuning.md); the table of apple7/apple8 keeps threadgroup memory under
+~18 KiB (so at least one more threadgroup fits next to it in 32 KiB).  The
+tuner (:mod:`torch_metal_flash.tuning`) chooses among :func:`tile_variants`:
+the family tables' tiles plus :data:`EXTRA_TILES`.  Tiles of the apple8 table
+are instantiated in ``shaders/flash_fwd.metal``, all others in
+``shaders/flash_fwd_variants.metal`` (the same template; a separate file, so
+that the common kernels' library does not grow with the tuning space).  A new
+entry needs a matching ``FLASH_FWD_INSTANTIATE`` line there (a test checks).
 """
 from __future__ import annotations
 
@@ -26,7 +31,9 @@ import torch
 
 HEAD_DIM_BUCKETS = (32, 64, 80, 96, 128, 160, 192, 256)
 MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
-FAMILIES = ("apple7", "apple8", "apple9")  # M1, M2, M3/M4
+FAMILIES = ("apple7", "apple8", "apple9", "apple10")  # M1, M2, M3/M4, M5
+SOURCE = "flash_fwd.metal"
+VARIANTS_SOURCE = "flash_fwd_variants.metal"
 
 DTYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 _ELEM_SIZE = {"f32": 4, "f16": 2, "bf16": 2}
@@ -53,6 +60,11 @@ class ForwardTile:
         return f"flash_fwd_{self.dtype}_d{self.bd}_q{self.bq}_k{self.bk}{'_s' if self.shared_kv else ''}"
 
     @property
+    def source(self) -> str:
+        """The shader file that instantiates this tile."""
+        return SOURCE if self.kernel in _PRIMARY else VARIANTS_SOURCE
+
+    @property
     def row_pad(self) -> int:
         """Elements of padding per threadgroup tile row (16 bytes)."""
         return 16 // _ELEM_SIZE[self.dtype]
@@ -64,8 +76,7 @@ class ForwardTile:
         return tiles * self.bk * (self.bd + self.row_pad) * _ELEM_SIZE[self.dtype]
 
 
-# (dtype, bucket) -> (BQ, BK, shared_kv); the same for every family until tuned
-# on hardware.
+# (dtype, bucket) -> (BQ, BK, shared_kv): the package's starting point (not measured).
 _BASE = {
     "f32": {32: (32, 32, False), 64: (32, 32, False), 80: (32, 32, True), 96: (32, 32, True),
             128: (32, 32, True), 160: (32, 16, True), 192: (32, 16, True), 256: (32, 16, True)},
@@ -73,10 +84,34 @@ _BASE = {
             128: (32, 32, False), 160: (32, 32, True), 192: (32, 32, True), 256: (32, 32, True)},
 }
 _BASE["bf16"] = dict(_BASE["f16"])
+# MLX's steel attention block choice for half/bfloat (32 query rows, 32 keys per step below
+# head dim 128, 16 from 128), where it is one of our tiles; float32 keeps the base table.
+_MLX = {"f32": dict(_BASE["f32"]),
+        "f16": {**_BASE["f16"], 64: (32, 32, False), 128: (32, 16, False), 160: (32, 16, False),
+                192: (32, 16, False), 256: (32, 16, False)}}
+_MLX["bf16"] = dict(_MLX["f16"])
+# MLX's blocks where its neural-accelerator path runs (GPU generation 17, M5): 64 query rows,
+# 32 keys per step, at the head dims it takes that path for (K/V share a buffer at 256 to fit).
+_MLX_NAX = {"f32": dict(_BASE["f32"]),
+            "f16": {**_MLX["f16"], 64: (64, 32, False), 96: (64, 32, False), 128: (64, 32, False),
+                    256: (64, 32, True)}}
+_MLX_NAX["bf16"] = dict(_MLX_NAX["f16"])
 
 FORWARD_TILES: dict[str, dict[str, dict[int, tuple[int, int, bool]]]] = {
-    family: {dt: dict(rows) for dt, rows in _BASE.items()} for family in FAMILIES
+    "apple7": _BASE, "apple8": _BASE, "apple9": _MLX, "apple10": _MLX_NAX,
 }
+_PRIMARY = {ForwardTile(dt, bd, *row).kernel for dt, rows in _BASE.items() for bd, row in rows.items()}
+
+# Further tiles the tuner times, per (dtype, bucket >= 64): 64 query rows per threadgroup (each
+# K/V tile feeds 8 simdgroups: half the K/V reads per query row), 16 (more threadgroups for
+# short problems), or another key-block size.  Each stays within 32 KiB of threadgroup memory.
+EXTRA_TILES: dict[str, dict[int, list[tuple[int, int, bool]]]] = {
+    "f32": {64: [(64, 32, False)], 80: [(64, 32, True)], 96: [(64, 32, True)], 128: [(64, 32, True)],
+            160: [(64, 16, True)], 192: [(64, 16, True)], 256: [(64, 16, True)]},
+    "f16": {64: [(64, 32, False)], 80: [(64, 32, False), (16, 32, False)], 96: [(64, 32, False), (16, 32, False)],
+            128: [(64, 32, False)], 160: [(64, 32, True)], 192: [(64, 32, True)], 256: [(64, 32, True)]},
+}
+EXTRA_TILES["bf16"] = {bd: list(rows) for bd, rows in EXTRA_TILES["f16"].items()}
 
 
 def head_dim_bucket(head_dim: int) -> int | None:
@@ -112,22 +147,39 @@ def forward_tile(dtype: torch.dtype, head_dim: int, family: str = "apple8") -> F
     return ForwardTile(dt, bd, bq, bk, shared)
 
 
-def forward_candidates(dtype: torch.dtype, head_dim: int, family: str = "apple8") -> list[ForwardTile]:
-    """The tiles the planner may use for ``head_dim``, preferred first: the table's,
-    then those of larger buckets (head dim zero-padded) that need fewer threads or
-    less threadgroup memory, for pipelines whose limits the first exceeds."""
+def tile_variants(dtype: torch.dtype, head_dim: int, family: str = "apple8") -> list[ForwardTile]:
+    """Every tile the tuner may choose for ``dtype`` and ``head_dim``: the family's
+    default first, then the other families' defaults and :data:`EXTRA_TILES`."""
     first = forward_tile(dtype, head_dim, family)
+    seen = {first.kernel: first}
+    for table in FORWARD_TILES.values():
+        t = ForwardTile(first.dtype, first.bd, *table[first.dtype][first.bd])
+        seen.setdefault(t.kernel, t)
+    for row in EXTRA_TILES[first.dtype].get(first.bd, ()):
+        t = ForwardTile(first.dtype, first.bd, *row)
+        seen.setdefault(t.kernel, t)
+    return list(seen.values())
+
+
+def forward_candidates(dtype: torch.dtype, head_dim: int, family: str = "apple8",
+                       variant: str | None = None) -> list[ForwardTile]:
+    """The tiles the planner may use for ``head_dim``, preferred first: ``variant``
+    (a kernel name of :func:`tile_variants`) or the table's, then those of larger
+    buckets (head dim zero-padded) that need fewer threads or less threadgroup
+    memory, for pipelines whose limits the first exceeds."""
+    first = forward_tile(dtype, head_dim, family)
+    if variant is not None:
+        first = next(t for t in tile_variants(dtype, head_dim, family) if t.kernel == variant)
     larger = (forward_tile(dtype, bd, family) for bd in HEAD_DIM_BUCKETS if bd > first.bd)
     return [first] + [t for t in larger
                       if t.threads < first.threads or t.threadgroup_memory < first.threadgroup_memory]
 
 
 def forward_variants() -> list[ForwardTile]:
-    """Every distinct instantiation the table can select."""
+    """Every distinct instantiation the tables and the tuner can select."""
     seen = {}
-    for table in FORWARD_TILES.values():
-        for dt, rows in table.items():
-            for bd, (bq, bk, shared) in rows.items():
-                t = ForwardTile(dt, bd, bq, bk, shared)
+    for dtype, dt in DTYPE_NAMES.items():
+        for bd in HEAD_DIM_BUCKETS:
+            for t in tile_variants(dtype, bd):
                 seen[t.kernel] = t
-    return sorted(seen.values(), key=lambda t: (t.dtype, t.bd))
+    return sorted(seen.values(), key=lambda t: (t.dtype, t.bd, t.bq, t.bk, t.shared_kv))

@@ -12,7 +12,8 @@ import dataclasses
 import itertools
 from typing import Iterator
 
-from . import backward, decode, forward, kvcache
+from . import backward, decode, forward, kvcache, tiles
+from . import backward_tiles as backward_tiles_module
 from .backward_tiles import DSINKS_KERNEL, DSINKS_THREADS, PRE_THREADS, backward_tiles, backward_variants
 from .tiles import DTYPE_NAMES, forward_variants
 
@@ -29,16 +30,21 @@ class Variant:
 
 
 def kernels() -> dict[str, dict[str, int]]:
-    """Shader file -> {kernel its planner can launch: the most threads per threadgroup it plans}."""
+    """Shader file -> {kernel its planner can launch: the most threads per threadgroup it plans}
+    (the tuning variants' files included)."""
     dtypes = list(DTYPE_NAMES)
-    return {
-        forward.SOURCE: {t.kernel: t.threads for t in forward_variants()},
-        backward.SOURCE: {**{backward_tiles(dt, 32).pre_kernel: PRE_THREADS for dt in dtypes},
-                          **{t.kernel: t.threads for t in backward_variants()}, DSINKS_KERNEL: DSINKS_THREADS},
-        decode.SOURCE: {**{t.kernel: 32 * decode.row_cap(t.bd) // 8 for t in decode.decode_variants()},
-                        **{decode.combine_kernel(DTYPE_NAMES[dt]): 32 * decode.COMBINE_ROWS for dt in dtypes}},
-        kvcache.SOURCE: {kernel: kvcache.MAX_THREADS for kernel in kvcache.append_kernels()},
-    }
+    out = {forward.SOURCE: {}, backward.SOURCE: {backward_tiles(dt, 32).pre_kernel: PRE_THREADS for dt in dtypes},
+           decode.SOURCE: {}}
+    for t in forward_variants():
+        out.setdefault(t.source, {})[t.kernel] = t.threads
+    for t in backward_variants():
+        out.setdefault(t.source, {})[t.kernel] = t.threads
+    out[backward.SOURCE][DSINKS_KERNEL] = DSINKS_THREADS
+    for t in decode.decode_variants():
+        out.setdefault(t.source, {})[t.kernel] = 32 * decode.row_cap(t.bd) // 8
+    out[decode.SOURCE].update({decode.combine_kernel(DTYPE_NAMES[dt]): 32 * decode.COMBINE_ROWS for dt in dtypes})
+    out[kvcache.SOURCE] = {kernel: kvcache.MAX_THREADS for kernel in kvcache.append_kernels()}
+    return out
 
 
 def planned_threads() -> dict[str, int]:
@@ -46,7 +52,9 @@ def planned_threads() -> dict[str, int]:
     return {kernel: threads for group in kernels().values() for kernel, threads in group.items()}
 
 
-_PLANNERS = {forward.SOURCE: forward, backward.SOURCE: backward, decode.SOURCE: decode, kvcache.SOURCE: kvcache}
+_PLANNERS = {forward.SOURCE: forward, backward.SOURCE: backward, decode.SOURCE: decode, kvcache.SOURCE: kvcache,
+             tiles.VARIANTS_SOURCE: forward, backward_tiles_module.VARIANTS_SOURCE: backward,
+             decode.VARIANTS_SOURCE: decode}
 
 
 def _constant_sets(module) -> list[tuple]:
