@@ -259,7 +259,9 @@ def verdict(p: Problem, rows: list[dict]) -> dict:
     if not ours or not peers:
         return dict(bytes="n/a", mma="n/a", why="no passing kernel on one side")
     ob, pb = best(ours, "device"), best(peers, "device")
-    om, pm = best(ours, "mma"), best(peers, "mma")
+    om = best(ours, "mma")
+    mma_peers = [r for r in peers if r["mma"]]  # a scalar kernel does no matrix-unit work to compare
+    pm = best(mma_peers, "mma") if mma_peers else None
     why = []
     if ob["device"] > pb["device"]:
         for t in sorted(set(ob["tensors"]) | set(pb["tensors"])):
@@ -270,14 +272,14 @@ def verdict(p: Problem, rows: list[dict]) -> dict:
                     what = (f"{t}: BK {ob['blocks'][1]} vs {pb['blocks'][1]} -- more of each diagonal key block "
                             "lies past the causal edge and is still loaded")
                 why.append(f"+{d:,} B {what}")
-    if om["mma"] > pm["mma"]:
+    if pm is not None and om["mma"] > pm["mma"]:
         if p.causal and om["blocks"] and pm["blocks"] and om["blocks"][1] > pm["blocks"][1]:
             why.append(f"MMA x{om['mma'] / pm['mma']:.3f}: diagonal blocks are multiplied whole, BK "
                        f"{om['blocks'][1]} vs {pm['blocks'][1]}")
         else:
             why.append(f"MMA x{om['mma'] / pm['mma']:.3f}")
-    return dict(ours_bytes=ob, peer_bytes=pb, ours_mma=om, peer_mma=pm,
-                bytes=ob["device"] / pb["device"], mma=om["mma"] / pm["mma"], why="; ".join(why) or "--")
+    return dict(ours_bytes=ob, peer_bytes=pb, ours_mma=om, peer_mma=pm, bytes=ob["device"] / pb["device"],
+                mma=om["mma"] / pm["mma"] if pm is not None else None, why="; ".join(why) or "--")
 
 
 def _kernel_cell(r: dict) -> str:
@@ -306,9 +308,10 @@ def render(done: list[tuple], sources: list[str], command: str, complete: bool, 
         if "ours_bytes" not in v:
             lines.append(f"| {p.name} | n/a | n/a | {v['why']} |")
             continue
+        mma = "n/a (no peer uses simdgroup matrices)" if v["mma"] is None else \
+            f"{v['mma']:.3f} (`{v['ours_mma']['kernels'][0]}` vs {v['peer_mma']['side']})"
         lines.append(f"| {p.name} | {v['bytes']:.4f} (`{v['ours_bytes']['kernels'][0]}` vs "
-                     f"{v['peer_bytes']['side']}) | {v['mma']:.3f} (`{v['ours_mma']['kernels'][0]}` vs "
-                     f"{v['peer_mma']['side']}) | {v['why']} |")
+                     f"{v['peer_bytes']['side']}) | {mma} | {v['why']} |")
     lines += ["", "## Every kernel", "",
               "| problem | kernel | max err (ok) | device B / compulsory | per tensor (B) | TG B / out | BQ x BK "
               "| barriers / key block | MMA / needed | threadgroups | TG mem / TG (B) | emulator s |",
