@@ -79,7 +79,7 @@ def test_counters_of_every_kernel_on_a_tiny_problem(causal):
 
     v = vs_peers.verdict(p, rows)
     assert v["peer_bytes"] is naive and v["bytes"] < 1  # the naive kernel re-reads K and V per row
-    text = vs_peers.render([(p, rows)], ["synthetic"], "pytest", True, 0.0, heads=1)
+    text = vs_peers.render([(p, rows)], ["synthetic"], "pytest", [], 0.0, heads=1)
     assert p.name in text and "naive_attention" in text and "M4 Max" in text
 
 
@@ -98,3 +98,16 @@ def test_rows_are_checked():
     assert len(vs_peers.PROBLEMS) == 16
     with pytest.raises(SystemExit, match="unknown problem"):
         vs_peers.select("2K-d64-causal-f16", False)
+
+
+def test_saved_runs_render_into_one_report(tmp_path):
+    import json
+    p = vs_peers.Problem(seqlen=32, head_dim=64, causal=True, dtype="f16", heads=1)
+    rows = vs_peers.run_problem(p, [naive_peer], log=lambda *_: None)
+    saved = tmp_path / "run.jsonl"
+    saved.write_text(json.dumps(dict(problem=vars(p), rows=rows, sources=["synthetic"], command="`x`", heads=1,
+                                     minutes=0.5)) + "\n")
+    out = tmp_path / "report.md"
+    assert vs_peers.main(["--render", str(saved), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert p.name in text and "naive_attention" in text and "Not measured: 1K-d64-full-f16" in text
