@@ -263,6 +263,23 @@ def verdict(p: Problem, rows: list[dict]) -> dict:
     om = best(ours, "mma")
     mma_peers = [r for r in peers if r["mma"]]  # a scalar kernel does no matrix-unit work to compare
     pm = best(mma_peers, "mma") if mma_peers else None
+    why = reasons(p, ob, pb, om, pm)
+    both = [r for r in ours if r["device"] <= pb["device"] and (pm is None or r["mma"] <= pm["mma"])]
+    default = default_variant(p)
+    dflt = next((r for r in ours if r["kernels"] == [default]), None)
+    if dflt is not None and dflt is not ob:
+        dwhy = reasons(p, dflt, pb, dflt, pm)
+        if dwhy != "--":
+            why = (why if why != "--" else "best variant: --") + f"; default plan: {dwhy}"
+    return dict(ours_bytes=ob, peer_bytes=pb, ours_mma=om, peer_mma=pm, bytes=ob["device"] / pb["device"],
+                mma=om["mma"] / pm["mma"] if pm is not None else None, why=why,
+                both=both[0]["kernels"][0] if both else None, default=dflt,
+                default_bytes=dflt["device"] / pb["device"] if dflt else None,
+                default_mma=dflt["mma"] / pm["mma"] if dflt and pm is not None else None)
+
+
+def reasons(p: Problem, ob: dict, pb: dict, om: dict, pm: Optional[dict]) -> str:
+    """Why ``ob`` moves more device bytes than ``pb`` and ``om`` does more MMA work than ``pm``."""
     why = []
     if ob["device"] > pb["device"]:
         for t in sorted(set(ob["tensors"]) | set(pb["tensors"])):
@@ -279,8 +296,20 @@ def verdict(p: Problem, rows: list[dict]) -> dict:
                        f"{om['blocks'][1]} vs {pm['blocks'][1]}")
         else:
             why.append(f"MMA x{om['mma'] / pm['mma']:.3f}")
-    return dict(ours_bytes=ob, peer_bytes=pb, ours_mma=om, peer_mma=pm, bytes=ob["device"] / pb["device"],
-                mma=om["mma"] / pm["mma"] if pm is not None else None, why="; ".join(why) or "--")
+    return "; ".join(why) or "--"
+
+
+def default_variant(p: Problem) -> Optional[str]:
+    """The forward variant the planner picks for ``p`` on the emulator's family without a tuning cache entry."""
+    tuning = _tuning()
+    if tuning is None:
+        return None
+    try:
+        variant, _ = tuning.choice("fwd", dtype=DTYPES[p.dtype], head_dim=p.head_dim, seqlen_q=p.seqlen,
+                                   seqlen_k=p.seqlen, causal=p.causal)
+    except ValueError:
+        return None
+    return variant
 
 
 def _kernel_cell(r: dict) -> str:
@@ -304,17 +333,24 @@ def render(done: list[tuple], sources: list[str], command: str, missing: list[st
                   f"are those x {HEADS // heads} and the ratios are the same (tests/test_vs_peers.py checks the "
                   "scaling exactly)."), "",
               "## Headline: our best variant against the best peer", "",
-              "| problem | device bytes, ours / best peer | MMA work, ours / best peer | where ours is above, why |",
-              "|---|---|---|---|"]
+              "| problem | device bytes, ours / best peer | MMA work, ours / best peer | one variant at or below "
+              "both | default plan: bytes, MMA / best peer | where ours is above, why |",
+              "|---|---|---|---|---|---|"]
     for p, rows in done:
         v = verdict(p, rows)
         if "ours_bytes" not in v:
-            lines.append(f"| {p.name} | n/a | n/a | {v['why']} |")
+            lines.append(f"| {p.name} | n/a | n/a | n/a | n/a | {v['why']} |")
             continue
         mma = "n/a (no peer uses simdgroup matrices)" if v["mma"] is None else \
             f"{v['mma']:.3f} (`{v['ours_mma']['kernels'][0]}` vs {v['peer_mma']['side']})"
+        both = f"`{v['both']}`" if v["both"] else "none"
+        if v["default"] is None:
+            dflt = "n/a"
+        else:
+            dflt = f"`{v['default']['kernels'][0]}`: {v['default_bytes']:.4f}, " + \
+                ("n/a" if v["default_mma"] is None else f"{v['default_mma']:.3f}")
         lines.append(f"| {p.name} | {v['bytes']:.4f} (`{v['ours_bytes']['kernels'][0]}` vs "
-                     f"{v['peer_bytes']['side']}) | {mma} | {v['why']} |")
+                     f"{v['peer_bytes']['side']}) | {mma} | {both} | {dflt} | {v['why']} |")
     lines += ["", "## Every kernel", "",
               "| problem | kernel | max err (ok) | device B / compulsory | per tensor (B) | TG B / out | BQ x BK "
               "| barriers / key block | MMA / needed | threadgroups | TG mem / TG (B) | emulator s |",
