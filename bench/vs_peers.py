@@ -1,7 +1,9 @@
 """Our forward kernels next to MLX's and PyTorch's own Metal attention kernels, on identical
 problems in the emulator (checked mode: every device and threadgroup byte is counted exactly).
 
-    python bench/vs_peers.py --mlx DIR --pytorch DIR [--rows 1K-d64-causal-f16,...] [--quick] [--out FILE]
+    python bench/vs_peers.py --mlx DIR --pytorch DIR [--rows 1K-d64-causal-f16,...] [--quick] [--heads N]
+                             [--json FILE] [--out FILE]
+    python bench/vs_peers.py --render FILE... [--out FILE]
 
 --mlx DIR      an mlx-metal wheel unpacked (or its mlx/include): MLX's steel attention
 --pytorch DIR  a torch macOS wheel unpacked (or its torch/include): ATen/native/mps/kernels/PrefillAttention.h
@@ -24,8 +26,12 @@ bench/forward_bytes.py):
   visible (query, key) pairs;
 * threadgroups, threadgroup memory per threadgroup.
 
-The full table takes about half an hour on a shared 2-core machine; --rows or --quick (the 1K
-rows) run a subset.  A full run writes bench/results/vs_peers.md (re-written after each problem).
+Emulation cost grows like L^2 x D: the 4K rows dominate (tens of minutes each with every variant
+on the shared 2-core machine).  --rows or --quick (the 1K rows) run a subset; --heads 1 emulates
+one of the 8 heads and scales the counts, which is exact (every head runs the same code on the
+same shapes; tests/test_vs_peers.py checks it); --json FILE saves each problem's counters and
+--render FILE... writes one report from several runs (split a long table over processes).  A full
+run with both peers writes bench/results/vs_peers.md (re-written after each problem).
 """
 from __future__ import annotations
 
