@@ -288,7 +288,7 @@ def reasons(p: Problem, ob: dict, pb: dict, om: dict, pm: Optional[dict]) -> str
     """Why ``ob`` moves more device bytes than ``pb`` and ``om`` does more MMA work than ``pm``."""
     why = []
     if ob["device"] > pb["device"]:
-        for t in sorted(set(ob["tensors"]) | set(pb["tensors"])):
+        for t in list(ob["tensors"]) + [t for t in pb["tensors"] if t not in ob["tensors"]]:
             d = ob["tensors"].get(t, 0) - pb["tensors"].get(t, 0)
             if d > 0:
                 what = {"LSE": "LSE: our log-sum-exp (fp32 per query row, kept for the backward pass)"}.get(t, t)
