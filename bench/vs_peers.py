@@ -338,6 +338,9 @@ def render(done: list[tuple], sources: list[str], command: str, missing: list[st
                   "every head runs the same code on the same shapes, so byte, barrier, MMA and threadgroup counts "
                   f"are those x {HEADS // heads} and the ratios are the same (tests/test_vs_peers.py checks the "
                   "scaling exactly)."), "",
+              "Device bytes are the kernels' device-memory requests: on the GPU many of the K and V re-reads "
+              "(once per query block) hit the cache, so they bound DRAM traffic from above; a kernel with taller "
+              "query blocks (BQ 64) requests half as many.", "",
               "## Headline: our best variant against the best peer", "",
               "| problem | device bytes, ours / best peer | MMA work, ours / best peer | one variant at or below "
               "both | default plan: bytes, MMA / best peer | where ours is above, why |",
