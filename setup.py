@@ -35,6 +35,7 @@ from setuptools.command.build_py import build_py
 PACKAGE_DATA_DIRS = {name: folder for name, folder in
                      {"torch_metal_flash.shaders": "shaders", "torch_metal_flash._csrc": "csrc"}.items()
                      if os.path.isdir(folder)}
+HERE = os.path.dirname(os.path.abspath(__file__))
 XCRUN = ["xcrun", "-sdk", "macosx"]
 METAL_STD = "metal3.1"
 MACOS_MIN = "14.0"
@@ -42,6 +43,26 @@ MACOS_MIN = "14.0"
 # (docs/metal_launcher.md); compilers without these flags get -fno-fast-math.
 RELAXED_MATH = ["-fmetal-math-mode=relaxed", "-fmetal-math-fp32-functions=fast"]
 SAFE_MATH = ["-fno-fast-math"]
+
+
+def macos_extension_args() -> dict:
+    """What ``CppExtension`` gets for ``_C`` on macOS (paths relative to this folder).
+
+    The Metal launcher plus the C++ op core it is the Metal encoder of
+    (csrc/core/module.cpp is the core's own module for builds without Metal;
+    torch_metal_flash/_core_build.py).  No ``-std``: cpp_extension's default is
+    the one torch's headers need.  bench/macos_cross_build.py cross-builds
+    exactly this on Linux (tests/test_cross_build.py).
+    """
+    core = sorted(os.path.join("csrc", "core", f) for f in os.listdir(os.path.join(HERE, "csrc", "core"))
+                  if f.endswith(".cpp") and f != "module.cpp")
+    return dict(
+        sources=["csrc/metal/launcher.mm"] + core,
+        extra_compile_args={"cxx": ["-ObjC++", "-fobjc-arc",
+                                    # a macOS 15 API outside @available, nil where Apple's headers say nonnull
+                                    "-Werror=unguarded-availability-new", "-Werror=nonnull"]},
+        extra_link_args=["-framework", "Metal", "-framework", "Foundation"],
+    )
 
 
 def extension():
@@ -52,16 +73,7 @@ def extension():
     if not torch.backends.mps.is_built():
         return [], {}, torch.__version__, f"torch {torch.__version__} was built without MPS"
     from torch.utils.cpp_extension import BuildExtension, CppExtension
-    # The Metal launcher plus the C++ op core it is the Metal encoder of (csrc/core/module.cpp is
-    # the core's own module for builds without Metal; torch_metal_flash/_core_build.py).
-    core = sorted(os.path.join("csrc", "core", f) for f in os.listdir(os.path.join("csrc", "core"))
-                  if f.endswith(".cpp") and f != "module.cpp")
-    ext = CppExtension(
-        "torch_metal_flash._C",
-        sources=["csrc/metal/launcher.mm"] + core,
-        extra_compile_args={"cxx": ["-std=c++17", "-ObjC++", "-fobjc-arc"]},
-        extra_link_args=["-framework", "Metal", "-framework", "Foundation"],
-    )
+    ext = CppExtension("torch_metal_flash._C", **macos_extension_args())
     return [ext], {"build_ext": BuildExtension}, torch.__version__, True
 
 

@@ -8,9 +8,9 @@ The "append" rows run a whole decode step (``plan_kvcache``: the append kernel
 writes one new token, with rotary over the full head dim, then the decode
 kernels attend to all L keys); their compulsory bytes add the new k/v rows read
 and written once and the rotary table row.
-Target (issue 7): <= 1.1 at B=1, H=32, H_kv=8, D=128, L=4096, one query row.
+Target: <= 1.1 at B=1, H=32, H_kv=8, D=128, L=4096, one query row.
 
-Quantized caches (issue 14: affine 4/8-bit, symmetric int8): compulsory counts the
+Quantized caches (affine 4/8-bit, symmetric int8): compulsory counts the
 packed values, scales and biases of the visible rows once; target <= 1.1 at the same
 shape.  Their rows also give the cache's bytes per token (K and V of every KV head)
 against float16, and a second table reports the quantization error itself -- kept out
@@ -204,8 +204,8 @@ def main() -> None:
             "Rows with an append are a whole decode step: the append kernel (one new token, rotary over the "
             "head dim, q rotated into scratch) then the decode kernels; compulsory adds the new k/v rows "
             "read and written once and one rotary table row.  Causal, one batch row per cache row, "
-            "`num_splits=0` (heuristic, 10 GPU cores) unless a splits value is forced.  Quantized K/V "
-            "(issue 14): compulsory counts the packed values, scales and biases of every visible row once "
+            "`num_splits=0` (heuristic, 10 GPU cores) unless a splits value is forced.  Quantized K/V: "
+            "compulsory counts the packed values, scales and biases of every visible row once "
             "(and, with an append, the new rows read in float16 and written quantized once); "
             "bytes/token: K and V of one token over all KV heads, against float16 (4096 bytes here).  "
             "Command: `python bench/decode_bytes.py " +

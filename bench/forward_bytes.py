@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import forward_cases as fc  # noqa: E402
+import torch_metal_flash as tmf  # noqa: E402
 from torch_metal_flash.planner import forward_variants  # noqa: E402
 from torch_metal_flash.spec import make_spec  # noqa: E402
 
@@ -116,7 +117,8 @@ def variant_table() -> list[dict]:
         dtype = {"f32": "f32", "f16": "f16", "bf16": "bf16"}[t.dtype]
         case = dict(dtype=dtype, d=t.bd, lq=8, lk=8, masking="none", hq=1, hkv=1, feature="none",
                     layout="bhld", batch=1)
-        st = fc.build_stats_for(fc.build_spec(case), checked=False)
+        with tmf.tuning.use("fwd", t.kernel):  # the tuning space's tiles too, each forced
+            st = fc.build_stats_for(fc.build_spec(case), checked=False)
         rows.append(dict(kernel=t.kernel, bq=t.bq, bk=t.bk, sg=t.simdgroups, threads=t.threads,
                          table=t.threadgroup_memory, measured=st["threadgroup_memory"]))
     return rows

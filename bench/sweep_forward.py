@@ -1,4 +1,4 @@
-"""Full forward kernel sweep in the emulator (issue 4's matrix).
+"""Full forward kernel sweep in the emulator (the matrix of tests/forward_cases.py).
 
 The CI test (tests/test_forward_kernels.py) runs a fixed-seed sample of this
 matrix; this script runs all of it (or a slice), each case in checked mode and

@@ -1,4 +1,4 @@
-"""Packed sequences and dropout on the kernels (issue 15): host time, allocator bytes, host syncs.
+"""Packed sequences and dropout on the kernels: host time, allocator bytes, host syncs.
 
     python bench/varlen.py [--quick] [--iters N] [--json]
 
@@ -7,7 +7,7 @@
    call each way, the kernels read ``cu_seqlens`` on the GPU) against the
    per-sequence loop it replaces (read ``cu_seqlens`` on the host, one
    ``flash_attn_func`` call per sequence on views, ``torch.cat`` of the outputs:
-   the implementation before issue 15).  The kernels run nowhere: the C++ op
+   what a caller without varlen kernels does).  The kernels run nowhere: the C++ op
    core plans, allocates and binds as always, its emulator encoder is replaced by
    the stub encoder (``core.use_stub_encoder``), so the figures are the host path
    an MPS call takes to its Metal encoder, and what torch's allocator hands out on
@@ -54,7 +54,7 @@ def packed_lengths(n: int, lo: int, hi: int) -> list[int]:
 
 
 def per_sequence_loop(q, k, v, cu_q, cu_k, max_q, max_k, causal=True):
-    """What flash_attn_varlen_func did before issue 15: host-read bounds, a call per sequence, a cat."""
+    """A caller without varlen kernels: host-read bounds, a call per sequence, a cat."""
     bq, bk = cu_q.tolist(), cu_k.tolist()  # a host synchronisation on MPS
     outs = [tmf.flash_attn_func(q[None, a:b], k[None, c:d], v[None, c:d], causal=causal)[0]
             for a, b, c, d in zip(bq, bq[1:], bk, bk[1:])]
@@ -215,7 +215,7 @@ def main() -> None:
              "| path | host µs per fwd+bwd | op calls (fwd+bwd) | host syncs | allocated in total MiB "
              "| peak beyond inputs MiB |", "|---|---:|---:|---:|---:|---:|"]
     for name, label in (("varlen", "`flash_attn_varlen_func` (kernels read cu_seqlens)"),
-                        ("loop", "per-sequence loop (before issue 15)")):
+                        ("loop", "per-sequence loop")):
         r = step[name]
         lines.append(f"| {label} | {r['us']:.0f} | {r['launches']} | {r['syncs']} | {mib(r['total'])} | "
                      f"{mib(r['peak'])} |")

@@ -35,7 +35,8 @@ struct AuxHasOut<float> {
 };
 
 // ---------------------------------------------------------------------------
-// Fragment lane layout (DESIGN.md section 3).  Lane l owns the elements
+// Fragment lane layout (Apple does not document it; MLX relies on the same
+// mapping, and the emulator implements it, docs/emulator.md).  Lane l owns the elements
 // (row, col) and (row, col + 1) of every 8x8 simdgroup matrix, where
 //   qid = l / 4; row = (qid & 4) + (l / 2) % 4; col = (qid & 2) * 2 + (l % 2) * 2.
 // The lanes that share a row differ in bits 0 and 3 of the lane id.

@@ -1,9 +1,9 @@
-"""The forward kernel matrix (issue 4), shared by tests/test_forward_kernels.py
+"""The forward kernel matrix, shared by tests/test_forward_kernels.py
 (a fixed-seed sample) and bench/sweep_forward.py (the full sweep).
 
 A case is a plain dict; ``build_spec`` makes the tensors (deterministically
 from the case), ``run_forward`` plans and runs it on the emulator backend,
-``check`` applies the DESIGN.md §5 rule against the float64 oracle.
+``check`` applies the acceptance rule (torch_metal_flash/testing.py) against the float64 oracle.
 """
 from __future__ import annotations
 

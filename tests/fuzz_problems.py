@@ -118,7 +118,7 @@ QUANT_FORMATS = ({"bits": 4, "mode": "affine"}, {"bits": 8, "mode": "affine"}, {
 
 
 def draw_kv(draw, p: dict) -> None:
-    """K/V storage (issue 14): ``p["kv"]`` None (q's dtype, mostly), ``{"dtype"}``: float16 /
+    """K/V storage: ``p["kv"]`` None (q's dtype, mostly), ``{"dtype"}``: float16 /
     bfloat16 under a float32 q (mixed precision), or ``{"dtype", "bits", "group_size", "mode"}``:
     quantized.  Both are inference only (no gradients) and need Dv = D."""
     kinds = ["same"] * 6

@@ -252,3 +252,31 @@ def test_mutating_op_bumps_the_versions_of_what_it_writes():
     assert k_cache._version > versions[0] and v_cache._version > versions[1]
     assert torch.equal(k_cache[0, 3], k[0, 0]) and torch.equal(v_cache[0, 3], v[0, 0])
     assert tmf.run_counts(reset=True) == {"emulator": 1}
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["cpp", "python"])
+def test_call_signature_keys_exactly_what_the_checks_read(native, monkeypatch):
+    """The faces' memo key: equal for calls the checks cannot tell apart (other values, same
+    layout), different when a dtype, device, size, last-dim contiguity, scalar type or value differs."""
+    from torch_metal_flash import checks
+    core.load()
+    assert checks._native_signature is not None  # the loaded core provides it
+    if not native:
+        monkeypatch.setattr(checks, "_native_signature", None)
+    sig = checks.call_signature
+    t = torch.zeros(2, 3, 4)
+    args = (t, None, 0.5, True, 1, (-1, 0))
+    base = sig(*args)
+    assert sig(torch.randn(2, 3, 4), None, 0.5, True, 1, (-1, 0)) == base
+    assert sig(torch.zeros(3, 2, 4).transpose(0, 1), *args[1:]) == base  # other strides, last dim contiguous
+    variants = [
+        (t.half(), *args[1:]), (torch.zeros(2, 3, 5), *args[1:]), (torch.zeros(2, 4, 3).transpose(1, 2), *args[1:]),
+        (torch.zeros(2, 3, 4, 1), *args[1:]), (t, t, *args[2:]), (t, None, 0.25, *args[3:]),
+        (t, None, 1.0, True, 1, (-1, 0)), (t, None, 1, True, 1, (-1, 0)),  # float vs int
+        (t, None, 0.5, 1, 1, (-1, 0)), (t, None, 0.5, False, 1, (-1, 0)),  # bool vs int, other bool
+        (t, None, 0.5, True, 2, (-1, 0)), (t, None, 0.5, True, 1, (0, -1)), (t, None, 0.5, True, 1, (-1,)),
+    ]
+    keys = [sig(*a) for a in variants]
+    assert base not in keys and len(set(keys)) == len(keys)
+    with pytest.raises(TypeError):  # not keyable: the faces then check every call
+        hash(sig(t, [1, 2]))

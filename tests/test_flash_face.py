@@ -176,7 +176,7 @@ def test_varlen_errors(where, monkeypatch):
 
 
 def test_window_wider_than_keys_is_unbounded_like_upstream():
-    """Issue 16: a window side >= seqlen_k means "unbounded" in every flash-attn face (upstream clamps
+    """A window side >= seqlen_k means "unbounded" in every flash-attn face (upstream clamps
     it to -1 in mha_fwd / mha_varlen_fwd / mha_fwd_kvcache); with seqlen_q > seqlen_k + 1 the literal
     band would hide keys from the first rows.  flash_attn_func, varlen and kvcache must agree."""
     g = torch.Generator().manual_seed(16)

@@ -1,9 +1,9 @@
 """The fused forward kernels (shaders/flash_fwd.metal) run in the emulator
-against the float64 oracle (DESIGN.md §5), through the planner and the
+against the float64 oracle (the acceptance rule of torch_metal_flash/testing.py), through the planner and the
 emulator backend, in checked mode (poisoned threadgroup memory, bounds and
 race checks) and in two schedule orders per case.
 
-The full matrix of issue 4 is sampled with a fixed seed (every value of every
+The full forward matrix (tests/forward_cases.py) is sampled with a fixed seed (every value of every
 axis appears); ``bench/sweep_forward.py`` runs the whole sweep.  These tests
 need the emulator: they fail (not skip) when it or its compiler is missing.
 """

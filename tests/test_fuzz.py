@@ -49,8 +49,8 @@ def test_face_matches_oracle(face):
     given(fp.problems(face))(prop)()
 
 
-# Minimal cases the fuzzing found in issue 10's area (precision at large scores, the float32
-# rule), fixed there (exact P rebuild from the row max and sum, delta from the float32
+# Minimal cases the fuzzing found about precision at large scores and the float32 rule,
+# fixed by (exact P rebuild from the row max and sum, delta from the float32
 # output, the rule of torch_metal_flash.testing); replayed as regression tests.
 _FLAT4 = {"order": [0, 1, 2, 3], "pad": [0, 0, 0, 0], "offset": 0}
 _FLAT5 = {"order": [0, 1, 2, 3, 4], "pad": [0, 0, 0, 0, 0], "offset": 0}
@@ -104,7 +104,7 @@ def test_rotary_on_a_bhld_view_of_q_stays_on_the_kernels():
                                     cache_seqlens=torch.tensor([3], dtype=torch.int32), rotary_interleaved=False)
 
 
-# Found by the long profile after the merge with issue 10: a float16 mask broadcasting over
+# Found by the long fuzz profile: a float16 mask broadcasting over
 # every dim (shape (1,)) requiring grad.  Its gradient, exactly 0 (it sums every dS), came out
 # 4.2e-3 (allowed 1.1e-3): the SDPA face expanded the mask before the op, so each element of
 # dbias was rounded to float16 before autograd's expand backward summed them.  The face now

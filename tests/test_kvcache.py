@@ -1,6 +1,6 @@
 """``flash_attn_with_kvcache`` on the reference path: every argument against an
-independent float64 implementation (tests/kvcache_oracle.py) with the DESIGN.md
-§5 rule, the in-place cache update, and the argument errors."""
+independent float64 implementation (tests/kvcache_oracle.py) with the acceptance
+rule of torch_metal_flash/testing.py, the in-place cache update, and the argument errors."""
 from __future__ import annotations
 
 import math

@@ -281,7 +281,7 @@ def test_debug_mode_reports_out_of_range_indices(name, exc, match, monkeypatch):
 
 
 # ---------------------------------------------------------------------------
-# Regression (issue 16)
+# Regressions
 # ---------------------------------------------------------------------------
 
 def test_rotary_head_dim_2_non_interleaved_q_as_bhld_view_runs_on_the_kernels():

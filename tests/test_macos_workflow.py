@@ -41,3 +41,37 @@ def test_workflow_parses_and_names_the_mac_steps():
         assert steps[name]["if"] == "steps.mps.outputs.usable == 'true'"
         assert steps[name]["working-directory"] == "${{ runner.temp }}", "the installed package, not the checkout"
     assert "build_info()" in steps["Precompiled shaders shipped"]["run"]
+
+
+RELEASE = ROOT / ".github" / "workflows" / "release.yml"
+
+
+def _declared_torch_minors() -> list:
+    """Every torch minor the runtime dependency of pyproject.toml admits (e.g. >=2.10,<2.14: 2.10 ... 2.13)."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+    (torch_req,) = [r for r in map(Requirement, tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+                                   ["dependencies"]) if r.name == "torch"]
+    return [f"2.{m}" for m in range(40) if f"2.{m}.0" in torch_req.specifier]
+
+
+def test_release_workflow_builds_a_wheel_per_declared_torch_and_tests_it():
+    workflow = yaml.safe_load(RELEASE.read_text())
+    (job,) = workflow["jobs"].values()
+    assert job["runs-on"].startswith("macos-")
+    assert job["strategy"]["matrix"]["torch"] == _declared_torch_minors() == ["2.10", "2.11", "2.12", "2.13"]
+    steps = {s.get("name", s.get("uses")): s for s in job["steps"]}
+    build = steps["Build the wheel against torch ${{ matrix.torch }}"]["run"]
+    assert '"torch==${{ matrix.torch }}.*"' in build and "--no-build-isolation" in build
+    assert "xcrun -sdk macosx metal" in steps["Metal toolchain"]["run"]
+    check = steps["The wheel holds _C built against torch ${{ matrix.torch }}"]["run"]
+    assert "_build_info.json" in check and 'record["extension"] is True' in check
+    install = steps["Install the wheel with its torch (outside the checkout)"]
+    assert install["working-directory"] == "${{ runner.temp }}" and "dist/*.whl" in install["run"]
+    assert "torch_metal_flash doctor" in steps["Doctor"]["run"]
+    assert "tests/test_mps.py" in steps["MPS tests"]["run"]
+    for name in ("Doctor", "MPS tests"):
+        assert steps[name]["if"] == "steps.mps.outputs.usable == 'true'"
+    upload = steps["actions/upload-artifact@v7"]["with"]
+    assert upload["name"].endswith("torch${{ matrix.torch }}") and "dist/*.whl" in upload["path"]

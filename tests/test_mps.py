@@ -6,7 +6,7 @@ tests cover the same kernels there).  Every call runs in strict mode
 (``backend("metal", strict=True)``) so that a silent fallback to the reference
 path fails the test instead of passing it.
 
-Acceptance rule (DESIGN.md section 5): ``max|out - ref64| <= 2 * max|lowp - ref64|
+Acceptance rule (torch_metal_flash/testing.py, in short): ``max|out - ref64| <= 2 * max|lowp - ref64|
 + atol``, where ``ref64`` is plain PyTorch math in float64 on the CPU and
 ``lowp`` the same plain math in the inputs' dtype, computed by
 ``torch_metal_flash.testing.plain_attention`` (the same numbers on every
@@ -679,7 +679,7 @@ def test_backward_rebuilds_p_exactly(dtype, features):
 
 
 # ---------------------------------------------------------------------------
-# Varlen and dropout on the Metal kernels (issue 15)
+# Varlen and dropout on the Metal kernels
 # ---------------------------------------------------------------------------
 
 @needs_backward
@@ -710,3 +710,35 @@ def test_varlen_dropout_on_metal_equals_the_reference_with_the_same_rng_state():
     torch.manual_seed(3)
     assert torch.equal(philox.new_rng_state(MPS).cpu(), a.cpu()) and not torch.equal(a.cpu(), b.cpu())
     assert a.device.type == "mps" and a.dtype == torch.int64 and ((a >= 0) & (a < 2 ** 62)).all().item()
+
+
+@needs_backward
+def test_paged_varlen_backward_on_metal_equals_the_packed_call():
+    """Paged K/V with gradients on the GPU (the gather, the sort and the segmented scan of
+    torch_metal_flash.paged as MPS ops): out, dq and each cache row's dK/dV equal the packed
+    call over the same keys bit for bit; a block two sequences share gets the sum of their
+    gradients; two runs are bitwise equal."""
+    page, lens_q, lens_k = 16, [7, 1, 40], [37, 16, 50]
+    table = torch.tensor([[0, 1, 2, 0], [0, 0, 0, 0], [3, 4, 5, 6]], dtype=torch.int32)  # block 0 shared
+    k_cache, v_cache = (randn(9, page, 2, 64, dtype=torch.float16, seed=70 + i) for i in range(2))  # 7, 8 unused
+    q = randn(sum(lens_q), 4, 64, dtype=torch.float16, seed=72)
+    dout = randn(sum(lens_q), 4, 64, dtype=torch.float16, seed=73)
+    rows = [table[b, torch.arange(n) // page].long() * page + torch.arange(n) % page for b, n in enumerate(lens_k)]
+    k, v = (t.flatten(0, 1)[torch.cat(rows)] for t in (k_cache, v_cache))
+    cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32, device=MPS) for n in (lens_q, lens_k))
+
+    def run(kk, vv, block_table):
+        leaves = [t.to(MPS, copy=True).requires_grad_(True) for t in (q, kk, vv)]
+        with strict_metal():
+            out = tmf.flash_attn_varlen_func(*leaves, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
+                                             block_table=None if block_table is None else block_table.to(MPS))
+            grads = torch.autograd.grad(out, leaves, dout.to(MPS))
+        return [t.detach().cpu() for t in (out, *grads)]
+
+    paged, again, packed = run(k_cache, v_cache, table), run(k_cache, v_cache, table), run(k, v, None)
+    assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(paged, again))
+    assert torch.equal(paged[0], packed[0]) and torch.equal(paged[1], packed[1])
+    index = torch.cat(rows)
+    for got, want in ((paged[2], packed[2]), (paged[3], packed[3])):
+        summed = torch.zeros(9 * page, 2, 64, dtype=torch.float32).index_add_(0, index, want.float())
+        assert torch.equal(got.flatten(0, 1), summed.half())  # one or two terms: the same float32 sum

@@ -64,6 +64,10 @@ def test_sdist_and_wheel_build_with_default_isolation(built):
     shaders = {f"torch_metal_flash/shaders/{p.name}" for p in (ROOT / "shaders").iterdir()}
     assert shaders <= files
     assert {"torch_metal_flash/_csrc/emulator/runtime.cpp", "torch_metal_flash/_csrc/metal/launcher.mm"} <= files
+    # every source of the emulator runtime (one translation unit over runtime/) and of its shim
+    emulator_sources = {f"torch_metal_flash/_csrc/{p.relative_to(ROOT / 'csrc').as_posix()}"
+                        for p in (ROOT / "csrc" / "emulator").rglob("*") if p.is_file()}
+    assert emulator_sources <= files, sorted(emulator_sources - files)
     assert not any("/_C." in f or f.endswith(".metallib") for f in files)
     record = json.loads(zipfile.ZipFile(wheel).read("torch_metal_flash/_build_info.json"))
     assert record["platform"] == sys.platform and record["torch"] is None

@@ -1,4 +1,4 @@
-"""Precision of the kernels at their edges, and the acceptance rule itself (issue 10).
+"""Precision of the kernels at their edges, and the acceptance rule itself.
 
 * The issue's minimal cases, as named regression tests (emulator backend,
   strict: a fallback fails the test): P rebuilt exactly at large float32

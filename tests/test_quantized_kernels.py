@@ -7,7 +7,7 @@ float16 / bfloat16 under a float32 query: ``flash_attn_with_kvcache`` (contiguou
 paged caches, the new rows quantized by the append kernel), ``flash_attn_func``,
 ``scaled_dot_product_attention`` and the op with sinks.  Accuracy is judged against
 the float64 oracle on the *dequantized* K/V (what the kernels must compute), with the
-DESIGN.md §5 budget of the same math in the query's dtype on those tensors; the
+acceptance-rule budget (torch_metal_flash/testing.py) of the same math in the query's dtype on those tensors; the
 quantization error itself is bench/decode_bytes.py's to report.  These tests need the
 emulator: they fail (not skip) when its compiler is missing.
 """

@@ -311,6 +311,29 @@ def test_emulator_selection_routes_cpu():
     torch.testing.assert_close(got, want, **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("grad", [False, True])
+def test_emulator_declined_call_reaches_original_without_warning(grad):
+    """A call the kernels do not cover (head dim above the largest tile) goes to torch's original,
+    counted with the planner's reason, with no fallback warning and no run of our reference path,
+    whether the op declines it (inference) or the planner is asked first (a call that needs grad)."""
+    import warnings
+    from torch_metal_flash import backends
+    torch.manual_seed(9)
+    q, k, v = _qkv(lq=5, lk=6, d=300)
+    q.requires_grad_(grad)
+    want = F.scaled_dot_product_attention(q, k, v)
+    before = backends.run_counts()
+    with sdpa_override(), backend("emulator"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = F.scaled_dot_product_attention(q, k, v)
+    stats = sdpa_stats()
+    assert stats["routed"] == 0 and stats["original"] == 1, stats
+    (reason,) = stats["reasons"]
+    assert "head dim" in reason, reason
+    assert backends.run_counts() == before
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
 @pytest.mark.skipif(not torch.backends.mps.is_available(), reason="needs an MPS device")
 def test_mps_is_routed():  # pragma: no cover - macOS only
     torch.manual_seed(9)

@@ -18,7 +18,6 @@ import torch_metal_flash as tmf
 from torch_metal_flash import emulator, tuning
 from torch_metal_flash.backends.emulator import EmulatorBackend
 from torch_metal_flash.planner import backward_tiles, decode, tiles
-from torch_metal_flash.planner.limits import PipelineInfo  # noqa: F401  (the limits the planner checks)
 from torch_metal_flash.spec import make_spec
 from torch_metal_flash.testing import check_backward, check_forward
 
@@ -92,7 +91,8 @@ def test_variant_space_sizes_and_limits():
 
 
 def test_use_rejects_unknown_and_inapplicable_variants():
-    with pytest.raises(ValueError, match=r"'flash_fwd_f16_d64_q8_k8' is not a variant of 'fwd'.*flash_fwd_f16_d64_q32_k64"):
+    with pytest.raises(ValueError,
+                       match=r"'flash_fwd_f16_d64_q8_k8' is not a variant of 'fwd'.*flash_fwd_f16_d64_q32_k64"):
         with tuning.use("fwd", "flash_fwd_f16_d64_q8_k8"):
             pass
     with pytest.raises(ValueError, match=r"'flash_bwd_dq_f16_d64_q64_k32' is not a variant of 'fwd'"):
@@ -329,3 +329,73 @@ def test_forced_variants_are_per_thread(launched):
     with tmf.backend("emulator", strict=True):
         tmf.flash_attn_func(q, k, v)
     assert launched[-1] == names[0]
+
+
+# ----------------------------------------------------------------------------- a sampled matrix
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import forward_cases as fc  # noqa: E402
+import test_backward_kernels as bk  # noqa: E402
+
+MATRIX_SEED = 20261202
+
+
+def _forced_cases(cases, op, part, seed):
+    """Each case with a variant of its bucket other than the default, drawn with a fixed seed."""
+    import random
+    rng = random.Random(seed)
+    out = []
+    for c in cases:
+        names = [n for n in tuning.variants(op, dtype=fc.DTYPES[c["dtype"]], head_dim=c["d"])
+                 if n.startswith({"fwd": "flash_fwd", "dq": "flash_bwd_dq", "dkv": "flash_bwd_dkv"}[part])]
+        out.append((c, names[1 + rng.randrange(len(names) - 1)] if len(names) > 1 else names[0]))
+    return out
+
+
+FWD_MATRIX = _forced_cases(fc.sample_cases(10, MATRIX_SEED, head_dims=(64, 80, 96, 128, 160, 256, 72, 100, 200)),
+                           "fwd", "fwd", MATRIX_SEED)
+BWD_MATRIX = _forced_cases([dict(c, d=d) for c, d in zip(bk.sample_cases(6, MATRIX_SEED), (64, 40, 128, 100, 64, 128))],
+                           "bwd", "dq", MATRIX_SEED)
+
+
+@pytest.mark.parametrize("i,case,variant", [(i, c, v) for i, (c, v) in enumerate(FWD_MATRIX)],
+                         ids=[f"{fc.case_id(c)}-{v}" for c, v in FWD_MATRIX])
+def test_sampled_matrix_forward_with_forced_variants(i, case, variant, launched):
+    """Features, layouts, GQA, masks and odd head dims on the non-default variants."""
+    with tuning.use("fwd", variant):
+        fc.run_and_check(case, orders=(ORDERS, ORDERS[::-1])[i % 2], checked=True)
+    assert set(launched) == {variant}
+
+
+@pytest.mark.parametrize("i,case,variant", [(i, c, v) for i, (c, v) in enumerate(BWD_MATRIX)],
+                         ids=[f"{fc.case_id(c)}-{v}" for c, v in BWD_MATRIX])
+def test_sampled_matrix_backward_with_forced_variants(i, case, variant, launched, monkeypatch):
+    """The same for the backward: a non-default dQ variant and (odd cases) a non-default dK/dV one."""
+    run_plan = bk.run_plan  # runs the launches' libraries directly, not through the backend
+
+    def recording_run_plan(plan, **kw):
+        launched.extend(launch.kernel for launch in plan.launches)
+        return run_plan(plan, **kw)
+
+    monkeypatch.setattr(bk, "run_plan", recording_run_plan)
+    dtype = fc.DTYPES[case["dtype"]]
+    dkv = tuning.variants("bwd", dtype=dtype, head_dim=case["d"])[-1]
+    with tuning.use("bwd", variant), tuning.use("bwd", dkv if i % 2 else variant):
+        bk.run_and_check(case, orders=(ORDERS, ORDERS[::-1])[i % 2])
+    assert variant in launched and (not i % 2 or dkv in launched)
+
+
+def test_doctor_reports_tuned_or_not_and_the_choices_in_force(tuning_cache):
+    from torch_metal_flash import doctor
+    tuned, rows = doctor.tuning_rows("apple8")
+    assert tuned.startswith("not tuned: the apple8 defaults") and str(tuning_cache) in tuned
+    assert all(row[-1] == "default" for row in rows)
+    key = dict(op="fwd", part="fwd", dtype="f16", head_dim=64, head_dim_v=64, features="causal", seq="q1K_k1K")
+    machine = dict(gpu="emulator-apple8", os=__import__("platform").system(), package=tmf.__version__)
+    tuning_cache.write_text(json.dumps({"format": 1, "entries": [{**key, **machine,
+                                                                   "variant": "flash_fwd_f16_d64_q64_k32"}]}))
+    tuning.reload()
+    tuned, rows = doctor.tuning_rows("apple8")
+    assert tuned.startswith("tuned: 1 choices measured on this machine")
+    tuned_rows = [row for row in rows if row[-1] == "tuned"]
+    assert tuned_rows == [("fwd", "fwd", "float16", 64, "1024 x 1024", True, "flash_fwd_f16_d64_q64_k32", "tuned")]

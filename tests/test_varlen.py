@@ -1,4 +1,4 @@
-"""Varlen attention (packed sequences, ``cu_seqlens``) on the kernels, issue 15.
+"""Varlen attention (packed sequences, ``cu_seqlens``) on the kernels.
 
 One launch per kernel covers every sequence; the kernels read the boundaries on the
 GPU.  Each case runs forward and backward through the ops in the emulator, in checked
@@ -23,6 +23,7 @@ import varlen_cases as vc  # noqa: E402
 import torch_metal_flash as tmf  # noqa: E402
 from torch_metal_flash import backends, emulator  # noqa: E402
 from test_kvcache_op import host_syncs_raise  # noqa: E402
+from torch_metal_flash.testing import randn  # noqa: E402
 
 RAGGED_Q, RAGGED_K = [5, 0, 1, 37, 20, 1], [7, 3, 0, 37, 41, 1]
 MANY_SHORT = [1, 3, 2, 6, 1, 4, 5, 2, 1, 3, 6, 2, 1, 1, 4, 3, 2, 5] + [131]  # and one long one
@@ -95,18 +96,129 @@ def test_faces_match_per_sequence_calls_and_differentiate():
             torch.testing.assert_close(got[a:e], ref_grad, atol=1e-5, rtol=1e-5)
 
 
-def test_paged_face_and_inference_only():
+def test_paged_face_equals_the_packed_call_bit_for_bit():
+    """flash_attn_varlen_func with paged caches (GQA, shuffled blocks, unused table entries and
+    blocks; dropout, ALiBi) computes, forward and backward, exactly what it computes with the
+    same keys packed: out and dq bit for bit, dK/dV of each cache row the gradient of the
+    packed row it holds, zero where no sequence reads; torch.compile(fullgraph=True) of the
+    paged call too."""
     x = vc.build(CASES[5])
     c = x["c"]
+    dout = x["dout"][0].transpose(0, 1)
+
+    def grads(k, v, table, compiled=False):
+        q, k, v = (t.clone().requires_grad_(True) for t in (x["q"], k, v))
+
+        def attend(q, k, v):
+            return tmf.flash_attn_varlen_func(q, k, v, x["cu_q"], x["cu_k"], max(c["lens_q"]), max(c["lens_k"]),
+                                              causal=True, dropout_p=0.25, alibi_slopes=torch.full((4,), 0.2),
+                                              block_table=table)
+        torch.manual_seed(7)  # the dropout mask's (seed, offset)
+        out = (torch.compile(attend, fullgraph=True, backend="aot_eager") if compiled else attend)(q, k, v)
+        return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+    with tmf.backend("emulator", strict=True), emulator.settings(checked=False):
+        torch._dynamo.reset()
+        results = [grads(x["k_cache"], x["v_cache"], x["table"]), grads(x["k"], x["v"], None),
+                   grads(x["k_cache"], x["v_cache"], x["table"], compiled=True)]
+        torch._dynamo.reset()
+    (out, dq, dk, dv), (want_out, want_dq, want_dk, want_dv), compiled = results
+    assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(results[0], compiled))
+    assert dk.shape == x["k_cache"].shape and dv.shape == x["v_cache"].shape
+    for got, want in ((out, want_out), (dq, want_dq), (vc.packed_from_cache(x, dk), want_dk.transpose(0, 1)[None]),
+                      (vc.packed_from_cache(x, dv), want_dv.transpose(0, 1)[None])):
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert want_dk.abs().sum() > 0
+    read = torch.zeros(x["k_cache"].shape[:2], dtype=torch.bool)
+    for b, lk in enumerate(c["lens_k"]):
+        pos = torch.arange(lk)
+        read[x["table"][b, pos // c["page"]].long(), pos % c["page"]] = True
+    assert (~read).any() and not dk[~read].any() and not dv[~read].any()
+
+
+def test_paged_backward_of_a_direct_op_call_without_aux():
+    """metal_flash.fwd with paged K/V called with return_aux=False: its backward recomputes the
+    row state on the gathered keys and gives the gradients of the return_aux=True call."""
+    x = vc.build(CASES[6])
+    args = vc.fwd_args(x)
+    runs = []
+    with tmf.backend("emulator", strict=True), emulator.settings(checked=False):
+        for return_aux in (True, False):
+            q, k, v = (t.detach().requires_grad_(True) for t in args[:3])
+            out, _, _ = torch.ops.metal_flash.fwd(q, k, v, *args[3:11], return_aux, *args[12:])
+            runs.append((out, *torch.autograd.grad(out, (q, k, v), x["dout"])))
+    assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(*runs))
+
+
+def _shared_prefix_case(page: int, dtype=torch.float32):
+    """Four sequences over one block pool: A, B and C start with the same block, A and B share
+    the next one too, D has no keys; the rest is each sequence's own, the pool has two unused
+    blocks and the table's unused entries name the shared block.  Returns the tensors and the
+    packed equivalent (each sequence's keys copied out of the pool)."""
+    g = torch.Generator().manual_seed(page)
+    r = (page + 1) // 2  # keys in the last, partly used block
+    lens_k = [3 * page + r, 2 * page + r, page + r, 0]
+    lens_q = [5, 1, 4, 3]
+    rows = [[0, 1, 2, 3], [0, 1, 4, 0], [0, 5, 0, 0], [0, 0, 0, 0]]
+    num_blocks = 8  # blocks 6 and 7 unused
+    hkv, d = 2, 16
+    k_cache, v_cache = (randn(num_blocks, page, hkv, d, generator=g).to(dtype) for _ in range(2))
+    table = torch.tensor(rows, dtype=torch.int32)
+    x = dict(c=dict(page=page, lens_k=lens_k), table=table)
+    k, v = (vc.packed_from_cache(x, t)[0].transpose(0, 1) for t in (k_cache, v_cache))
+    q = randn(sum(lens_q), 4, d, generator=g).to(dtype)
+    dout = randn(sum(lens_q), 4, d, generator=g).to(dtype)
+    cu = lambda lens: torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)  # noqa: E731
+    return dict(x=x, q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, dout=dout, cu_q=cu(lens_q), cu_k=cu(lens_k),
+                max_q=max(lens_q), max_k=max(lens_k))
+
+
+def _varlen_grads(s, paged: bool, **kw):
+    q = s["q"].clone().requires_grad_(True)
+    k, v = (s[n].clone().requires_grad_(True) for n in (("k_cache", "v_cache") if paged else ("k", "v")))
+    out = tmf.flash_attn_varlen_func(q, k, v, s["cu_q"], s["cu_k"], s["max_q"], s["max_k"], causal=True,
+                                     block_table=s["x"]["table"] if paged else None, softcap=3.0, **kw)
+    return (out, *torch.autograd.grad(out, (q, k, v), s["dout"]))
+
+
+@pytest.mark.parametrize("page", [1, 6, 16])
+def test_paged_shared_blocks_sum_deterministically(page):
+    """Blocks shared by several sequences get the sum of their gradients, unused blocks and
+    rows zeros; the sums are bit-identical over runs and schedule orders, read nothing on the
+    host, and agree with the packed call: bit for bit where one or two sequences read a
+    block (a + b is exact in either order), within the rounding of a three-term float32 sum
+    where three do."""
+    s = _shared_prefix_case(page)
     with tmf.backend("emulator", strict=True):
-        out = tmf.flash_attn_varlen_func(x["q"], x["k_cache"], x["v_cache"], x["cu_q"], x["cu_k"], max(c["lens_q"]),
-                                         max(c["lens_k"]), causal=True, block_table=x["table"])
-        plain = tmf.flash_attn_varlen_func(x["q"], x["k"], x["v"], x["cu_q"], x["cu_k"], max(c["lens_q"]),
-                                           max(c["lens_k"]), causal=True)
-    torch.testing.assert_close(out, plain, rtol=0, atol=0)
-    with pytest.raises(RuntimeError, match="paged k/v \\(block_table\\) are inference-only"):
-        tmf.flash_attn_varlen_func(x["q"].requires_grad_(), x["k_cache"], x["v_cache"], x["cu_q"], x["cu_k"], 37,
-                                   41, block_table=x["table"])
+        with emulator.settings(checked=True, order="forward"):
+            paged = _varlen_grads(s, True)
+        with emulator.settings(checked=False, order="reverse"), host_syncs_raise():
+            again = _varlen_grads(s, True)
+        with emulator.settings(checked=False):
+            packed = _varlen_grads(s, False)
+    for a, b in zip(paged, again):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    assert torch.equal(paged[0], packed[0]) and torch.equal(paged[1], packed[1])
+    lens = s["x"]["c"]["lens_k"]
+    starts = [0] + torch.tensor(lens).cumsum(0).tolist()
+    for got, want in ((paged[2], packed[2]), (paged[3], packed[3])):
+        # the packed gradient of every (block, row) a sequence reads, in sequence order
+        terms: dict = {}
+        for b, lk in enumerate(lens):
+            for j in range(lk):
+                terms.setdefault((int(s["x"]["table"][b, j // page]), j % page), []).append(want[starts[b] + j])
+        assert max(len(t) for t in terms.values()) == 3
+        for n in range(got.shape[0]):
+            for r in range(page):
+                t = terms.get((n, r))
+                if t is None:
+                    assert not got[n, r].any(), f"block {n} row {r}: read by no sequence, gradient not zero"
+                elif len(t) <= 2:
+                    assert torch.equal(got[n, r], sum(t[1:], t[0])), f"block {n} row {r}"
+                else:
+                    exact = torch.stack(t).double().sum(0)
+                    bound = 2 * 2.0 ** -24 * torch.stack(t).double().abs().sum(0)
+                    assert ((got[n, r].double() - exact).abs() <= bound).all(), f"block {n} row {r}"
 
 
 def test_quantized_and_mixed_precision_kv_are_converted():

@@ -1,4 +1,4 @@
-"""bench/varlen.py (issue 15's figures) runs, and its figures say what the README claims: the
+"""bench/varlen.py (the packed-sequence figures) runs, and its figures say what the README claims: the
 varlen step is two op calls with no host synchronisation and allocates only its results, the
 per-sequence loop it replaced syncs and allocates several times more; dropout adds no O(L^2)
 memory (16 bytes: the (seed, offset) pair)."""

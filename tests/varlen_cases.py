@@ -4,7 +4,7 @@ emulator backend, and check them sequence by sequence against the float64 oracle
 A case is a dict: ``dtype``, ``h``/``hkv`` (GQA/MQA), ``d``/``dv``, ``lens_q``/``lens_k``
 (per sequence), ``window`` (left, right; causal is (-1, 0)) aligned to each sequence's
 bottom-right corner, ``softcap``, ``alibi`` ("h" or "bh"), ``sinks``, ``seqused`` (keys
-used per sequence), ``page`` (paged K/V of that page size: forward only), ``dropout``.
+used per sequence), ``page`` (paged K/V of that page size), ``dropout``.
 The oracle of a dropout case applies the kernel's own mask, recovered from
 ``fwd_probs`` (the sign of flash-attn's ``S_dmask``).
 """
@@ -83,17 +83,36 @@ def fwd_args(x: dict) -> tuple:
 
 
 def run(x: dict, order: str = "forward", checked: bool = True, backend: str = "emulator") -> dict:
-    """Forward (and backward, but for paged K/V) through the ops on ``backend``."""
+    """Forward and backward through the ops on ``backend``: metal_flash.bwd, or for paged
+    K/V fwd's autograd formula (``cache_grads``: dK/dV of the caches; ``grads``: them read
+    back through the table in the packed layout, for :func:`check`)."""
     args = fwd_args(x)
     res = {}
     with emulator.settings(order=order, checked=checked), backends.backend(backend, strict=backend != "reference"):
-        res["out"], res["lse"], aux = torch.ops.metal_flash.fwd(*args)
-        if args[12] > 0:
-            res["probs"] = torch.ops.metal_flash.fwd_probs(*args[:11], *args[12:])
         if x["table"] is None:
+            res["out"], res["lse"], aux = torch.ops.metal_flash.fwd(*args)
             res["grads"] = torch.ops.metal_flash.bwd(x["dout"], *args[:3], res["out"], aux, None, *args[3:11], False,
                                                      *args[12:17], *args[18:20])
+        else:
+            q, k, v = (t.detach().requires_grad_(True) for t in args[:3])
+            res["out"], res["lse"], _ = torch.ops.metal_flash.fwd(q, k, v, *args[3:11], True, *args[12:])
+            res["cache_grads"] = torch.autograd.grad(res["out"], (q, k, v), x["dout"])
+            dq, dk, dv = res["cache_grads"]
+            res["grads"] = (dq, packed_from_cache(x, dk.transpose(1, 2)), packed_from_cache(x, dv.transpose(1, 2)))
+            res["out"], res["lse"] = res["out"].detach(), res["lse"].detach()
+        if args[12] > 0:
+            res["probs"] = torch.ops.metal_flash.fwd_probs(*args[:11], *args[12:])
     return res
+
+
+def packed_from_cache(x: dict, cache: torch.Tensor) -> torch.Tensor:
+    """A (num_blocks, page, Hkv, D) cache (or its gradient) read through case ``x``'s table
+    as the packed (1, Hkv, total_k, D) tensor of its sequences' keys."""
+    page, rows = x["c"]["page"], []
+    for b, lk in enumerate(x["c"]["lens_k"]):
+        pos = torch.arange(lk)
+        rows.append(cache[x["table"][b, pos // page].long(), pos % page])
+    return torch.cat(rows).transpose(0, 1)[None]
 
 
 def sequence_spec(x: dict, b: int):
@@ -132,11 +151,18 @@ def check(x: dict, res: dict) -> None:
             f"sequence {b}: dK/dV of keys past seqused_k must be zero"
         if lk and q1 == q0:
             assert not dk[:, :, k0:k1].any(), f"sequence {b}: dK of a sequence without queries"
+    if "cache_grads" in res:
+        page = x["c"]["page"]
+        read = {int(x["table"][b, p]) for b, lk in enumerate(x["c"]["lens_k"]) for p in range(-(-lk // page))}
+        unread = [n for n in range(x["k_cache"].shape[0]) if n not in read]
+        assert unread, "the case has no unused block"
+        for g in res["cache_grads"][1:]:
+            assert not g[unread].any(), "dK/dV of blocks no sequence reads must be zero"
 
 
 def same_bits(a: dict, b: dict) -> None:
     for name in a:
-        xs, ys = (a[name], b[name]) if name == "grads" else ((a[name],), (b[name],))
+        xs, ys = (a[name], b[name]) if name in ("grads", "cache_grads") else ((a[name],), (b[name],))
         for x, y in zip(xs, ys):
             assert torch.equal(x.view(torch.uint8) if x.numel() else x, y.view(torch.uint8) if y.numel() else y), \
                 f"{name} depends on the schedule order"

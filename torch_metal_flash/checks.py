@@ -158,6 +158,29 @@ def signature(t) -> Any:
     return t.shape, t.dtype, t.device, t.dim() > 0 and (t.shape[-1] <= 1 or t.stride(-1) == 1)
 
 
+_native_signature = None  # the C++ core's call signature, once the core is loaded
+
+
+def use_native_signature(fn) -> None:
+    """Let :func:`call_signature` use the C++ core's (``fn(*args)`` -> bytes or None)."""
+    global _native_signature
+    _native_signature = fn
+
+
+def call_signature(*args) -> Any:
+    """The memo key of a face call with these arguments (tensors, QuantizedTensors, None,
+    scalars, tuples of scalars): what the checks read of each (:func:`signature`,
+    :func:`scalar`).  Computed in C++ when the core is loaded (a few tensors' Python
+    attribute reads would cost as much as the op itself); raises TypeError for an
+    argument it cannot key."""
+    if _native_signature is not None:
+        key = _native_signature(*args)
+        if key is not None:
+            return key
+    return tuple(signature(a) if a is None or not isinstance(a, (bool, int, float, tuple)) else scalar(a)
+                 for a in args)
+
+
 def scalar(x) -> tuple:
     """A scalar argument with its type (``True`` and ``1.0`` are checked differently)."""
     return type(x), x

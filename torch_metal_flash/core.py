@@ -34,7 +34,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from . import backends, caches
+from . import backends, caches, checks
 from .plan import Plan, Unsupported
 
 __all__ = ["CoreOp", "register", "load", "loaded", "plan_cache_info", "plan_cache_clear", "configure_plan_cache",
@@ -144,6 +144,7 @@ def load():
             for i in range(len(_OPS)):
                 _register_with(ext, i)
             backends._mirror = ext.core.set_thread_backend
+            checks.use_native_signature(getattr(ext.core, "signature", None))
             from . import tuning
             tuning.sync_core(ext)
             _ext = ext

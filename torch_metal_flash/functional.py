@@ -111,6 +111,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         checked = _sdpa_checks(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         if signature is not None:
             _SDPA_CHECKED.put(signature, checked)
+    return sdpa_checked(query, key, value, attn_mask, checked)
+
+
+def sdpa_checked(query, key, value, attn_mask, checked):
+    """:func:`scaled_dot_product_attention` after its checks (``checked``: what
+    :func:`_sdpa_checks` returned for these arguments)."""
     scale, window_right, dropout_p, mask_shape = checked
     if isinstance(key, QuantizedTensor):
         checks.inference_only("quantized key/value", (("query", query), ("attn_mask", attn_mask)))
@@ -134,8 +140,7 @@ def _signature(make, *args):
 
 
 def _sdpa_signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
-    return (checks.signature(query), checks.signature(key), checks.signature(value), checks.signature(attn_mask),
-            checks.scalar(dropout_p), checks.scalar(is_causal), checks.scalar(scale), checks.scalar(enable_gqa))
+    return checks.call_signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
 def _sdpa_checks(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
@@ -249,9 +254,7 @@ _FLASH_CHECKED = checks.Memo("checks.flash")
 
 
 def _flash_signature(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes):
-    return (checks.signature(q), checks.signature(k), checks.signature(v), checks.scalar(dropout_p),
-            checks.scalar(softmax_scale), checks.scalar(causal), checks.scalar(window_size), checks.scalar(softcap),
-            checks.signature(alibi_slopes))
+    return checks.call_signature(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
 
 
 def _flash_arguments(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, seqlen_k):
@@ -307,7 +310,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         k, v may also be quantized (:class:`~torch_metal_flash.quant.QuantizedTensor`) or
             float16 / bfloat16 under a float32 ``q``: converted to q's dtype first (a copy).
         block_table: int32 (batch, max_num_blocks_per_seq): sequence b's key j is row
-            j % page_block_size of block block_table[b, j // page_block_size] (inference only).
+            j % page_block_size of block block_table[b, j // page_block_size].  Differentiable: the
+            caches' gradients have their shape (torch_metal_flash.paged: blocks shared by several
+            sequences get the sum of their gradients, deterministically).
         seqused_k: int32 (batch,) (flash-attn 3's argument): only the first seqused_k[b]
             keys of sequence b are attended (causal/windows aligned to them).
         The other arguments are those of :func:`flash_attn_func`, applied per sequence
@@ -340,7 +345,6 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     checks.dim_equal("v", v.shape[0], k.shape[0], "number of blocks equal to k's" if paged else "seqlen equal to k's")
     if paged:
         checks.dim_equal("v", v.shape[1], k.shape[1], "page size equal to k's")
-        checks.inference_only("paged k/v (block_table)", (("q", q), ("k", k), ("v", v)))
     checks.gqa_heads(q.shape[1], k.shape[-2], "q", "k/v")
     dropout_p = checks.dropout(dropout_p)
     cu_q, cu_k = (_index_vector(name, t, q.device) for name, t in (("cu_seqlens_q", cu_seqlens_q),

@@ -35,6 +35,25 @@ __all__ = ["flash_attn_with_kvcache", "apply_rotary"]
 _INT_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
 
 
+def _int32_rows(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype != torch.int32:
+        t = t.to(torch.int32)
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        t = t.contiguous()
+    return t
+
+
+def _in_dtype(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """New rows or a rotary table in ``dtype``, last dim contiguous (small tensors)."""
+    if t is None:
+        return None
+    if t.dtype != dtype:
+        t = t.to(dtype)
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        t = t.contiguous()
+    return t
+
+
 def _int_tensor(name: str, t, batch: int, ndim: int, device: torch.device) -> torch.Tensor:
     """A (batch,) or (batch, n) index tensor as int32 with contiguous rows (converted on
     the device, no sync)."""
@@ -47,14 +66,46 @@ def _int_tensor(name: str, t, batch: int, ndim: int, device: torch.device) -> to
         raise ValueError(f"{name}: expected {batch} rows (batch size of q), got shape {tuple(t.shape)}")
     if t.device != device:
         raise ValueError(f"{name}: expected device {device}, got {t.device}")
-    if t.dtype != torch.int32:
-        t = t.to(torch.int32)
-    if t.shape[-1] > 1 and t.stride(-1) != 1:
-        t = t.contiguous()
-    return t
+    return _int32_rows(t)
 
 
 def _op_args(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+             block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
+             num_splits) -> KvCacheProblem:
+    """The op's arguments; the checks run once per call signature (a decode loop repeats one)."""
+    args = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+            block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits)
+    signature = None
+    if not torch.compiler.is_compiling():
+        try:
+            signature = checks.call_signature(*args)
+        except TypeError:  # an argument the checks explain
+            signature = None
+    checked = _CHECKED.get(signature)
+    if checked is None:
+        problem = _checked_op_args(*args)
+        if signature is not None:
+            _CHECKED.put(signature, (problem.seqlen, problem.scale, problem.window_left, problem.window_right,
+                                     problem.softcap, problem.rotary_cos is not None and
+                                     problem.rotary_cos.dtype != rotary_cos.dtype))
+        return problem
+    seqlen, scale, left, right, softcap, rotary_float = checked
+    if rotary_cos is not None:
+        table = torch.float32 if rotary_float else rotary_cos.dtype
+        rotary_cos, rotary_sin = _in_dtype(rotary_cos, table), _in_dtype(rotary_sin, table)
+    return KvCacheProblem(q, k_cache, v_cache, _in_dtype(k, k_cache.dtype), _in_dtype(v, k_cache.dtype),
+                          rotary_cos, rotary_sin,
+                          _int32_rows(cache_seqlens) if isinstance(cache_seqlens, torch.Tensor) else None,
+                          None if cache_batch_idx is None else _int32_rows(cache_batch_idx),
+                          None if cache_leftpad is None else _int32_rows(cache_leftpad),
+                          None if block_table is None else _int32_rows(block_table), alibi_slopes, seqlen, scale,
+                          left, right, softcap, bool(rotary_interleaved), num_splits)
+
+
+_CHECKED = checks.Memo("checks.kvcache")
+
+
+def _checked_op_args(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
              block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
              num_splits) -> KvCacheProblem:
     """Checks shapes, dtypes, devices and host scalars; returns the op's arguments."""

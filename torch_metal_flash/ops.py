@@ -35,7 +35,9 @@ calls keep their meaning (the defaults switch both off).
   no data-dependent shapes) bound the sequence lengths; ``seqused_k``
   (num_seqs,) uses only the first keys of each sequence; ``block_table``
   (num_seqs, max_blocks) makes ``k``/``v`` paged caches (num_blocks, Hkv,
-  page_size, D)-indexed (inference only).  The kernels read these index vectors
+  page_size, D)-indexed (``bwd`` takes packed K/V only: fwd's autograd formula
+  gathers paged K/V into a packed layout and sums dK/dV back into the blocks,
+  :mod:`torch_metal_flash.paged`).  The kernels read these index vectors
   on the GPU (no host synchronisation) and clamp what is out of range to the
   tensors: offsets to [0, total], each length to [0, max_seqlen] (an end before
   its start: an empty sequence), ``seqused_k`` to [0, the sequence's keys], block
@@ -95,7 +97,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import backends, checks, core, kvcache_reference, planner, reference
+from . import backends, checks, core, kvcache_reference, paged, planner, reference
 from .layout import empty_in_layout
 from .plan import Unsupported
 from .planner.kvcache import KvCacheProblem, plan_kvcache
@@ -350,7 +352,7 @@ def _bwd_buffers(spec: AttentionSpec, compute_dbias: bool):
 
 
 def _bwd_spec(args: tuple) -> AttentionSpec:
-    """The spec of bwd's arguments (no block_table: paged K/V is inference only)."""
+    """The spec of bwd's arguments (no block_table: bwd takes packed K/V, see :mod:`torch_metal_flash.paged`)."""
     q, k, v = args[1:4]
     return _spec(q, k, v, *args[7:15], *args[16:21], None, *args[21:23])
 
@@ -426,22 +428,29 @@ def _setup_context(ctx, inputs, output):
     out, lse, aux = output
     ctx.mark_non_differentiable(aux)
     ctx.save_for_backward(q, k, v, out, aux, attn_mask, alibi_slopes, sinks, rng_state, cu_seqlens_q,
-                          cu_seqlens_k, seqused_k)
+                          cu_seqlens_k, seqused_k, block_table)
     ctx.scalars = inputs[6:11]
     ctx.dropout_p, ctx.max_seqlens = inputs[12], inputs[18:20]
-    ctx.paged = block_table is not None
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dout, dlse, _daux):
     q, k, v, out, aux, attn_mask, alibi_slopes, sinks, *extra = ctx.saved_tensors
-    rng_state, cu_seqlens_q, cu_seqlens_k, seqused_k = extra
+    rng_state, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table = extra
     needs = dict(zip(_FWD_ARGS, ctx.needs_input_grad))
     if needs["alibi_slopes"]:
         raise NotImplementedError("metal_flash.fwd: gradients for alibi_slopes are not supported")
-    if ctx.paged:
-        raise NotImplementedError("metal_flash.fwd: paged K/V (block_table) is inference-only (no backward); "
-                                  "pass k/v packed along cu_seqlens_k to train")
+    max_seqlens = ctx.max_seqlens
+    layout = None
+    if block_table is not None:
+        # Paged K/V: the varlen backward runs on the cache gathered into a padded packed
+        # layout; dK/dV are summed back into the blocks (torch_metal_flash.paged).
+        layout = paged.padded_layout(block_table, cu_seqlens_k, seqused_k, max_seqlens[1], page=k.shape[2],
+                                     num_blocks=k.shape[0])
+        caches = (k, v)
+        k, v = paged.gather(k, layout), paged.gather(v, layout)
+        cu_seqlens_k, seqused_k, max_seqlens = layout.cu_seqlens_k, layout.seqused_k, (max_seqlens[0],
+                                                                                        layout.max_seqlen_k)
     if dout is None:
         dout = torch.zeros_like(out)
     elif dout.shape[-1] > 1 and dout.stride(-1) != 1:
@@ -452,11 +461,13 @@ def _backward(ctx, dout, dlse, _daux):
     if aux.dim() == 1:
         # fwd ran with return_aux=False (a direct op call): recompute the row state.
         _, _, aux = torch.ops.metal_flash.fwd(q, k, v, attn_mask, alibi_slopes, sinks, *ctx.scalars, True,
-                                              ctx.dropout_p, rng_state, *varlen, None, *ctx.max_seqlens)
+                                              ctx.dropout_p, rng_state, *varlen, None, *max_seqlens)
     compute_dbias = bool(needs["attn_mask"])
     dq, dk, dv, dbias, dsinks = torch.ops.metal_flash.bwd(
         dout, q, k, v, out, aux, dlse, attn_mask, alibi_slopes, sinks, *ctx.scalars, compute_dbias, ctx.dropout_p,
-        rng_state, *varlen, *ctx.max_seqlens)
+        rng_state, *varlen, *max_seqlens)
+    if layout is not None:
+        dk, dv = paged.scatter_sums((dk if needs["k"] else None, dv if needs["v"] else None), layout, caches)
     dmask = dbias.sum_to_size(attn_mask.shape).to(attn_mask.dtype) if compute_dbias else None
     dsinks = dsinks.to(sinks.dtype) if needs["sinks"] else None
     return (dq, dk, dv, dmask, None, dsinks) + (None,) * (len(_FWD_ARGS) - 6)

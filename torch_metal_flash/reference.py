@@ -260,7 +260,8 @@ def _varlen_forward(spec: AttentionSpec, aux: Optional[torch.Tensor]):
 
 def _varlen_backward(spec: AttentionSpec, dout, out, aux, dlse):
     if spec.varlen.block_table is not None:
-        raise NotImplementedError("paged K/V (block_table) is inference-only: no backward")
+        raise NotImplementedError("block_table: the backward takes packed K/V (metal_flash.fwd's autograd gathers "
+                                  "paged K/V first, torch_metal_flash.paged)")
     ct = compute_dtype(spec.q)
     dq = empty_in_layout(spec.q).zero_()
     dk = torch.zeros(spec.k.shape, dtype=ct, device=spec.k.device)

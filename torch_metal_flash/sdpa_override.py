@@ -59,7 +59,7 @@ from typing import Iterator, Optional
 import torch
 
 from . import backends, checks, ops
-from .functional import _as_4d, mask_as_4d, scaled_dot_product_attention
+from .functional import _as_4d, _sdpa_checks, mask_as_4d, scaled_dot_product_attention, sdpa_checked
 
 __all__ = ["enable_sdpa", "disable_sdpa", "sdpa_override", "sdpa_stats", "reset_sdpa_stats", "is_sdpa_enabled"]
 
@@ -213,27 +213,30 @@ def _broadcasts(shape, target) -> bool:
     return len(shape) <= len(target) and all(a in (1, b) for a, b in zip(reversed(shape), reversed(target)))
 
 
-def _why_not(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> Optional[str]:
-    """The reason a call goes to torch's original, or None when we serve it.  The
-    argument checks are memoised per call signature (with the selected backend and
-    the CPU routing mode); whether the kernels take the call is asked every time
-    (the plan cache answers)."""
+def _checks(tracing: bool, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> tuple:
+    """``(reason, face_checks)``: why a call goes to torch's original whatever the kernels
+    say (or None), and the SDPA face's own checks of it.  Memoised per call signature
+    (with the selected backend and the CPU routing mode)."""
     signature = None
-    if not _is_tracing():
+    if not tracing:
         try:
-            signature = (checks.signature(query), checks.signature(key), checks.signature(value),
-                         checks.signature(attn_mask), checks.scalar(dropout_p), checks.scalar(is_causal),
-                         checks.scalar(scale), checks.scalar(enable_gqa), backends.requested(), _cpu_mode())
+            signature = (checks.call_signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa),
+                         backends.requested(), _cpu_mode())
         except (TypeError, RuntimeError):  # non-tensors, nested tensors: no memo
             signature = None
     checked = _CHECKED.get(signature)
     if checked is None:
-        checked = (_argument_reason(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa),)
+        args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        reason, face_checks = _argument_reason(*args), None
+        if reason is None:
+            try:
+                face_checks = _sdpa_checks(*args)
+            except (ValueError, TypeError, RuntimeError) as exc:  # torch's original gives its own error
+                reason = f"invalid arguments: {exc}"
+        checked = (reason, face_checks)
         if signature is not None:
             _CHECKED.put(signature, checked)
-    if checked[0] is not None:
-        return checked[0]
-    return _kernel_reason(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    return checked
 
 
 _CHECKED = checks.Memo("checks.override")
@@ -313,8 +316,7 @@ def _is_tracing() -> bool:
         return False
 
 
-def _record(routed: bool, reason: Optional[str], query) -> None:
-    traced = _is_tracing()
+def _record(routed: bool, reason: Optional[str], query, traced: bool) -> None:
     key = ("traced_" if traced else "") + ("routed" if routed else "original")
     with _stats_lock:
         _stats[key] += 1
@@ -328,9 +330,26 @@ def _record(routed: bool, reason: Optional[str], query) -> None:
 
 
 def _kernel(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
-    reason = _why_not(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    _record(reason is None, reason, query)
+    args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    tracing = _is_tracing()
+    reason, face_checks = _checks(tracing, *args)
+    out = None
+    if reason is None:
+        if face_checks is None or tracing or _cpu_mode() is True or dropout_p > 0 or \
+                ops.needs_grad(query, key, value, attn_mask):
+            # Ask first: the backward must be served too, a dropout call must not draw its seed
+            # twice, a traced call has no data, forced CPU routing serves everything.
+            reason = _kernel_reason(*args)
+            if reason is None:
+                out = scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+                                                   enable_gqa=enable_gqa)
+        else:
+            try:  # the common inference call: one trip through the op, which declines what it cannot run
+                with backends.declining():
+                    out = sdpa_checked(query, key, value, attn_mask, face_checks)
+            except backends.Declined as declined:
+                reason = declined.reason
+    _record(reason is None, reason, query, tracing)
     if reason is not None:
-        return _call_original(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    return scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
-                                        enable_gqa=enable_gqa)
+        return _call_original(*args)
+    return out

@@ -9,7 +9,7 @@ passes when, for every element::
 
 * ``ref64``: the same math in float64 (:func:`plain_attention`; its gradients
   are checked against torch's autograd in tests/test_precision.py).
-* ``plain_T``: plain attention math in ``T`` -- DESIGN.md §5's (and flash-attn's)
+* ``plain_T``: plain attention math in ``T`` -- flash-attn's rule:
   "twice the error of the same math in the same dtype" -- computed by
   :class:`Arith` so that it is the same number on every machine: each operation
   computes in float32 and rounds its output to ``T``; reductions add one term
@@ -79,7 +79,7 @@ tests/test_precision.py plants small defects (one key dropped from one
 gradient row, a 1e-4 relative error in one row of dV, the softmax scale off by
 1 + 1e-5) into correct kernel results and checks that each still fails, and
 sweeps float32 gradients up to |score| = 30; bench/precision.py prints max
-error / allowed before and after issue 10's fixes.
+error / allowed of this checkout, or of another with ``--package``.
 
 Inputs
 ------

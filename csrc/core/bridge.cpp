@@ -3,8 +3,10 @@
 // and the `core` submodule of the extension.
 #include "bridge.h"
 
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <cstring>
 #include <limits>
 #include <mutex>
 
@@ -378,6 +380,68 @@ WithoutGil::~WithoutGil() {
 }  // namespace bridge
 
 // ---------------------------------------------------------------------------
+// Call signatures: the memo key of a face's argument checks (torch_metal_flash.checks),
+// what those checks read -- per tensor its dtype, device, sizes and whether the last
+// dim is contiguous; per scalar its exact type and value.  None for anything else
+// (the Python signature then decides).
+// ---------------------------------------------------------------------------
+
+enum : int64_t { kSigNone = 1, kSigTensor, kSigBool, kSigInt, kSigFloat, kSigTuple };
+
+bool add_signature_words(std::vector<int64_t>& w, PyObject* o, bool nested) {
+  if (o == Py_None) {
+    w.push_back(kSigNone);
+  } else if (THPVariable_Check(o)) {
+    const at::Tensor& t = THPVariable_Unpack(o);
+    if (t.is_nested() || t.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) return false;
+    w.push_back(kSigTensor);
+    w.push_back(static_cast<int64_t>(t.scalar_type()));
+    w.push_back(static_cast<int64_t>(t.device().type()));
+    w.push_back(t.device().index());
+    w.push_back(t.dim());
+    for (int64_t n : t.sizes()) w.push_back(n);
+    w.push_back(t.dim() > 0 && (t.sizes().back() <= 1 || t.strides().back() == 1));
+  } else if (PyBool_Check(o)) {
+    w.push_back(kSigBool);
+    w.push_back(o == Py_True);
+  } else if (PyLong_CheckExact(o)) {
+    int overflow = 0;
+    const long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+    if (overflow != 0 || (v == -1 && PyErr_Occurred())) {
+      PyErr_Clear();
+      return false;
+    }
+    w.push_back(kSigInt);
+    w.push_back(v);
+  } else if (PyFloat_CheckExact(o)) {
+    const double d = PyFloat_AS_DOUBLE(o);
+    int64_t bits = 0;
+    std::memcpy(&bits, &d, sizeof(bits));
+    w.push_back(kSigFloat);
+    w.push_back(bits);
+  } else if (PyTuple_CheckExact(o) && !nested) {
+    const Py_ssize_t n = PyTuple_GET_SIZE(o);
+    w.push_back(kSigTuple);
+    w.push_back(n);
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      if (!add_signature_words(w, PyTuple_GET_ITEM(o, i), true)) return false;
+    }
+  } else {
+    return false;
+  }
+  return true;
+}
+
+py::object call_signature(py::args args) {
+  thread_local std::vector<int64_t> words;
+  words.clear();
+  for (py::handle a : args) {
+    if (!add_signature_words(words, a.ptr(), false)) return py::none();
+  }
+  return py::bytes(reinterpret_cast<const char*>(words.data()), words.size() * sizeof(int64_t));
+}
+
+// ---------------------------------------------------------------------------
 // The `core` submodule.
 // ---------------------------------------------------------------------------
 
@@ -444,6 +508,9 @@ void bind_core(py::module_& parent) {
     TORCH_CHECK(g_stub != nullptr, "torch_metal_flash core: core.init() has not been called");
     set_encoder(Backend::Emulator, stub ? g_stub : g_emulator);
   }, py::arg("stub"), "Replace the emulator encoder by one that encodes nothing (host-overhead benchmarks).");
+  m.def("signature", &call_signature,
+        "The memo key of a face call's argument checks (bytes), or None when an argument is not a tensor, "
+        "None, bool, int, float or a tuple of those.");
   m.def("has_encoder", [](const std::string& backend) {
     return core::encoder(backend == "metal" ? Backend::Metal : Backend::Emulator) != nullptr;
   });

@@ -1,9 +1,10 @@
 // torch_metal_flash._C — the Metal launcher: the Metal encoder of the C++ op
 // core (csrc/core), plus shader libraries and pipeline states.
 //
-// NOT COMPILED IN CI. This file builds only on macOS (Apple SDK + Metal
-// framework); our build machines are Linux, where tests/test_launcher_typecheck.py
-// parses it against the real torch headers and stub Apple headers. It follows,
+// Builds only on macOS (Apple SDK + Metal framework). Our build machines are
+// Linux: tests/test_cross_build.py cross-compiles and links it for arm64 macOS
+// against Apple's SDK headers and the torch macOS wheel, and
+// tests/test_launcher_typecheck.py type-checks its macOS 15 branch. It follows,
 // call for call, the pattern PyTorch itself uses and tests for custom Metal
 // kernels in C++ extensions:
 //   * pytorch/pytorch test/cpp_extensions/mps_extension.mm (the cpp-extension
@@ -18,7 +19,7 @@
 //   * aten/src/ATen/mps/MPSStream.mm: dispatch_sync_with_rethrow (copied below,
 //     see the note there); MPSStream::synchronize(SyncType::COMMIT) (TORCH_API)
 //     for the commit after large plans.
-// Torch headers relied on (torch 2.13, checked against the installed headers):
+// Torch headers relied on (torch 2.10-2.13: bench/results/torch_range.md):
 //   <torch/extension.h>          pybind11, at::Tensor, TORCH_CHECK
 //   <ATen/mps/MPSDevice.h>       at::mps::MPSDevice::getInstance()->device(),
 //                                at::mps::is_available()              (TORCH_API)
@@ -31,7 +32,7 @@
 // helpers are one-liners, reproduced here with a comment each.
 //
 // Requirements: macOS 14+ (the shaders use `bfloat`, which needs Metal
-// Shading Language 3.1), Apple-silicon GPU, torch 2.13 built with MPS.
+// Shading Language 3.1), Apple-silicon GPU, torch 2.10 to 2.13 built with MPS.
 // Compiled with ARC (-fobjc-arc); see setup.py.
 //
 // Python API (see torch_metal_flash/backends/metal.py and core.py):
@@ -85,27 +86,9 @@
 #error "csrc/metal/launcher.mm must be compiled with -fobjc-arc (see setup.py)"
 #endif
 
-// MTLCompileOptions.mathMode / mathFloatingPointFunctions exist from the
-// macOS 15 SDK on. When building with an older SDK, declare them exactly as
-// torch 2.13 does in ATen/native/mps/MPSGraphSequoiaOps.h (same guard); they
-// are only used behind @available(macOS 15.0, *).
-#if !defined(__MAC_15_0) && (!defined(MAC_OS_X_VERSION_15_0) || (MAC_OS_X_VERSION_MIN_REQUIRED < MAC_OS_X_VERSION_15_0))
-typedef NS_ENUM(NSInteger, MTLMathMode) {
-  MTLMathModeSafe = 0,
-  MTLMathModeRelaxed = 1,
-  MTLMathModeFast = 2,
-};
-
-typedef NS_ENUM(NSInteger, MTLMathFloatingPointFunctions) {
-  MTLMathFloatingPointFunctionsFast = 0,
-  MTLMathFloatingPointFunctionsPrecise = 1,
-};
-
-@interface MTLCompileOptions ()
-@property(readwrite, nonatomic) MTLMathMode mathMode;
-@property(readwrite, nonatomic) MTLMathFloatingPointFunctions mathFloatingPointFunctions;
-@end
-#endif
+// MTLCompileOptions.mathMode / mathFloatingPointFunctions (macOS 15 SDK), declared
+// when the SDK is older; used only behind @available(macOS 15.0, *).
+#include "macos15_api.h"
 
 namespace py = pybind11;
 

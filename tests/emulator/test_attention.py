@@ -1,5 +1,5 @@
 """A small tiled attention kernel (kernels/attention.metal) in all three schedule
-orders, against a float64 reference (DESIGN.md section 5 tolerance rule)."""
+orders, against a float64 reference (the acceptance rule of torch_metal_flash/testing.py)."""
 from __future__ import annotations
 
 import ctypes

@@ -62,7 +62,9 @@ def test_max_total_threads_per_threadgroup():
 
 VEC_CASTS = {"T(v)": [1, 2, 3, -4], "(T)v": [1, 2, 3, -4], "static_cast<T>(v)": [1, 2, 3, -4],
              "float4(v)": [1, 2, 3, -4], "(float4)v": [1, 2, 3, -4], "static_cast<float4>(v)": [1, 2, 3, -4],
-             "(float4)(half4)v": [1, 2, 3, -4], "-(T)v.zyxw.zyxw * 2.0f + T(v.x)": [-1, -3, -5, 9]}
+             "(float4)(half4)v": [1, 2, 3, -4], "-(T)v.zyxw.zyxw * 2.0f + T(v.x)": [-1, -3, -5, 9],
+             # a cast inside another cast's operand converts too
+             "(T)(T(v) * 2.0f)": [2, 4, 6, -8]}
 
 
 @pytest.mark.parametrize("form", VEC_CASTS)

@@ -122,8 +122,34 @@ _warned = caches.LRU("fallback_warnings", 1024)  # reasons already warned about
 _warned_lock = threading.Lock()
 
 
+class Declined(Exception):
+    """Raised by :func:`fallback` inside :func:`declining`: the caller serves the call elsewhere."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+_declining = threading.local()
+
+
+@contextlib.contextmanager
+def declining() -> Iterator[None]:
+    """Calls inside that would fall back to the reference path raise :class:`Declined`
+    instead (no warning, nothing run): a drop-in that has a better fallback of its own
+    (torch's original) tries the kernels first rather than asking the planner twice."""
+    depth = getattr(_declining, "depth", 0)
+    _declining.depth = depth + 1
+    try:
+        yield
+    finally:
+        _declining.depth = depth
+
+
 def fallback(reason: str) -> None:
     """Record that a call runs on the reference path; warn once per reason."""
+    if getattr(_declining, "depth", 0):
+        raise Declined(reason)
     if is_strict():
         raise UnsupportedError(f"torch_metal_flash (strict): {reason}")
     with _warned_lock:

@@ -1,22 +1,26 @@
 """Finding clang, the compiler passes over a kernel source, the disk cache.
 
-A kernel source goes through clang four times (docs/emulator.md):
+A kernel source goes through clang five times (docs/emulator.md):
 1. ``preprocess``: ``clang -E`` as C++17 with ``-nostdinc``: only the shim's
    ``<metal_*>`` headers and the caller's include directories are reachable.
-2. ``check_rules``: syntax-only C++ for OpenCL 2021, where Metal's address
+2. ``syntax_facts``: the pre-pass's view of it parsed syntax-only, its AST
+   dumped as JSON (the shim as a precompiled header): where its casts and
+   threadgroup variables are (syntax.py).
+3. ``check_rules``: syntax-only C++ for OpenCL 2021, where Metal's address
    spaces are clang's OpenCL address spaces: once with a generic address
    space (every rule but one; copies out of constant memory are wrapped and
    the pass repeated) and once without (the `this` of member functions).
    Errors are mapped to the MSL rule they break (rules.py).
-3. ``analyze``: the build translation unit at -O0 as LLVM IR: recursion,
+4. ``analyze``: the build translation unit at -O0 as LLVM IR: recursion,
    vector casts the pre-pass missed, threadgroup memory per kernel, thread
    limits (analysis.py).
-4. ``build_kernel_library``: -O2 shared library, per checked/unchecked build
+5. ``build_kernel_library``: -O2 shared library, per checked/unchecked build
    and math mode.
 
 Compiler: ``TORCH_METAL_FLASH_CXX``, then ``clang++-19`` ... ``clang++-17`` /
 ``clang++`` (version >= 17) on PATH, then the ``ziglang`` package
-(``python -m ziglang c++``).
+(``python -m ziglang c++`` for the runtime, ``python -m ziglang clang`` for the
+Metal sources: zig's C++ driver does not compile OpenCL).
 
 Cache: ``TORCH_METAL_FLASH_CACHE_DIR`` or ``~/.cache/torch_metal_flash/emulator``;
 each result is keyed by a hash of everything that affects it (the
@@ -42,10 +46,10 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from . import analysis, prepass, rules
+from . import analysis, prepass, rules, syntax
 from .errors import CompileError, CompilerNotFoundError
 
-PREPASS_VERSION = "10"  # bump when the pre-pass, glue or pass flags change
+PREPASS_VERSION = "11"  # bump when the pre-pass, glue or pass flags change
 
 _compile_seconds = 0.0
 _compile_lock = threading.Lock()
@@ -83,6 +87,9 @@ class Compiler:
         self.version = version
         self.ident = ident  # first line of --version (part of cache keys)
         self.is_zig = "ziglang" in " ".join(argv)
+        # What compiles the Metal sources (C++ for OpenCL): zig's `c++` driver rejects `-x clcpp`,
+        # the clang it ships takes it.  The host runtime is built with `argv` (a C++ library).
+        self.metal_argv = argv[:-1] + ["clang"] if self.is_zig and argv[-1] in ("c++", "cc") else argv
 
     @functools.cached_property
     def builtins_lib(self) -> Optional[str]:
@@ -220,7 +227,7 @@ def shim_header() -> Path:
 
 def preprocess(comp: Compiler, source: str, name: str, path: Optional[Path], include_dirs, defines) -> str:
     """clang -E: macros expanded, line markers kept; no host headers."""
-    argv = list(comp.argv) + ["-E", "-x", "c++", "-std=c++17", "-nostdinc"] + PREPROCESS_DEFINES
+    argv = list(comp.metal_argv) + ["-E", "-x", "c++", "-std=c++17", "-nostdinc"] + PREPROCESS_DEFINES
     argv += ["-I", str(csrc_emulator_dir() / "include")]
     for d in include_dirs:
         argv += ["-I", str(d)]
@@ -251,8 +258,8 @@ def _hash(*parts) -> str:
 def runtime_sources_hash() -> str:
     d = csrc_emulator_dir()
     files = sorted(list(d.glob("*.cpp")) + list(d.glob("*.h")) + list((d / "include").glob("*")) +
-                   list((d / "shim").glob("*")))
-    return _hash(*[f.name.encode() + f.read_bytes() for f in files])
+                   list((d / "shim").glob("*")) + list((d / "runtime").glob("*")))
+    return _hash(*[str(f.relative_to(d)).encode() + f.read_bytes() for f in files])
 
 
 @functools.lru_cache(maxsize=None)
@@ -297,9 +304,63 @@ def _compile(comp: Compiler, flags: list, text: str, tmp: str, *extra) -> subpro
     src = Path(tmp).with_suffix(".cl.cpp")
     src.write_text(text)
     try:
-        return _run(list(comp.argv) + flags + ["-include", str(shim_header()), str(src)] + list(extra))
+        return _run(list(comp.metal_argv) + flags + ["-include", str(shim_header()), str(src)] + list(extra))
     finally:
         src.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------- clang's AST of the pre-pass view
+
+# The view is parsed as the build parses it (no fp64, function pointers), without warnings.
+SYNTAX_FLAGS = OPENCL + ["-Xclang", "-cl-ext=+__cl_clang_function_pointers,-cl_khr_fp64,-__opencl_c_fp64", "-w"]
+
+
+def shim_pch(comp: Compiler) -> Path:
+    """The shim (and shim/mtl_syntax.h) as a precompiled header, one per compiler and shim: the
+    AST dump of a source then holds the source's declarations only, and parsing skips the shim."""
+    key = _hash("shim-pch", runtime_sources_hash(), comp.ident, " ".join(SYNTAX_FLAGS))
+    target = cache_dir() / f"shim-{key}.pch"
+
+    def build(tmp):
+        proc = _run(list(comp.metal_argv) + SYNTAX_FLAGS + ["-x", "cl-header", str(shim_header().with_name("mtl_syntax.h")),
+                                                      "-o", tmp])
+        if proc.returncode != 0:
+            raise _fail("precompiling the shim", proc.stderr)
+
+    return _atomic_write(target, build)
+
+
+_syntax_cache: dict = {}
+
+
+def syntax_facts(comp: Compiler, view: str) -> dict:
+    """syntax.facts of the pre-pass view: clang -fsyntax-only -ast-dump=json with the shim
+    precompiled (cached in memory and on disk; errors in the view do not matter here, the
+    rules passes report them)."""
+    key = _hash("syntax", PREPASS_VERSION, runtime_sources_hash(), _source_of(syntax), comp.ident, view)
+    if key in _syntax_cache:
+        return _syntax_cache[key]
+    target = cache_dir() / f"syntax-{key}.json"
+
+    def run(tmp):
+        src = Path(tmp).with_suffix(".view.cl.cpp")
+        src.write_text(view)
+        try:
+            argv = list(comp.metal_argv) + SYNTAX_FLAGS + ["-fsyntax-only", "-ferror-limit=0", "-include-pch",
+                                                     str(shim_pch(comp)), "-Xclang", "-ast-dump=json", str(src)]
+            proc = _run(argv)
+            if not proc.stdout.startswith("{"):
+                raise _fail("parsing the source for the pre-pass", proc.stderr)
+            result = syntax.facts(json.loads(proc.stdout), view, str(src))
+        finally:
+            src.unlink(missing_ok=True)
+        Path(tmp).write_text(json.dumps(result))
+
+    result = json.loads(_atomic_write(target, run).read_text())
+    if len(_syntax_cache) >= 64:  # the pieces of one source ask for the same view; a few sources at a time
+        _syntax_cache.clear()
+    _syntax_cache[key] = result
+    return result
 
 
 # ---------------------------------------------------------------- the passes

@@ -214,7 +214,7 @@ class Library:
 
         def build_chunk(names):
             pre = self._pre if len(chunks) == 1 else prepass.run(self._pre_text, default_file=self._name,
-                                                                 only=set(names))
+                                                                 syntax=_syntax(comp), only=set(names))
             text = self._checked.text(pre)
             path = compiler.build_kernel_library(comp, text, self._name, checked, self.math_mode)
             return _Build(path, pre)
@@ -228,6 +228,11 @@ class Library:
         with _cache_lock:
             _build_cache.put(key, builds)
         return builds
+
+
+def _syntax(comp):
+    """The pre-pass's parser: clang's AST of its view of the source."""
+    return lambda view: compiler.syntax_facts(comp, view)
 
 
 class KernelFunction:
@@ -425,7 +430,7 @@ def compile_shader(source: Union[str, Path], *, include_dirs=(), defines=None, f
     if cached is None:
         comp = find_compiler()
         pre_text = preprocess(comp, text, name, path, include_dirs, dict(_norm_defines(defines)))
-        pre = prepass.run(pre_text, default_file=name)
+        pre = prepass.run(pre_text, default_file=name, syntax=_syntax(comp))
         cached = (pre_text, pre)
         with _cache_lock:
             _pre_cache.put(key, cached)

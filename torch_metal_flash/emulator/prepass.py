@@ -5,7 +5,9 @@ markers kept), so instantiations produced by macros are visible.  Every
 rewrite keeps the number of lines, so compiler errors and the runtime's
 source locations point at the original ``.metal`` lines.  It only rewrites
 what clang cannot parse as MSL means it; every language rule is left to the
-compiler (see compiler.py):
+compiler (see compiler.py).  Which parenthesis is a cast, where a cast's
+operand ends and which declarations are threadgroup variables come from
+clang's AST of a view of the text (syntax_view, syntax.py):
 - MSL vector constructors ``float4(x)``, ``half4(f4)``, ``float4(f2, z, w)`` ->
   ``__mtl::make_vec<float, 4>(...)`` (splat / convert / concatenate), and
   casts that convert vectors in MSL but reinterpret them in clang:
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import itertools
 import operator
 import re
 from typing import Optional
@@ -357,130 +360,84 @@ def _error(lines: _Lines, offset: int, msg: str) -> CompileError:
 # ---------------------------------------------------------------- token-level rewrites
 
 
-_VEC_TYPE_NAME = r"(?:metal\s*::\s*)?(?:packed_)?(?:" + "|".join(VEC_TYPES) + r")[234]"
-_C_CAST_VEC = re.compile(r"\(\s*(" + _VEC_TYPE_NAME + r")\s*\)")
+_VEC_TYPE = re.compile(r"(?:metal\s*::\s*)?(?:packed_)?(" + "|".join(VEC_TYPES) + r")([234])")
+_PARENTHESISED_VEC_TYPE = re.compile(r"\(\s*(" + _VEC_TYPE.pattern + r")\s*\)")
 _TEMPLATE = re.compile(r"\btemplate\s*<")
-_PRIMARY = re.compile(r"(?:::)?[A-Za-z_]\w*(?:\s*::\s*[A-Za-z_]\w*)*|(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?\w*")
+_KERNEL_WORD = re.compile(r"\bkernel\b")
+_FUNCTION_CONSTANT = re.compile(r"\bconstant\s+([\w:<>\s,]+?)\s+(\w+)\s*\[\[\s*function_constant\s*\(\s*([^)]*?)\s*\)"
+                                r"\s*\]\]\s*;")
 
 
-def _operand_end(s: str, i: int) -> int:
-    """End of the cast-expression starting at s[i] (the operand of a C-style
-    cast: unary operators, then a postfix expression); -1 if unsure."""
-    n = len(s)
-
-    def ws(j):
-        while j < n and s[j] in " \t\n":
-            j += 1
-        return j
-
-    i = ws(i)
-    while i < n and (s.startswith(("++", "--"), i) or s[i] in "-+!~*&"):
-        i = ws(i + (2 if s.startswith(("++", "--"), i) else 1))
-    if i >= n:
-        return -1
-    if s[i] == "(":
-        close = _match_close(s, i, "(", ")")
-        if close < 0:
-            return -1
-        j = ws(close + 1)
-        if re.fullmatch(r"\s*[\w:]+\s*", s[i + 1:close]) and j < n and (s[j].isalnum() or s[j] in "_("):
-            return _operand_end(s, j)  # (half4)v: another cast
-        i = close + 1
-    else:
-        m = _PRIMARY.match(s, i)
-        if not m:
-            return -1
-        i = m.end()
-        j = ws(i)
-        if j < n and s[j] == "<":  # as_type<float4>(x), f<T>(x)
-            close = _match_angle(s, j)
-            if close > 0 and s[ws(close + 1):ws(close + 1) + 1] == "(":
-                i = close + 1
-    while True:  # postfix: .x ->y [i] (args) ++ --
-        j = ws(i)
-        if s.startswith(("++", "--"), j):
-            i = j + 2
-        elif s.startswith("->", j) or (j < n and s[j] == "." and not s[j + 1:j + 2].isdigit()):
-            m = re.compile(r"\s*[A-Za-z_]\w*").match(s, j + (2 if s[j] == "-" else 1))
-            if not m:
-                return -1
-            i = m.end()
-        elif j < n and s[j] in "[(":
-            close = _match_close(s, j, s[j], "]" if s[j] == "[" else ")")
-            if close < 0:
-                return -1
-            i = close + 1
-        else:
-            return i
+def syntax_view(text: str, masked: str) -> str:
+    """The text as clang parses it for syntax.facts: attributes, the `kernel` keyword and the
+    `constant` of function constants (declarations without a value) blanked, a parenthesised
+    vector type spelled ``__V`` (shim/mtl_syntax.h: a cast to it is valid for any operand, where
+    C++ for OpenCL rejects some vector casts MSL converts); same offsets."""
+    view = list(text)
+    for m in _PARENTHESISED_VEC_TYPE.finditer(masked):
+        view[m.start(1):m.end(1)] = "__V".ljust(m.end(1) - m.start(1))
+    spans = [(a, b) for a, b, _ in _attributes(masked)] + [m.span() for m in _KERNEL_WORD.finditer(masked)] + \
+        [(m.start(), m.start() + len("constant")) for m in _FUNCTION_CONSTANT.finditer(masked)]
+    for a, b in spans:
+        view[a:b] = _blank(text[a:b])
+    return "".join(view)
 
 
-def _template_type_params(masked: str) -> list:
-    """(start, end, names): the extent of each template declaration and its type parameters."""
-    out = []
-    for m in _TEMPLATE.finditer(masked):
-        close = _match_angle(masked, m.end() - 1)
-        if close < 0:
-            continue
-        names = set()
-        for a, b in _split_top(masked[m.end():close]):
-            pm = re.match(r"\s*(?:typename|class)\s*(?:\.\.\.)?\s*([A-Za-z_]\w*)", masked[m.end() + a:m.end() + b])
-            if pm:
-                names.add(pm.group(1))
-        if not names:
-            continue
-        body = re.compile(r"[{;]").search(masked, close)
-        if not body:
-            continue
-        end = _match_close(masked, body.start(), "{", "}") if body.group() == "{" else body.end()
-        if end > 0:
-            out.append((close + 1, end, names))
-    return out
-
-
-_NOT_A_CAST = re.compile(r"(?:\b(?!return\b)\w+|[\])>.]|::)\s*$")  # f(T), sizeof(T), x.T(, void(T) ...
-_CAST_BEFORE = re.compile(r"\(\s*(?:" + _VEC_TYPE_NAME + r"|[A-Za-z_]\w*)\s*\)\s*$")  # (float4)(half4)x
-
-
-def _may_be_cast(masked: str, start: int) -> bool:
-    before = masked[max(0, start - 40):start]
-    return not _NOT_A_CAST.search(before) or bool(_CAST_BEFORE.search(before))
-
-
-def _rewrite_casts(text: str, masked: str) -> tuple:
-    """MSL converts vectors in C-style and functional casts; clang reinterprets
-    their bits.  (float4)x -> float4(x) (a vector constructor, below);
-    (T)x and T(x) with T a template type parameter -> __mtl::cast<T>(x), T(x, y) ->
+def _cast_edit(text: str, cast: dict):
+    """The rewrite of one cast clang found, (start, operand start, operand end, end, prefix,
+    suffix), or None: MSL converts vectors in C-style and functional casts where clang
+    reinterprets their bits.  (float4)x -> a vector constructor; (T)x, T(x) and
+    static_cast<T>(x) with T a template type parameter -> __mtl::cast<T>(x), T(x, y) ->
     __mtl::construct<T>(x, y) (a vector constructor when T is a vector)."""
-    edits = []  # (start, operand start, operand end, end, prefix, suffix)
-    for m in _C_CAST_VEC.finditer(masked):
-        end = _operand_end(masked, m.end())
-        if end > 0 and _may_be_cast(masked, m.start()):
-            edits.append((m.start(), m.end(), end, end, m.group(1) + "(", ")"))
-    for start, stop, names in _template_type_params(masked):
-        alt = "|".join(sorted(names))
-        for m in re.compile(rf"\(\s*({alt})\s*\)|\b({alt})\s*\(|\bstatic_cast\s*<\s*({alt})\s*>\s*\(").finditer(
-                masked, start, stop):
-            if m.group(3):  # static_cast<T>(x)
-                close = _match_close(masked, m.end() - 1, "(", ")")
-                if close > 0:
-                    edits.append((m.start(), m.end(), close, close + 1, f"__mtl::cast<{m.group(3)}>(", ")"))
-                continue
-            if not _may_be_cast(masked, m.start()):
-                continue
-            if m.group(1):  # (T)x
-                end = _operand_end(masked, m.end())
-                if end > 0:
-                    edits.append((m.start(), m.end(), end, end, f"__mtl::cast<{m.group(1)}>(", ")"))
-                continue
-            # T(x), T(x, y): not a declarator such as `T(x);` or `(T (&x)[N])`
-            close = _match_close(masked, m.end() - 1, "(", ")")
-            if close < 0 or not masked[m.end():close].strip() or \
-                    re.search(r"[;{}]\s*$", masked[max(0, m.start() - 4):m.start()]) or \
-                    re.match(r"\s*[\[(]", masked[close + 1:close + 4]):
-                continue
-            helper = "cast" if len(_split_top(masked[m.end():close])) == 1 else "construct"  # T = float2: a vector
-            edits.append((m.start(), m.end(), close, close + 1, f"__mtl::{helper}<{m.group(2)}>(", ")"))
-    edits.sort(key=lambda e: (e[0], -e[3]))
+    start, end, operands, params = cast["start"], cast["end"], cast["operands"], cast["params"]
+    if not operands:
+        return None
+    first = operands[0][0]
+    if cast["kind"] == "CStyleCastExpr":
+        close = text.rfind(")", start, first)
+        written = text[start + 1:close].strip()
+        vec = _VEC_TYPE.fullmatch(written)
+        if vec:
+            return start, close + 1, end, end, f"__mtl::make_vec<{vec.group(1)}, {vec.group(2)}>(", ")"
+        if written in params:
+            return start, close + 1, end, end, f"__mtl::cast<{written}>(", ")"
+        return None
+    paren = text.rfind("(", start, first)
+    if paren < 0 or text[end - 1] != ")":
+        return None  # T{x}: list initialisation
+    if cast["kind"] == "CXXStaticCastExpr":
+        written = text[text.find("<", start) + 1:text.rfind(">", start, paren)].strip()
+        helper = "cast"
+    else:
+        written = text[start:paren].strip()
+        helper = "cast" if len(operands) == 1 else "construct"
+    if written not in params:
+        return None
+    return start, paren + 1, end - 1, end, f"__mtl::{helper}<{written}>(", ")"
+
+
+def _threadgroup_edit(text: str, decl: dict, counter) -> Optional[tuple]:
+    """``threadgroup T a[N], b;`` in a function body -> a reference into the per-threadgroup arena
+    per variable, keyed by a function-local static {sizeof, alignof} (shim: MTL_THREADGROUP_VAR)."""
+    variables = decl["variables"]
+    base_type = text[decl["start"] + len("threadgroup"):variables[0][0]].strip()
+    if not base_type or "(" in base_type:
+        return None
+    stmts = []
+    for loc, _, end in variables:
+        name = _IDENT.match(text, loc).group()  # as written (clang's name has the shim's macros applied)
+        dims = " ".join(text[loc + len(name):end].split())
+        stmts.append(f"MTL_THREADGROUP_VAR(__mtl_tgk_{next(counter)}, {name}, {f'{base_type} {dims}'.strip()});")
+    return decl["start"], decl["start"], decl["start"], decl["end"], _same_lines(
+        text[decl["start"]:decl["end"]], " ".join(stmts)), ""
+
+
+def _rewrite_syntax(text: str, masked: str, facts: dict) -> tuple:
+    """Casts and threadgroup variables, where clang's AST of the text (syntax.facts) puts them."""
+    counter = itertools.count(1)
+    edits = {e for e in (_cast_edit(text, c) for c in facts["casts"]) if e}
+    edits |= {e for e in (_threadgroup_edit(text, d, counter) for d in facts["threadgroup"]) if e}
+    edits = sorted(edits, key=lambda e: (e[0], -e[3]))
 
     def apply(src: str, lo: int, hi: int, k: int) -> tuple:
         """src[lo:hi] with the edits from k on that lie inside it (nested ones too)."""
@@ -676,17 +633,17 @@ def _reject_virtual(masked: str, lines: "_Lines") -> None:
                                line=line, rule="virtual")
 
 
-def run(text: str, *, default_file: str, only: Optional[set] = None) -> Result:
-    """Rewrite preprocessed MSL.  `only`: host names to build (the other
-    template instantiations are dropped, so a big file can be compiled in
-    parallel pieces); the result still lists every kernel, with glue for the
-    selected ones only."""
+def run(text: str, *, default_file: str, syntax, only: Optional[set] = None) -> Result:
+    """Rewrite preprocessed MSL.  `syntax`: view text -> syntax.facts (compiler.syntax_facts, clang's
+    AST of the view).  `only`: host names to build (the other template instantiations are dropped,
+    so a big file can be compiled in parallel pieces); the result still lists every kernel, with
+    glue for the selected ones only."""
     text = _UNROLL_PRAGMA_WITH_NAMES.sub(lambda m: " " * len(m.group()), text)
     masked = _mask(text)
     text = _function_template_params(text, masked)
     masked = _mask(text)
-    text, masked = _rewrite_casts(text, masked)
     text, masked = _rewrite_tokens(text, masked)
+    text, masked = _rewrite_syntax(text, masked, syntax(syntax_view(text, masked)))
     lines = _Lines(text, default_file)
     _reject_virtual(masked, lines)
     edits = _Edits(text)
@@ -768,8 +725,7 @@ def run(text: str, *, default_file: str, only: Optional[set] = None) -> Result:
 
     # --- function constants: values set at launch, never constant expressions
     constants, fc_names = [], {}
-    fc_re = re.compile(r"\bconstant\s+([\w:<>\s,]+?)\s+(\w+)\s*\[\[\s*function_constant\s*\(\s*([^)]*?)\s*\)\s*\]\]\s*;")
-    for m in fc_re.finditer(masked):
+    for m in _FUNCTION_CONSTANT.finditer(masked):
         handled_attrs.update(a[0] for a in attrs if m.start() <= a[0] < m.end())
         idx = _constant_int(m.group(3))
         if idx is None:
@@ -799,47 +755,6 @@ def run(text: str, *, default_file: str, only: Optional[set] = None) -> Result:
             edits.replace(m.start(), m.end(), f"MTL_DERIVED_CONSTANT({typ}, {m.group(2)}, {expr});")
     for m in _FC_DEFINED.finditer(masked):
         edits.replace(m.start(), m.end(), f"__mtl_fcdef_{m.group(1)}")
-
-    # --- threadgroup objects declared in function bodies
-    counter = 0
-    for m in re.finditer(r"\bthreadgroup\b(?!_)", masked):
-        prev = masked[:m.start()].rstrip()
-        if prev and prev[-1] not in "{};":
-            continue
-        if prev.endswith("static"):
-            continue
-        nonns, _ = scope_at(m.start())
-        if not nonns:
-            continue
-        end = _stmt_end(masked, m.end())
-        if end < 0:
-            continue
-        decl = masked[m.end():end]
-        outside = re.sub(r"\[[^\[\]]*\]", "", re.sub(r"\[[^\[\]]*\]", "", decl))
-        if any(c in outside for c in "*&(=") or "{" in decl:
-            continue
-        parts = _split_top(decl)
-        new_stmts = []
-        base_type = None
-        for k, (a, b) in enumerate(parts):
-            d = text[m.end() + a:m.end() + b]
-            dm = masked[m.end() + a:m.end() + b]
-            br = dm.find("[")
-            head = d if br < 0 else d[:br]
-            dims = "" if br < 0 else d[br:]
-            ids = list(_IDENT.finditer(head))
-            if not ids:
-                break
-            name = ids[-1].group(0)
-            if k == 0:
-                base_type = head[:ids[-1].start()].strip()
-            if not base_type:
-                break
-            counter += 1
-            typ = f"{base_type} {' '.join(dims.split())}".strip()
-            new_stmts.append(f"MTL_THREADGROUP_VAR(__mtl_tgk_{counter}, {name}, {typ});")
-        else:
-            edits.replace(m.start(), end + 1, " ".join(new_stmts))
 
     # --- `bool4 m = a > b;`: vector comparisons give integer masks in C++
     for m in re.finditer(r"\b(?:metal\s*::\s*)?bool([234])\s+\w+\s*=(?!=)", masked):
@@ -1056,8 +971,16 @@ def _glue(kernels, constants, derived) -> str:
         out.append(f"MTL_EXPORT void __mtl_kernel_{i}(MtlThreadInfo* ti) {{ __mtl::invoke(&{k.func}, ti, __mtl_spec_{i}); }}\n")
         out.append(f"MTL_EXPORT int __mtl_kinfo_{i}(MtlParamInfo* o) {{ return __mtl::describe(&{k.func}, o); }}\n")
         out.append(f"MTL_EXPORT const unsigned __mtl_max_threads_{i} = {k.max_threads or 1024};\n")
-        # Built-in parameters must have the types Metal allows (reported at the parameter).
+        # Built-in parameters must have the types Metal allows, buffer and threadgroup ones
+        # their address space (reported at the parameter).
         for j, p in enumerate(k.params):
+            if p.kind in (P_BUFFER, P_THREADGROUP):
+                space = "device or constant" if p.kind == P_BUFFER else "threadgroup"
+                check = "buffer_param_ok" if p.kind == P_BUFFER else "threadgroup_param_ok"
+                msg = f"MSL: kernel parameter '{p.name}' must be a pointer or reference in the {space} address space"
+                out.append(f"# {p.line} {_c_string(p.file)}\n"
+                           f"static_assert(__mtl::{check}<__mtl::param_t<{j}, decltype({k.func})>>, {_c_string(msg)});\n")
+                continue
             if p.kind != P_BUILTIN:
                 continue
             position = p.builtin in POSITION_BUILTINS

@@ -71,6 +71,9 @@ RULES = [
     ("function-pointers", r"pointers to functions are not allowed|taking address of function is not allowed",
      FUNCTION_POINTERS),
     ("builtin-type", r"MSL: built-in parameter", "MSL: built-in parameters have fixed types"),
+    ("buffer-address-space", r"MSL: kernel parameter '.*' must be a pointer or reference in the",
+     "MSL: a kernel's [[buffer(n)]] parameter is a pointer or reference in the device or constant address space, "
+     "a [[threadgroup(n)]] one in the threadgroup address space (`device float* out [[buffer(0)]]`)"),
     ("missing-return", r"\[-Werror,-Wreturn-type\]|does not return a value",
      "a non-void function must return a value on every path (undefined on the GPU; an error here)"),
     ("uninitialized", r"\[-Werror,-Wuninitialized\]", "a variable is read before it is initialised (undefined on "

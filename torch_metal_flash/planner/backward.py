@@ -159,7 +159,8 @@ def plan_backward(spec: AttentionSpec, dout: torch.Tensor, out: torch.Tensor, au
     except (KeyError, ValueError) as e:
         return Unsupported(str(e))
     if spec.varlen is not None and spec.varlen.block_table is not None:
-        return Unsupported("paged K/V (block_table) has no backward")
+        return Unsupported("block_table: the backward kernels take packed K/V (metal_flash.fwd's autograd "
+                           "gathers paged K/V first)")
     if spec.varlen is None and (spec.batch == 0 or spec.heads == 0 or spec.seqlen_q == 0 or spec.seqlen_k == 0):
         return Unsupported("empty problem (the reference fills the zeros)")
     return first_fitting((_plan_tiles(spec, dout, out, aux, dlse, dq, dk, dv, dbias, dsinks, tiles)

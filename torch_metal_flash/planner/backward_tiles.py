@@ -11,7 +11,8 @@ Two tiled kernels of ``shaders/flash_bwd.metal`` per problem:
   ``MODE`` 0 computes dK and dV in one kernel; for head dims above 64 the
   work is split into a dK kernel (MODE 1) and a dV kernel (MODE 2): the
   fused kernel keeps four head-dim-wide accumulators/operands per simdgroup
-  in registers and spills (DESIGN.md §3: 4 KB spills at hd=64 in a seed).
+  in registers and spills (a fused kernel of this shape was reported at 4 KB of spills, 111
+  temporary registers, at head dim 64).
 
 Plus two fixed kernels: ``flash_bwd_pre_<dt>`` (8 rows per threadgroup of
 256 threads) and ``flash_bwd_dsinks`` (one threadgroup of 256 per head,

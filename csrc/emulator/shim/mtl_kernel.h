@@ -79,6 +79,19 @@ template <int I, class F> using param_t = typename param<I, F>::type;
 // Built-in parameter types: positions and sizes are uint / ushort scalars or
 // 2-, 3-vectors; indices and counts are uint / ushort scalars.
 template <class P> inline constexpr constant bool builtin_index_ok = __is_same(plain_t<P>, uint) || __is_same(plain_t<P>, ushort);
+// Buffer and threadgroup parameters: a pointer or reference names its address
+// space (an unqualified one would be thread memory, which no argument table
+// can bind); a parameter passed by value is not checked here.
+template <class T> inline constexpr constant bool in_device_or_constant = false;
+template <class T> inline constexpr constant bool in_device_or_constant<__global T> = true;
+template <class T> inline constexpr constant bool in_device_or_constant<__constant T> = true;
+template <class T> inline constexpr constant bool in_threadgroup = false;
+template <class T> inline constexpr constant bool in_threadgroup<__local T> = true;
+template <class P> using pointee_t = metal::remove_pointer_t<metal::remove_reference_t<P>>;
+template <class P> inline constexpr constant bool indirect = __is_pointer(P) || __is_reference(P);
+template <class P> inline constexpr constant bool buffer_param_ok = !indirect<P> || in_device_or_constant<pointee_t<P>>;
+template <class P> inline constexpr constant bool threadgroup_param_ok = indirect<P> && in_threadgroup<pointee_t<P>>;
+
 template <class P> inline constexpr constant bool builtin_position_ok =
     vn<P> <= 3 && (__is_same(elem_t<P>, uint) || __is_same(elem_t<P>, ushort));
 

@@ -1,9 +1,9 @@
 #pragma once
 typedef long NSInteger;
 typedef unsigned long NSUInteger;
-typedef signed char BOOL;
-#define YES ((BOOL)1)
-#define NO ((BOOL)0)
+typedef bool BOOL;  // arm64 (objc/objc.h: OBJC_BOOL_IS_BOOL); signed char only on x86_64
+#define YES __objc_yes
+#define NO __objc_no
 #define nil nullptr
 #define Nil nullptr
 #define NS_ENUM(_type, _name) enum _name : _type _name; enum _name : _type
