@@ -26,55 +26,30 @@ from __future__ import annotations
 import argparse
 import ctypes as C
 import math
-import struct
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from torch_metal_flash import emulator  # noqa: E402
 
-TOL = {torch.float32: 2e-5, torch.float16: 2e-2, torch.bfloat16: 2e-2}
+from peer_kernels import (MLX_TYPES, TOL, attention_reference, compile_source, max_error,  # noqa: E402
+                          run_mlx_steel)
+
 results = []  # (name, ok)
 
 
 def report(name, out, ref, order, dtype):
-    err = (out.double() - ref.double()).abs().max().item()
-    ok = err <= TOL[dtype] * max(1.0, ref.abs().max().item())
+    err, ok = max_error(out, ref)
     results.append((name, ok))
     print(f"{'ok  ' if ok else 'FAIL'} {name:70s} {order:8s} max|err| {err:.1e} (tol {TOL[dtype]:.0e})", flush=True)
 
 
-def compile_source(text: str, name: str, include_dirs, **kw):
-    with tempfile.TemporaryDirectory() as d:
-        path = Path(d) / name
-        path.write_text(text)
-        return emulator.compile_shader(path, include_dirs=[str(i) for i in include_dirs], **kw)
-
-
-def attention_reference(q, k, v, scale, mask=None, causal=False, sinks=None):
-    g = q.shape[1] // k.shape[1]
-    k, v = k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)
-    s = (q.double() @ k.transpose(-1, -2)) * scale
-    ql, kl = s.shape[-2:]
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.double()
-    if causal:
-        s = s.masked_fill(torch.arange(kl)[None] > torch.arange(ql)[:, None] + kl - ql, float("-inf"))
-    if sinks is not None:
-        sk = sinks.double()[None, :, None, None].expand(s.shape[0], -1, ql, 1)
-        return torch.softmax(torch.cat([s, sk], -1), -1)[..., :-1] @ v
-    return torch.softmax(s, -1) @ v
-
-
 # ---------------------------------------------------------------- MLX
-
-MLX_TYPES = {"float32": ("float", torch.float32), "float16": ("half", torch.float16),
-             "bfloat16": ("bfloat16_t", torch.bfloat16)}
 
 MLX_SDPA = """#include <metal_stdlib>
 #include "mlx/backend/metal/kernels/utils.h"
@@ -85,14 +60,6 @@ instantiate_kernel("sdpa_vector_{n}_{d}", sdpa_vector, {t}, {d}, {d})
 instantiate_kernel("sdpa_vector_2pass_1_{n}_{d}", sdpa_vector_2pass_1, {t}, {d}, {d})
 instantiate_kernel("sdpa_vector_2pass_2_{n}_{d}", sdpa_vector_2pass_2, {t}, {d})""" for n, (t, _) in MLX_TYPES.items()
                   for d in (64, 128)) + "\n"
-
-MLX_STEEL = """#include "mlx/backend/metal/kernels/utils.h"
-#include "mlx/backend/metal/kernels/steel/attn/attn.h"
-#include "mlx/backend/metal/kernels/steel/attn/kernels/steel_attention.h"
-""" + "".join(f"""
-instantiate_kernel("attn_{n}_{d}_mask_{m}", attention, {t}, 32, {bk}, {d}, {d}, 4, 1, {mt}, float)"""
-              for n, (t, _) in MLX_TYPES.items() for d, bk in ((64, 32), (128, 16))
-              for m, mt in (("float", t), ("bool", "bool"))) + "\n"
 
 MLX_SMALL = """#include <metal_stdlib>
 using namespace metal;
@@ -150,27 +117,13 @@ def mlx_sdpa_vector(inc, order, n, d, mask_kind, causal, sinks, two_pass):
 
 def mlx_steel_attention(inc, order, n, d, mask_kind, causal, sinks, ql=37, kl=45, H=4, Hk=2):
     dt = MLX_TYPES[n][1]
-    bq, bk = 32, (32 if d == 64 else 16)
     q, k, v = torch.randn(1, H, ql, d).to(dt), torch.randn(1, Hk, kl, d).to(dt), torch.randn(1, Hk, kl, d).to(dt)
     mask = {None: None, "bool": torch.rand(1, H, ql, kl) > 0.3, "float": torch.randn(1, H, ql, kl).to(dt)}[mask_kind]
     if mask_kind == "bool":
         mask[..., 0] = True  # no empty row
     sk = torch.randn(H).to(dt) if sinks else None
-    o = torch.zeros_like(q)
     scale = 1 / math.sqrt(d)
-    nq, nk = -(-ql // bq), -(-kl // bk)
-    strides = [s for t in (q, k, v, o) for s in t.stride()[:3]]
-    params = struct.pack("<6if7i12q", 1, H, d, ql, kl, H // Hk, scale, nq, nk, ql // bq, kl // bk, ql % bq, kl % bk,
-                         kl - ql, *strides)
-    fcs = {200: ql % bq == 0, 201: kl % bk == 0, 300: mask is not None, 301: causal, 302: sinks, 303: False}
-    lib = compile_source(MLX_STEEL, "mlx_steel.metal", [inc], function_constants=fcs)
-    bufs = {4: params}
-    if mask is not None:
-        bufs.update({5: struct.pack("<3q", *mask.stride()[:3]), 6: mask})
-    if sinks:
-        bufs[7] = sk
-    lib[f"attn_{n}_{d}_mask_{'bool' if mask_kind == 'bool' else 'float'}"](
-        q, k, v, o, buffers=bufs, grid=(nq * 32, H * 4, 1), threadgroup=(32, 4, 1), order=order)
+    o, _ = run_mlx_steel(inc, q, k, v, scale, mask=mask, causal=causal, sinks=sk, order=order)
     name = f"mlx steel_attention {n} D{d} mask={mask_kind} causal={causal} sinks={sinks}"
     report(name, o, attention_reference(q, k, v, scale, mask, causal, sk), order, dt)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from ..caches import LRU
-from . import compiler, config, prepass, rules
+from . import compiler, config, prepass, recorder, rules
 from .binding import bind_arguments
 from .compiler import find_compiler, preprocess
 from .errors import (CompileError, DataRaceError, DivergentBarrierError, EmulatorError, KernelCrashError,
@@ -278,12 +278,12 @@ def launch(fn: KernelFunction, args, *, grid, threadgroup, threadgroup_memory, o
                           f"max_total_threads_per_threadgroup)")
     stats_kwargs = dict(kernel=kname, grid=grid, threadgroup=tg, checked=checked, order=order)
     if 0 in grid:
-        return LaunchStats(threadgroups=0, threads=0, device_bytes_read=0 if checked else None,
+        return _recorded(LaunchStats(threadgroups=0, threads=0, device_bytes_read=0 if checked else None,
                            device_bytes_written=0 if checked else None, bytes_read={} if checked else None,
                            bytes_written={} if checked else None, threadgroup_bytes_read=None,
                            threadgroup_bytes_written=None, threadgroup_memory=0, barriers=0, simd_collectives=0,
                            simdgroup_barriers=0, simdgroup_matrix_multiplies=0, atomics=0, fiber_switches=0,
-                           seconds=0.0, **stats_kwargs)
+                           seconds=0.0, **stats_kwargs))
     build = lib._build(checked)[kname]
     entry, infos, kernel = build.entries[kname]
     fc_values = lib._fc_values
@@ -352,7 +352,7 @@ def launch(fn: KernelFunction, args, *, grid, threadgroup, threadgroup_memory, o
     del keep
     if code:
         raise _make_error(build, kname, err, code)
-    return LaunchStats(
+    return _recorded(LaunchStats(
         threadgroups=st.threadgroups, threads=st.threads,
         device_bytes_read=st.device_read if checked else None,
         device_bytes_written=st.device_written if checked else None,
@@ -362,7 +362,12 @@ def launch(fn: KernelFunction, args, *, grid, threadgroup, threadgroup_memory, o
         threadgroup_bytes_written=st.tg_written if checked else None,
         threadgroup_memory=st.tg_peak, barriers=st.barriers, simd_collectives=st.simd_collectives,
         simdgroup_barriers=st.simd_barriers, simdgroup_matrix_multiplies=st.mma, atomics=st.atomics,
-        fiber_switches=st.switches, seconds=seconds, **stats_kwargs)
+        fiber_switches=st.switches, seconds=seconds, **stats_kwargs))
+
+
+def _recorded(stats: LaunchStats) -> LaunchStats:
+    recorder.record(stats)
+    return stats
 
 
 def _make_error(build: _Build, kname: str, err: rt.Error, code: int) -> EmulatorError:
