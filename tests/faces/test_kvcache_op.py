@@ -5,22 +5,18 @@ debug mode that reports them.  Kernel tests run in the emulator in checked mode
 (bounds guards: an out-of-range index that reached memory would fail here)."""
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import itertools
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from test_kvcache import check_against_oracle, check_call, make_case, rotated_rows_exact  # noqa: E402
-from torch_metal_flash import backends, core, emulator  # noqa: E402
-from torch_metal_flash.backends.emulator import EmulatorBackend  # noqa: E402
-from torch_metal_flash.kvcache import apply_rotary, flash_attn_with_kvcache  # noqa: E402
-from torch_metal_flash.planner import kvcache as kv_planner  # noqa: E402
+from support.host_syncs import host_syncs_raise
+from support.kvcache_cases import check_against_oracle, check_call, make_case, rotated_rows_exact
+from torch_metal_flash import backends, core, emulator
+from torch_metal_flash.backends.emulator import EmulatorBackend
+from torch_metal_flash.kvcache import apply_rotary, flash_attn_with_kvcache
+from torch_metal_flash.planner import kvcache as kv_planner
 
 
 def run_emulator(kw, order="forward", **extra):
@@ -35,44 +31,6 @@ def run_emulator(kw, order="forward", **extra):
 # ---------------------------------------------------------------------------
 # No host synchronisation on the kernel path
 # ---------------------------------------------------------------------------
-
-_SYNCING = ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__", "__array__")
-
-
-@contextlib.contextmanager
-def host_syncs_raise():
-    """Every way of reading a tensor's values on the host raises (on MPS each one
-    drains the GPU queue): item/tolist/bool/int/float/index, .cpu(), .numpy(),
-    .to(<cpu>) and torch.equal."""
-    def forbid(name):
-        def raiser(*args, **kwargs):
-            raise AssertionError(f"host synchronisation: Tensor.{name}")
-        return raiser
-
-    to = torch.Tensor.to
-
-    def checked_to(self, *args, **kwargs):
-        target = [a for a in args if isinstance(a, (str, torch.device))] + [kwargs.get("device")]
-        if any(t is not None and torch.device(t).type == "cpu" for t in target):
-            raise AssertionError("host synchronisation: Tensor.to(cpu)")
-        return to(self, *args, **kwargs)
-
-    saved = {name: torch.Tensor.__dict__.get(name) for name in _SYNCING + ("to",)}
-    equal = torch.equal
-    try:
-        for name in _SYNCING:
-            setattr(torch.Tensor, name, forbid(name))
-        torch.Tensor.to = checked_to
-        torch.equal = forbid("equal")
-        yield
-    finally:
-        torch.equal = equal
-        for name, fn in saved.items():
-            if fn is None:
-                delattr(torch.Tensor, name)
-            else:
-                setattr(torch.Tensor, name, fn)
-
 
 def test_host_syncs_raise_patch_works():
     t = torch.ones(2, dtype=torch.int32)

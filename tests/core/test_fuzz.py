@@ -10,16 +10,12 @@ problem dict: ``fuzz_problems.check_problem(<dict>)`` replays it.
 """
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
 import pytest
 from hypothesis import given
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import fuzz_problems as fp  # noqa: E402
+from support import fuzz_problems as fp
 
 pytestmark = pytest.mark.fuzz
 

@@ -14,24 +14,20 @@ from __future__ import annotations
 
 import random
 import re
-import sys
 import zlib
-from pathlib import Path
 from typing import Optional
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import forward_cases as fc  # noqa: E402
-import torch_metal_flash as tmf  # noqa: E402
-from torch_metal_flash import reference  # noqa: E402
-from torch_metal_flash._paths import shaders_dir  # noqa: E402
-from torch_metal_flash.layout import empty_in_layout  # noqa: E402
-from torch_metal_flash.plan import Plan, Unsupported  # noqa: E402
-from torch_metal_flash.spec import AttentionSpec, make_spec  # noqa: E402
-from torch_metal_flash.testing import check_backward, randn  # noqa: E402
+from support import forward_cases as fc
+import torch_metal_flash as tmf
+from torch_metal_flash import reference
+from torch_metal_flash._paths import shaders_dir
+from torch_metal_flash.layout import empty_in_layout
+from torch_metal_flash.plan import Plan, Unsupported
+from torch_metal_flash.spec import AttentionSpec, make_spec
+from torch_metal_flash.testing import check_backward, randn
 
 SEED = 20261129
 ORDER_PAIRS = (("forward", "reverse"), ("reverse", "random"), ("random", "forward"))

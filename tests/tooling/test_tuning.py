@@ -218,7 +218,7 @@ def test_tuner_picks_the_fastest_persists_and_a_fresh_process_plans_with_it(tuni
             "print(names)\n")
     env = {**os.environ, "TORCH_METAL_FLASH_TUNING_CACHE": str(tuning_cache)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:2] == [repr((fastest, "tuned")), repr([fastest])]
 
@@ -333,8 +333,8 @@ def test_forced_variants_are_per_thread(launched):
 
 # ----------------------------------------------------------------------------- a sampled matrix
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import forward_cases as fc  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels"))
+from support import forward_cases as fc  # noqa: E402
 import test_backward_kernels as bk  # noqa: E402
 
 MATRIX_SEED = 20261202

@@ -11,19 +11,15 @@ transformers' packed-sequence path.
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import varlen_cases as vc  # noqa: E402
-import torch_metal_flash as tmf  # noqa: E402
-from torch_metal_flash import backends, emulator  # noqa: E402
-from test_kvcache_op import host_syncs_raise  # noqa: E402
-from torch_metal_flash.testing import randn  # noqa: E402
+from support import varlen_cases as vc
+import torch_metal_flash as tmf
+from torch_metal_flash import backends, emulator
+from test_kvcache_op import host_syncs_raise
+from torch_metal_flash.testing import randn
 
 RAGGED_Q, RAGGED_K = [5, 0, 1, 37, 20, 1], [7, 3, 0, 37, 41, 1]
 MANY_SHORT = [1, 3, 2, 6, 1, 4, 5, 2, 1, 3, 6, 2, 1, 1, 4, 3, 2, 5] + [131]  # and one long one

@@ -14,25 +14,21 @@ emulator: they fail (not skip) when its compiler is missing.
 from __future__ import annotations
 
 import contextlib
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import torch_metal_flash as tmf
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from test_kvcache import check_against_oracle, make_case  # noqa: E402
-from test_kvcache_op import host_syncs_raise  # noqa: E402
-from torch_metal_flash import backends, emulator, testing  # noqa: E402
-from torch_metal_flash.backends.emulator import EmulatorBackend  # noqa: E402
-from torch_metal_flash.kvcache import flash_attn_with_kvcache  # noqa: E402
-from torch_metal_flash.plan import Unsupported  # noqa: E402
-from torch_metal_flash.planner import decode, kvcache as kv_planner, variants  # noqa: E402
-from torch_metal_flash.quant import QuantizedTensor  # noqa: E402
-from torch_metal_flash.spec import make_spec  # noqa: E402
+from support.host_syncs import host_syncs_raise
+from support.kvcache_cases import check_against_oracle, make_case
+from torch_metal_flash import backends, emulator, testing
+from torch_metal_flash.backends.emulator import EmulatorBackend
+from torch_metal_flash.kvcache import flash_attn_with_kvcache
+from torch_metal_flash.plan import Unsupported
+from torch_metal_flash.planner import decode, kvcache as kv_planner, variants
+from torch_metal_flash.quant import QuantizedTensor
+from torch_metal_flash.spec import make_spec
 
 ORDERS = (("forward", "reverse"), ("reverse", "random"), ("random", "forward"))
 A4 = dict(bits=4, group_size=64)

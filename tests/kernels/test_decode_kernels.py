@@ -11,23 +11,19 @@ These tests need the emulator: they fail (not skip) when its compiler is missing
 from __future__ import annotations
 
 import math
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 
 import torch_metal_flash
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from test_kvcache import check_call, make_case  # noqa: E402
-from torch_metal_flash import backends, emulator  # noqa: E402
-from torch_metal_flash.backends.emulator import EmulatorBackend  # noqa: E402
-from torch_metal_flash.kvcache import flash_attn_with_kvcache  # noqa: E402
-from torch_metal_flash.plan import Plan, Unsupported  # noqa: E402
-from torch_metal_flash.planner.decode import (DecodeParams, DecodeProblem, choose_splits,  # noqa: E402
+from support.kvcache_cases import check_call, make_case
+from torch_metal_flash import backends, emulator
+from torch_metal_flash.backends.emulator import EmulatorBackend
+from torch_metal_flash.kvcache import flash_attn_with_kvcache
+from torch_metal_flash.plan import Plan, Unsupported
+from torch_metal_flash.planner.decode import (DecodeParams, DecodeProblem, choose_splits,
                                               compulsory_bytes, decode_variants, plan_decode)
 
 ORDER_PAIRS = (("forward", "reverse"), ("reverse", "random"), ("random", "forward"))

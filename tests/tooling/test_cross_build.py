@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "macos_cross_build.py"
 TORCH_VERSION = "2.13.0"  # the torch CI installs (.ci/run); the others of the range: bench/torch_range.py
 

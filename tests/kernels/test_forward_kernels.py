@@ -11,21 +11,17 @@ from __future__ import annotations
 
 import math
 import re
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import forward_cases as fc  # noqa: E402
-from torch_metal_flash._paths import shaders_dir  # noqa: E402
-from torch_metal_flash.plan import Plan, Unsupported  # noqa: E402
-from torch_metal_flash.planner import forward_variants  # noqa: E402
+from support import forward_cases as fc
+from torch_metal_flash._paths import shaders_dir
+from torch_metal_flash.plan import Plan, Unsupported
+from torch_metal_flash.planner import forward_variants
 from torch_metal_flash.planner.forward import plan_forward  # noqa: E402 - the prefill planner
-from torch_metal_flash.planner.params import FlashFwdParams, field_layout  # noqa: E402
-from torch_metal_flash.spec import make_spec  # noqa: E402
+from torch_metal_flash.planner.params import FlashFwdParams, field_layout
+from torch_metal_flash.spec import make_spec
 
 SEED = 20260411
 ORDER_PAIRS = (("forward", "reverse"), ("reverse", "random"), ("random", "forward"))

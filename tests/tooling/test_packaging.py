@@ -26,7 +26,7 @@ from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DARWIN = dict(default_environment(), sys_platform="darwin", platform_system="Darwin", extra="")
 
 if not (ROOT / "setup.py").is_file():

@@ -96,7 +96,7 @@ def test_emulator_checks_bounds_of_views_bound_in_place():
     from pathlib import Path
 
     from torch_metal_flash import emulator
-    lib = emulator.compile_shader(Path(__file__).parent / "emulator" / "kernels" / "checks.metal")
+    lib = emulator.compile_shader(Path(__file__).parents[1] / "emulator" / "kernels" / "checks.metal")
     base = torch.zeros(2**28 + 64)  # 1 GiB, lazily committed
     y = base[32:].as_strided((2, 16), (2**28, 1))
     with pytest.raises(emulator.OutOfBoundsError, match="buffer\\(0\\)"):

@@ -16,22 +16,18 @@
 from __future__ import annotations
 
 import math
-import sys
 import zlib
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import forward_cases as fc  # noqa: E402
-import torch_metal_flash as tmf  # noqa: E402
-from torch_metal_flash import backends, emulator, philox  # noqa: E402
-from torch_metal_flash._paths import shaders_dir  # noqa: E402
-from torch_metal_flash.layout import empty_in_layout  # noqa: E402
-from torch_metal_flash.spec import make_spec  # noqa: E402
-from torch_metal_flash.testing import check_backward, check_forward, randn  # noqa: E402
+from support import forward_cases as fc
+import torch_metal_flash as tmf
+from torch_metal_flash import backends, emulator, philox
+from torch_metal_flash._paths import shaders_dir
+from torch_metal_flash.layout import empty_in_layout
+from torch_metal_flash.spec import make_spec
+from torch_metal_flash.testing import check_backward, check_forward, randn
 
 KAT = [  # Random123 philox4x32-10 known-answer vectors: (counter, key) -> output
     ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),

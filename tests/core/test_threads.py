@@ -111,7 +111,7 @@ def test_two_loads_of_one_library_share_its_function_constant_lock():
     building at once, or a reload after a cache eviction) had separate locks around the library's
     function-constant globals, so concurrent launches could run with each other's constants."""
     emulator.library._build_cache.clear()
-    lib = emulator.compile_shader(emulator.library.Path(__file__).parent / "emulator" / "kernels" / "checks.metal")
+    lib = emulator.compile_shader(emulator.library.Path(__file__).parents[1] / "emulator" / "kernels" / "checks.metal")
     first = lib._build(checked=True)
     emulator.library._build_cache.clear()
     second = lib._build(checked=True)

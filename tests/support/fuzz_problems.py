@@ -41,7 +41,7 @@ from torch_metal_flash import backends, emulator, philox, testing
 from torch_metal_flash.quant import QuantizedTensor, flat_format
 from torch_metal_flash.spec import make_spec
 
-import kvcache_oracle
+from support import kvcache_oracle
 
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "f64": torch.float64}
 KERNEL_DTYPES = ("f32", "f16", "bf16")

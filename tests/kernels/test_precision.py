@@ -27,9 +27,7 @@ from torch_metal_flash.spec import make_spec
 from torch_metal_flash.testing import (Arith, assert_matches_oracle, backward_reference, check_backward,
                                        grad_errors, plain_attention, randn)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from test_kvcache import check_against_oracle  # noqa: E402
+from support.kvcache_cases import check_against_oracle
 
 
 def _leaves(*tensors):
@@ -142,7 +140,7 @@ def _sweep_case(shape: str, target: float, seed: int):
 def test_float32_gradients_at_large_scores(shape, target):
     """Forward and backward kernels of one problem (fast emulator mode: the
     checked runs are elsewhere) within the rule at max |score| = target."""
-    import forward_cases as fc
+    from support import forward_cases as fc
     import test_backward_kernels as bk
     from torch_metal_flash.testing import check_forward
 
@@ -254,7 +252,7 @@ def test_oracle_gradients_match_autograd():
 _DIGEST = r"""
 import hashlib, json, sys, torch
 sys.path.insert(0, sys.argv[1])
-import forward_cases as fc
+from support import forward_cases as fc
 from torch_metal_flash.testing import backward_reference, randn
 out = {}
 for c in (dict(dtype="f32", d=40, lq=9, lk=23, masking="causal_br", hq=4, hkv=2, feature="all", layout="blhd"),
@@ -277,7 +275,7 @@ def test_budget_is_the_same_on_every_machine():
     magnitudes to 1e-12, under other thread counts, instruction sets, MKL code
     paths and hash seeds -- the variables that moved the old BLAS-based budget
     between machines (MKL_CBWR=COMPATIBLE reproduced CI's allowed 1.911e-06)."""
-    tests = str(Path(__file__).resolve().parent)
+    tests = str(Path(__file__).resolve().parents[1])
     envs = [dict(OMP_NUM_THREADS="1", PYTHONHASHSEED="0"),
             dict(OMP_NUM_THREADS="4", PYTHONHASHSEED="123", MKL_CBWR="COMPATIBLE", ATEN_CPU_CAPABILITY="default")]
     results = []

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch_metal_flash as tmf
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import long_run  # noqa: E402
 
