@@ -52,7 +52,7 @@ def macos_extension_args() -> dict:
     (csrc/core/module.cpp is the core's own module for builds without Metal;
     torch_metal_flash/_core_build.py).  No ``-std``: cpp_extension's default is
     the one torch's headers need.  bench/macos_cross_build.py cross-builds
-    exactly this on Linux (tests/test_cross_build.py).
+    exactly this on Linux (tests/tooling/test_cross_build.py).
     """
     core = sorted(os.path.join("csrc", "core", f) for f in os.listdir(os.path.join(HERE, "csrc", "core"))
                   if f.endswith(".cpp") and f != "module.cpp")

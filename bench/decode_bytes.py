@@ -214,7 +214,7 @@ def main() -> None:
     text += ("\n## Quantization error (separate from the kernels' accuracy)\n\n"
              "Standard-normal float16 K/V, B=1, H=32, H_kv=8, D=128, L=4096; one decode query row; "
              "float64 attention on the dequantized cache against the float16 cache.  The kernels are tested "
-             "against the float64 oracle on the dequantized cache (tests/test_quantized_kernels.py); this is "
+             "against the float64 oracle on the dequantized cache (tests/kernels/test_quantized_kernels.py); this is "
              "what quantizing costs on top.\n\n| K/V | max abs(x - x_hat) | max abs(out error) | max abs(out) |\n"
              "|---|---|---|---|\n" + "".join(f"| {e['kv']} | {e['x_err']:.4f} | {e['out_err']:.2e} | "
                                                f"{e['out_scale']:.3f} |\n" for e in errors))

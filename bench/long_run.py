@@ -2,7 +2,7 @@
 every cache of the package (``torch_metal_flash.cache_info()``) must stay bounded.
 
     python bench/long_run.py                 # 100,000 calls -> bench/results/long_run.md
-    python bench/long_run.py --calls 2000    # what CI runs (tests/test_long_run.py)
+    python bench/long_run.py --calls 2000    # what CI runs (tests/core/test_long_run.py)
 
 The calls run on the emulator (fast mode: unchecked, the launch itself is the same)
 and the reference backend: forward of every face, forward + backward every 8th

@@ -35,7 +35,7 @@ found in ``TORCH_METAL_FLASH_WHEEL_DIR`` or downloaded once by pip, and extracte
     python bench/macos_cross_build.py [--torch 2.13.0] [--plant nil|unguarded|missing]
 
 ``--plant`` adds a translation unit with a defect the build must catch (the
-tests do the same: ``tests/test_cross_build.py``).  Exit status 1 names what failed.
+tests do the same: ``tests/tooling/test_cross_build.py``).  Exit status 1 names what failed.
 """
 from __future__ import annotations
 

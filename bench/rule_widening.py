@@ -2,7 +2,7 @@
 
     python bench/rule_widening.py [--against REV]     # default: 26829dd (before the score-rounding term)
 
-On tests/test_precision.py's float32 sweep (max |score| 1-30) and its planted-defect
+On tests/kernels/test_precision.py's float32 sweep (max |score| 1-30) and its planted-defect
 problems, runs the kernels (emulator) once and prints, per result, max error / allowed
 under REV's rule and under this checkout's, and allowed(this) / allowed(REV) over the
 elements (median and max).
@@ -88,7 +88,7 @@ def main() -> None:
         spec, dout, grads, _ = tp._kernel_grads(c)
         compare(f"defect case {i}", spec, dict(zip(now.GRAD_NAMES[:3], grads[:3])), dout)
 
-    print(f"\nPlanted defects (tests/test_precision.py): max error / allowed, {args.against} -> now "
+    print(f"\nPlanted defects (tests/kernels/test_precision.py): max error / allowed, {args.against} -> now "
           "(above 1: caught)\n\n| problem | one key dropped from a dQ row | dV row x (1 + 1e-4) | scale x (1 + 1e-5) |"
           "\n|---|---|---|---|")
 

@@ -1,4 +1,4 @@
-"""Float32 score rounding in out: the minimal float32 fuzz misses of tests/test_fuzz.py.
+"""Float32 score rounding in out: the minimal float32 fuzz misses of tests/core/test_fuzz.py.
 
     python bench/score_rounding.py
 

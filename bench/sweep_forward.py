@@ -1,6 +1,6 @@
-"""Full forward kernel sweep in the emulator (the matrix of tests/forward_cases.py).
+"""Full forward kernel sweep in the emulator (the matrix of tests/support/forward_cases.py).
 
-The CI test (tests/test_forward_kernels.py) runs a fixed-seed sample of this
+The CI test (tests/kernels/test_forward_kernels.py) runs a fixed-seed sample of this
 matrix; this script runs all of it (or a slice), each case in checked mode and
 two schedule orders, and prints one line per case plus a summary.
 

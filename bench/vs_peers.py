@@ -29,7 +29,7 @@ bench/forward_bytes.py):
 Emulation cost grows like L^2 x D: the 4K rows dominate (tens of minutes each with every variant
 on the shared 2-core machine).  --rows or --quick (the 1K rows) run a subset; --heads 1 emulates
 one of the 8 heads and scales the counts, which is exact (every head runs the same code on the
-same shapes; tests/test_vs_peers.py checks it); --json FILE saves each problem's counters and
+same shapes; tests/tooling/test_vs_peers.py checks it); --json FILE saves each problem's counters and
 --render FILE... writes one report from several runs (split a long table over processes).  A full
 run with both peers writes bench/results/vs_peers.md (re-written after each problem).
 """
@@ -336,7 +336,7 @@ def render(done: list[tuple], sources: list[str], command: str, missing: list[st
               "Column definitions: the docstring of `bench/vs_peers.py`." + (
                   "" if heads == HEADS else f" The run emulated the first {heads} of the {HEADS} heads (`--heads`): "
                   "every head runs the same code on the same shapes, so byte, barrier, MMA and threadgroup counts "
-                  f"are those x {HEADS // heads} and the ratios are the same (tests/test_vs_peers.py checks the "
+                  f"are those x {HEADS // heads} and the ratios are the same (tests/tooling/test_vs_peers.py checks the "
                   "scaling exactly)."), "",
               "Device bytes are the kernels' device-memory requests: on the GPU many of the K and V re-reads "
               "(once per query block) hit the cache, so they bound DRAM traffic from above; a kernel with taller "

@@ -15,7 +15,7 @@
 * Every op call goes through the C++ op core (loaded, and built if needed, at
   session start) with the plan cache in verify mode: each cache hit re-plans
   and fails if the cached template differs (an incomplete cache key).
-* Hypothesis profiles of the property tests (tests/test_fuzz.py): "ci" (default)
+* Hypothesis profiles of the property tests (tests/core/test_fuzz.py): "ci" (default)
   and "long"; after a long run the summary goes to bench/results/fuzz.md.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ import zlib
 import pytest
 from hypothesis import HealthCheck, settings
 
-# Property-based tests (tests/test_fuzz.py).  "ci": bounded and derandomized (the same
+# Property-based tests (tests/core/test_fuzz.py).  "ci": bounded and derandomized (the same
 # cases on every run and machine, no example database); "long": the shakedown run,
 # ``pytest -m fuzz --hypothesis-profile=long`` (>= 10,000 cases over the faces).
 _FUZZ = dict(deadline=None, print_blob=True,
@@ -128,7 +128,7 @@ def _write_fuzz_summary(terminalreporter) -> None:
     failed_tests = len(terminalreporter.stats.get("failed", []))
     root = os.path.join(os.path.dirname(__file__), "..")
     lines = ["# Property-based fuzz run (long profile)", "",
-             "Command: `python -m pytest tests/test_fuzz.py -m fuzz --hypothesis-profile=long -q`", "",
+             "Command: `python -m pytest tests/core/test_fuzz.py -m fuzz --hypothesis-profile=long -q`", "",
              f"- commit: {_SESSION_COMMIT} (at the start); {os.cpu_count()} cores, torch {torch.__version__}, "
              f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}",
              f"- cases: {cases} over {len(stats)} faces (a case that fails counts its shrinking replays too)",

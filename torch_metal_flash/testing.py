@@ -8,7 +8,7 @@ passes when, for every element::
     |y - ref64| <= 2 * max|plain_T - ref64| + 4 * (u + u_64) * M + u_T * |ref64|
 
 * ``ref64``: the same math in float64 (:func:`plain_attention`; its gradients
-  are checked against torch's autograd in tests/test_precision.py).
+  are checked against torch's autograd in tests/kernels/test_precision.py).
 * ``plain_T``: plain attention math in ``T`` -- flash-attn's rule:
   "twice the error of the same math in the same dtype" -- computed by
   :class:`Arith` so that it is the same number on every machine: each operation
@@ -49,7 +49,7 @@ passes when, for every element::
   ``4 u``; plain_T makes the same kind of error but can round two top scores
   alike by luck (the long fuzz profile's ``kvpacked_f32_decode_route_big_scores_out``:
   out off by 2.5e-5 in the kernels, 3.5e-7 in plain float32, both correct).
-  In ordinary problems (|s| <= 30, tests/test_precision.py's sweep and
+  In ordinary problems (|s| <= 30, tests/kernels/test_precision.py's sweep and
   planted-defect problems) it widens the allowed error of out, dq, dk, dv and
   dbias by a median 1.0-3.7x (dsinks 2.3-6.7x), up to 12x on single elements;
   lse is unchanged; the planted defects still fail (bench/rule_widening.py,
@@ -75,7 +75,7 @@ this module's former 1e-6): an absolute atol does not scale with the values --
 it is less than one ulp of |dk| = 142, reached at large scores, and would hide
 a 1e-4 relative error in a gradient of size 0.1 -- and the baseline alone is
 sometimes exact by luck.  The rule above has no absolute constant.
-tests/test_precision.py plants small defects (one key dropped from one
+tests/kernels/test_precision.py plants small defects (one key dropped from one
 gradient row, a 1e-4 relative error in one row of dV, the softmax scale off by
 1 + 1e-5) into correct kernel results and checks that each still fails, and
 sweeps float32 gradients up to |score| = 30; bench/precision.py prints max

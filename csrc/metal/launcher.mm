@@ -2,9 +2,9 @@
 // core (csrc/core), plus shader libraries and pipeline states.
 //
 // Builds only on macOS (Apple SDK + Metal framework). Our build machines are
-// Linux: tests/test_cross_build.py cross-compiles and links it for arm64 macOS
+// Linux: tests/tooling/test_cross_build.py cross-compiles and links it for arm64 macOS
 // against Apple's SDK headers and the torch macOS wheel, and
-// tests/test_launcher_typecheck.py type-checks its macOS 15 branch. It follows,
+// tests/tooling/test_launcher_typecheck.py type-checks its macOS 15 branch. It follows,
 // call for call, the pattern PyTorch itself uses and tests for custom Metal
 // kernels in C++ extensions:
 //   * pytorch/pytorch test/cpp_extensions/mps_extension.mm (the cpp-extension

@@ -1,10 +1,10 @@
-"""Property-based tests: whole problems of every face (tests/fuzz_problems.py)
+"""Property-based tests: whole problems of every face (tests/support/fuzz_problems.py)
 on the kernels (emulator, checked mode, strict) against the float64 oracle under
 the rule of torch_metal_flash.testing, forward and backward, results bit-identical
 across two schedule orders, inputs never modified (but documented in-place caches).
 
 CI runs the bounded, derandomized ``ci`` profile; the long run is
-``python -m pytest tests/test_fuzz.py -m fuzz --hypothesis-profile=long`` (its
+``python -m pytest tests/core/test_fuzz.py -m fuzz --hypothesis-profile=long`` (its
 summary goes to bench/results/fuzz.md).  A falsifying example prints as a
 problem dict: ``fuzz_problems.check_problem(<dict>)`` replays it.
 """

@@ -1,7 +1,7 @@
 """``tmf.quantize`` / ``QuantizedTensor`` / ``tmf.quantized_zeros`` on the host: the storage
 format (MLX packing, symmetric int8), the documented rounding and its error bound,
 views on the leading dims, and the argument errors.  No kernels here (see
-tests/test_quantized_kernels.py)."""
+tests/kernels/test_quantized_kernels.py)."""
 from __future__ import annotations
 
 import pytest

@@ -123,7 +123,7 @@ def test_backward_matches_torch():
 
 def test_torch_path_cases_match_exactly(spy):
     """need_weights=True runs torch's own implementation: identical results; dropout in training
-    runs on ours (tests/test_dropout.py checks its statistics)."""
+    runs on ours (tests/kernels/test_dropout.py checks its statistics)."""
     ref, ours = _pair(dropout=0.25, batch_first=True)
     ref.eval(), ours.eval()
     x = torch.randn(2, 6, 32)

@@ -124,7 +124,7 @@ def test_empty_inputs():
 
 @pytest.mark.parametrize("face", ["sdpa", "flash_attn_func", "varlen"])
 def test_dropout_runs_on_the_kernels_in_strict_mode(face):
-    """dropout_p > 0 runs in the kernels (tests/test_dropout.py checks the numbers):
+    """dropout_p > 0 runs in the kernels (tests/kernels/test_dropout.py checks the numbers):
     strict mode does not raise and run_counts counts the kernels; the reference backend counts
     the reference path."""
     q = torch.randn(1, 2, 8, 16)

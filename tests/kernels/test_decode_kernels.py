@@ -4,7 +4,7 @@ kernel (shaders/kvcache_append.metal) in the emulator.
 ``flash_attn_with_kvcache`` on the emulator backend, checked mode (poisoned
 threadgroup memory, bounds and race checks, exact byte counters), two schedule
 orders per case (results must not change by a bit), against the independent
-float64 implementation of tests/kvcache_oracle.py with the acceptance rule of
+float64 implementation of tests/support/kvcache_oracle.py with the acceptance rule of
 torch_metal_flash/testing.py.
 These tests need the emulator: they fail (not skip) when its compiler is missing.
 """

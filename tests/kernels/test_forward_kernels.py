@@ -3,7 +3,7 @@ against the float64 oracle (the acceptance rule of torch_metal_flash/testing.py)
 emulator backend, in checked mode (poisoned threadgroup memory, bounds and
 race checks) and in two schedule orders per case.
 
-The full forward matrix (tests/forward_cases.py) is sampled with a fixed seed (every value of every
+The full forward matrix (tests/support/forward_cases.py) is sampled with a fixed seed (every value of every
 axis appears); ``bench/sweep_forward.py`` runs the whole sweep.  These tests
 need the emulator: they fail (not skip) when it or its compiler is missing.
 """

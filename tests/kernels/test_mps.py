@@ -14,7 +14,7 @@ machine; torch's own low-precision CPU math would depend on the Mac's BLAS).
 The oracle here is a deliberately naive implementation (``naive_attention``),
 independent of the package.
 
-Full matrix: ``pytest tests/test_mps.py`` (a few minutes on an M-series Mac);
+Full matrix: ``pytest tests/kernels/test_mps.py`` (a few minutes on an M-series Mac);
 ``-k "not matrix"`` for the quick part.
 """
 from __future__ import annotations

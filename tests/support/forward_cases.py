@@ -1,4 +1,4 @@
-"""The forward kernel matrix, shared by tests/test_forward_kernels.py
+"""The forward kernel matrix, shared by tests/kernels/test_forward_kernels.py
 (a fixed-seed sample) and bench/sweep_forward.py (the full sweep).
 
 A case is a plain dict; ``build_spec`` makes the tensors (deterministically

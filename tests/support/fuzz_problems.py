@@ -440,7 +440,7 @@ def _call_sdpa(p, x):
 
 def _override_serves(p) -> bool:
     """The calls the override hands to us (the others go to torch's own code, unchanged:
-    tests/test_sdpa_override.py)."""
+    tests/faces/test_sdpa_override.py)."""
     mask = p["mask"]
     return runs_on_kernels(p) and not _empty(p) and (mask is None or mask["kind"] == "bool" or
                                                      mask["dtype"] == p["dtype"])
@@ -1226,7 +1226,7 @@ def _check_caches(face: Face, p, inputs, x_used) -> None:
     """flash_attn_with_kvcache's documented in-place append.  Plain caches: exactly the
     oracle's rows (float32 rotation rounded to the cache's dtype), or, rotated float32 rows or
     a float32 table (the kernel's fused multiply-add), within torch.testing's tolerance
-    (as tests/test_kvcache.py checks them).
+    (as tests/faces/test_kvcache.py checks them).
     Quantized caches: the codes the reference path stores (tmf.quantize of the same rows;
     rotated rows within one code step)."""
     if _quantized(p):

@@ -1,6 +1,6 @@
 """Type-check the macOS 15 branch of the Objective-C++ Metal launcher on Linux.
 
-tests/test_cross_build.py builds the launcher for real against Apple's macOS
+tests/tooling/test_cross_build.py builds the launcher for real against Apple's macOS
 14.2 SDK, which does not declare the macOS 15 API the launcher uses behind
 ``@available(macOS 15.0, *)`` (``MTLCompileOptions.mathMode``...): there
 ``csrc/metal/macos15_api.h`` declares it.  Here clang parses the launcher as

@@ -35,7 +35,7 @@ def test_workflow_parses_and_names_the_mac_steps():
                                             "-Werror"))
     specialise = steps["Specialise every pipeline the planners emit (function constants)"]
     assert "python -m torch_metal_flash doctor --skip probes,timing" in specialise["run"]
-    assert "tests/test_mps.py" in steps["MPS tests"]["run"]
+    assert "tests/kernels/test_mps.py" in steps["MPS tests"]["run"]
     assert "python -m torch_metal_flash doctor" in steps["Doctor"]["run"]
     for name in ("MPS tests", "Doctor"):
         assert steps[name]["if"] == "steps.mps.outputs.usable == 'true'"
@@ -70,7 +70,7 @@ def test_release_workflow_builds_a_wheel_per_declared_torch_and_tests_it():
     install = steps["Install the wheel with its torch (outside the checkout)"]
     assert install["working-directory"] == "${{ runner.temp }}" and "dist/*.whl" in install["run"]
     assert "torch_metal_flash doctor" in steps["Doctor"]["run"]
-    assert "tests/test_mps.py" in steps["MPS tests"]["run"]
+    assert "tests/kernels/test_mps.py" in steps["MPS tests"]["run"]
     for name in ("Doctor", "MPS tests"):
         assert steps[name]["if"] == "steps.mps.outputs.usable == 'true'"
     upload = steps["actions/upload-artifact@v7"]["with"]

@@ -1,7 +1,7 @@
 """ctypes mirror of ``shaders/flash_params.h`` (the params struct shared by host and kernel).
 
 Field order, types and padding must match the header exactly; the test
-``tests/test_forward_kernels.py::test_params_layout`` compiles a kernel in the
+``tests/kernels/test_forward_kernels.py::test_params_layout`` compiles a kernel in the
 emulator that writes ``sizeof``/``offsetof`` of every field and compares.
 """
 from __future__ import annotations
