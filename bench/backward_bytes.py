@@ -42,9 +42,9 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests"))  # for tests/support: the case matrices and oracles the tests use
 
-import test_backward_kernels as bk  # noqa: E402
+from support import backward_cases as bk  # noqa: E402
 from torch_metal_flash import backends, emulator  # noqa: E402
 from torch_metal_flash.planner.backward_tiles import (DSINKS_THREADS, backward_variants)  # noqa: E402
 from torch_metal_flash.spec import make_spec  # noqa: E402

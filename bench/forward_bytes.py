@@ -31,9 +31,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests"))  # for tests/support: the case matrices and oracles the tests use
 
-import forward_cases as fc  # noqa: E402
+from support import forward_cases as fc  # noqa: E402
 import torch_metal_flash as tmf  # noqa: E402
 from torch_metal_flash.planner import forward_variants  # noqa: E402
 from torch_metal_flash.spec import make_spec  # noqa: E402

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _load(package: str | None):
     """(torch_metal_flash of ``package`` or this checkout, this checkout's testing module)."""
     sys.path.insert(0, str(Path(package).resolve() if package else ROOT))
-    sys.path.insert(1, str(ROOT / "tests"))
+    sys.path.insert(1, str(ROOT / "tests"))  # for tests/support: the case matrices and oracles the tests use
     import torch_metal_flash as tmf
     # The rule of this checkout, bound to whichever package is imported (it only
     # reads AttentionSpec fields, which every version has).
@@ -112,7 +112,7 @@ def main() -> int:
         record("fp16/bf16 backward", f"{str(dt)[6:]} Lq={Lq} Lk={Lk} mask {mask_shape}", ratios)
 
     # 3. The decode kernels at large scores (flash_attn_with_kvcache).
-    import kvcache_oracle
+    from support import kvcache_oracle
     for amp, splits, seed in [(1.0, 1, 0), (2.0, 1, 1), (2.0, 3, 1), (2.0, 3, 3), (4.0, 1, 2), (4.0, 3, 2)]:
         g = torch.Generator().manual_seed(seed)
         B, Hq, Hkv, D, L = 2, 4, 2, 64, 300

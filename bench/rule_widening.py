@@ -20,7 +20,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests"))  # for tests/support: the case matrices and oracles the tests use
 
 
 def _rule_at(rev: str):
@@ -53,9 +53,9 @@ def main() -> None:
     args = ap.parse_args()
     from torch_metal_flash import testing as now
     before = _rule_at(args.against)
-    import forward_cases as fc
-    import test_backward_kernels as bk
-    import test_precision as tp
+    from support import backward_cases as bk
+    from support import forward_cases as fc
+    from support import precision_cases as tp
     from torch_metal_flash.testing import randn
     torch.randn = randn  # the suite's portable inputs (tests/conftest.py)
 
@@ -79,13 +79,13 @@ def main() -> None:
 
     for shape in tp.SWEEP_SHAPES:
         for target in (1, 3, 10, 30):
-            spec, dout, dlse = tp._sweep_case(shape, target, seed=target)
+            spec, dout, dlse = tp.sweep_case(shape, target, seed=target)
             compare(f"{shape} s={target}", spec, dict(zip(("out", "lse"), fc.run_forward(spec, checked=False))))
             out, aux = bk.saved_forward(spec)
             grads, _ = bk.run_backward(spec, dout, out, aux, dlse, spec.mask is not None, checked=False)
             compare(f"{shape} s={target}", spec, dict(zip(now.GRAD_NAMES, grads)), dout, dlse, spec.mask is not None)
     for i, c in enumerate(tp.DEFECT_CASES):
-        spec, dout, grads, _ = tp._kernel_grads(c)
+        spec, dout, grads, _ = tp.kernel_grads(c)
         compare(f"defect case {i}", spec, dict(zip(now.GRAD_NAMES[:3], grads[:3])), dout)
 
     print(f"\nPlanted defects (tests/kernels/test_precision.py): max error / allowed, {args.against} -> now "
@@ -97,7 +97,7 @@ def main() -> None:
         return max(e / a for e, a in rule.grad_errors(spec, dout, None, grads, reference=ref).values())
 
     for i, c in enumerate(tp.DEFECT_CASES):
-        spec, dout, grads, _ = tp._kernel_grads(c)
+        spec, dout, grads, _ = tp.kernel_grads(c)
         row = spec.seqlen_q // 2
         p = torch.softmax(spec.q[0, 0, row].double() @ spec.k[0, 0].double().T * spec.scale, -1)
         j = p.argsort()[spec.seqlen_k // 2].item()
@@ -106,7 +106,7 @@ def main() -> None:
         dq[0, 0, row] -= spec.scale * dbias[0, 0, row, j] * spec.k[0, 0, j].double()
         dv = grads[2].clone()
         dv[0, 0, dv[0, 0].norm(dim=-1).argsort()[spec.seqlen_k // 2].item()] *= 1 + 1e-4
-        off_spec, off_dout, off_grads, _ = tp._kernel_grads(c, scale_error=1 + 1e-5)
+        off_spec, off_dout, off_grads, _ = tp.kernel_grads(c, scale_error=1 + 1e-5)
         cells = [" -> ".join(f"{worst(rule, sp, do, gr):.1f}" for rule in (before, now))
                  for sp, do, gr in ((spec, dout, (dq.float(), *grads[1:])), (spec, dout, (*grads[:2], dv, None, None)),
                                     (off_spec, off_dout, off_grads))]

@@ -17,14 +17,16 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # tests/support: the problems the tests draw
 
-import conftest  # noqa: E402  (the portable torch.randn the tests draw with)
-torch.randn, torch.randn_like = conftest._portable_randn, conftest._randn_like
+from support import portable  # noqa: E402
+from torch_metal_flash.testing import randn  # noqa: E402
 
-import fuzz_problems as fp  # noqa: E402
+torch.randn, torch.randn_like = randn, portable.randn_like  # the portable inputs the tests draw
+
+from support import fuzz_problems as fp  # noqa: E402
 import torch_metal_flash as tmf  # noqa: E402
-from test_fuzz import RULE_GAP_CASES  # noqa: E402
+from support.fuzz_problems import RULE_GAP_CASES  # noqa: E402
 from torch_metal_flash import emulator  # noqa: E402
 
 U = 2.0 ** -24

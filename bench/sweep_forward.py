@@ -19,9 +19,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests"))  # for tests/support: the case matrices and oracles the tests use
 
-import forward_cases as fc  # noqa: E402
+from support import forward_cases as fc  # noqa: E402
 
 
 def main() -> int:

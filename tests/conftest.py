@@ -60,17 +60,8 @@ os.environ.setdefault("TORCH_METAL_FLASH_PLAN_CACHE_VERIFY", "1")
 
 import torch  # noqa: E402
 
+from support.portable import normal_ as _normal_, randn_like as _randn_like  # noqa: E402
 from torch_metal_flash.testing import randn as _portable_randn  # noqa: E402
-
-
-def _randn_like(t, *, generator=None, dtype=None, device=None, requires_grad=False, **_):
-    return _portable_randn(t.shape, generator=generator, dtype=dtype or t.dtype, device=device or t.device,
-                           requires_grad=requires_grad)
-
-
-def _normal_(self, mean=0.0, std=1.0, *, generator=None):
-    with torch.no_grad():
-        return self.copy_(_portable_randn(self.shape, generator=generator, dtype=torch.float64) * std + mean)
 
 
 @pytest.fixture(autouse=True)

@@ -48,16 +48,14 @@ def test_face_matches_oracle(face):
 # Minimal cases the fuzzing found about precision at large scores and the float32 rule,
 # fixed by (exact P rebuild from the row max and sum, delta from the float32
 # output, the rule of torch_metal_flash.testing); replayed as regression tests.
-_FLAT4 = {"order": [0, 1, 2, 3], "pad": [0, 0, 0, 0], "offset": 0}
-_FLAT5 = {"order": [0, 1, 2, 3, 4], "pad": [0, 0, 0, 0, 0], "offset": 0}
 ISSUE10_CASES = {
     "backward_f32_single_key_dv_one_ulp": dict(
-        dtype="f32", batch=1, hq=1, hkv=1, lq=1, lk=1, d=129, dv=129, decode=False, rank=4, layouts=[_FLAT4] * 3,
+        dtype="f32", batch=1, hq=1, hkv=1, lq=1, lk=1, d=129, dv=129, decode=False, rank=4, layouts=[fp.FLAT4] * 3,
         causal=False, mask=None, scale=None, extreme="none", face="sdpa", seed=0, orders=("forward", "reverse")),
     "kvcache_forward_f32_lse_one_ulp": dict(
         dtype="f32", batch=1, hq=2, hkv=1, lq=1, lk=0, d=129, dv=129, decode=False, capacity=24, seqlens=[1], new=0,
         paged=False, page=0, batch_idx=False, leftpad=False, causal=False, window=(-1, -1), softcap=0.0,
-        alibi="none", scale=None, q_layout=_FLAT4, extreme="none", num_splits=0, face="flash_attn_with_kvcache",
+        alibi="none", scale=None, q_layout=fp.FLAT4, extreme="none", num_splits=0, face="flash_attn_with_kvcache",
         seed=1, orders=("forward", "reverse")),
     "decode_forward_f32_large_scores": dict(
         dtype="f32", batch=1, hq=1, hkv=1, lq=1, lk=265, d=64, dv=64, decode=True, rank=3,
@@ -65,15 +63,15 @@ ISSUE10_CASES = {
         extreme="none", face="sdpa", seed=0, orders=("forward", "reverse")),
     "backward_f32_softcap_large_raw_scores": dict(
         dtype="f32", batch=1, hq=4, hkv=1, lq=1, lk=9, d=129, dv=129, decode=False, packing="none",
-        layouts=[_FLAT4, _FLAT4, {"order": [2, 0, 1, 3], "pad": [3, 1, 0, 0], "offset": 1}], causal=False,
+        layouts=[fp.FLAT4, fp.FLAT4, {"order": [2, 0, 1, 3], "pad": [3, 1, 0, 0], "offset": 1}], causal=False,
         window=(1, 400), softcap=1.5, alibi="bh", scale=0.5, return_lse=False, extreme="none",
         face="flash_attn_func", seed=2218339, orders=("random", "forward")),
     "backward_f16_single_key_near_fp16_overflow": dict(
-        dtype="f16", batch=1, hq=1, hkv=1, lq=1, lk=1, d=1, dv=1, decode=True, packing="qkv", layouts=[_FLAT5] * 3,
+        dtype="f16", batch=1, hq=1, hkv=1, lq=1, lk=1, d=1, dv=1, decode=True, packing="qkv", layouts=[fp.FLAT5] * 3,
         causal=False, window=(-1, -1), softcap=0.0, alibi="none", scale=None, return_lse=False,
         extreme="big_scores", face="flash_attn_qkvpacked_func", seed=0, orders=("forward", "reverse")),
     "backward_f32_decode_shape_moderate_scores": dict(
-        dtype="f32", batch=1, hq=1, hkv=1, lq=1, lk=256, d=32, dv=16, decode=True, layouts=[_FLAT4] * 3, diag=0,
+        dtype="f32", batch=1, hq=1, hkv=1, lq=1, lk=256, d=32, dv=16, decode=True, layouts=[fp.FLAT4] * 3, diag=0,
         window=(-1, -1), softcap=0.0, sinks=False, alibi="none", mask=None, scale=0.7, extreme="none",
         face="ops", seed=0, orders=("forward", "reverse")),
 }
@@ -108,7 +106,7 @@ def test_rotary_on_a_bhld_view_of_q_stays_on_the_kernels():
 # (functional.mask_as_4d).  d=264: the reference path; d=256: the kernels.
 BROADCAST_MASK_CASES = {
     f"f16_mask_of_shape_1_d{d}": dict(
-        dtype="f16", batch=2, hq=2, hkv=2, lq=1, lk=5, d=d, dv=d, decode=False, rank=4, layouts=[_FLAT4] * 3,
+        dtype="f16", batch=2, hq=2, hkv=2, lq=1, lk=5, d=d, dv=d, decode=False, rank=4, layouts=[fp.FLAT4] * 3,
         causal=False, mask={"kind": "float", "shape": (1,), "fill": "random", "dtype": "f16", "grad": True},
         scale=None, extreme="none", kv=None, face="sdpa", seed=1, orders=("forward", "reverse"))
     for d in (264, 256)}
@@ -119,45 +117,9 @@ def test_broadcast_mask_gradient_is_reduced_before_rounding(name):
     fp.check_problem(dict(BROADCAST_MASK_CASES[name]))
 
 
-# Found by the long profile at 6a6a140 (bench/results/fuzz.md): precision misses that were
-# gaps in the rule's error model, not in the code (torch_metal_flash.testing, the floor):
-# - out 26x over: scores ~1300 carry ~1 float32 ulp (1.2e-4) of rounding that exp turns
-#   into a relative error of P; the kernels and plain float32 both make it, plain float32
-#   rounded the two top scores alike by luck.  The floor now holds the scores' rounding.
-# - dv 1.08x over, float64 on the reference path: the float64 oracle is itself 2 ulps off
-#   the exact dV there, and plain float64 equals it bit for bit.  The floor now holds the
-#   oracle's own rounding.
-# - dquery 1.04x over, nn.MultiheadAttention in float16: the module rounds the attention's
-#   dq to float16 before dquery = dq W (so does torch's); 1.3 ulps where the final-rounding
-#   term allowed one.  The rule now carries a composite's rounded intermediates.
-RULE_GAP_CASES = {
-    "kvpacked_f32_decode_route_big_scores_out": dict(
-        dtype="f32", batch=1, hq=1, hkv=1, lq=1, lk=256, d=14, dv=14, decode=True, packing="kv",
-        layouts=[_FLAT5] * 3, causal=False, window=(-1, -1), softcap=0.0, alibi="none", scale=None,
-        return_lse=False, extreme="big_scores", face="flash_attn_kvpacked_func", seed=0,
-        orders=("forward", "reverse")),
-    "sdpa_f64_reference_dv": dict(
-        dtype="f64", batch=1, hq=2, hkv=2, lq=2, lk=2, d=8, dv=8, decode=False, rank=4, layouts=[_FLAT4] * 3,
-        causal=False, mask=None, scale=None, extreme="none", kv=None, face="sdpa", seed=1,
-        orders=("forward", "reverse")),
-    # sdpa_override, scale 1.0 with D = 64 (|s| up to 26): out 1.24x over before the score term,
-    # 0.10x after; the same score rounding at a smaller size (bench/score_rounding.py: the
-    # kernels' error is the median of random float32 summation orders; the decode kernel,
-    # forward only, gives the same out bit for bit).
-    "override_f32_decode_route_out": dict(
-        dtype="f32", batch=1, hq=1, hkv=1, lq=2, lk=256, d=64, dv=64, decode=True, rank=4, layouts=[_FLAT4] * 3,
-        causal=False, mask=None, scale=1.0, extreme="none", face="sdpa_override", seed=3,
-        orders=("forward", "reverse")),
-    "mha_f16_dquery": dict(
-        dtype="f16", batch=2, hq=1, lq=1, lk=2, decode=False, d=1, hkv=1, dv=1, batch_first=False,
-        key_padding=False, attn_mask="none", seed_weights=6594, face="nn.MultiheadAttention", seed=80,
-        orders=("forward", "reverse")),
-}
-
-
-@pytest.mark.parametrize("name", list(RULE_GAP_CASES))
+@pytest.mark.parametrize("name", list(fp.RULE_GAP_CASES))
 def test_long_profile_rule_gap(name):
-    fp.check_problem(dict(RULE_GAP_CASES[name]))
+    fp.check_problem(dict(fp.RULE_GAP_CASES[name]))
 
 
 # Found by the long profile at 6a6a140 (was in LONG_PROFILE_OPEN: lse 4.97e-05 against an
@@ -170,7 +132,7 @@ KVCACHE_ROTARY_CASES = {
     "kvcache_f16_rotary_window_lse": dict(
         dtype="f16", batch=1, hq=1, hkv=1, lq=1, lk=0, d=8, dv=8, decode=False, capacity=8, seqlens=[6], new=2,
         paged=False, page=0, batch_idx=False, leftpad=False, causal=False, window=(2, -1), softcap=0.0,
-        alibi="none", scale=None, q_layout=_FLAT4, rotary="interleaved", rotary_dim=4, extreme="none",
+        alibi="none", scale=None, q_layout=fp.FLAT4, rotary="interleaved", rotary_dim=4, extreme="none",
         num_splits=0, kv=None, face="flash_attn_with_kvcache", seed=1, orders=("forward", "reverse")),
 }
 

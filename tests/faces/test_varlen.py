@@ -18,7 +18,7 @@ import torch
 from support import varlen_cases as vc
 import torch_metal_flash as tmf
 from torch_metal_flash import backends, emulator
-from test_kvcache_op import host_syncs_raise
+from support.host_syncs import host_syncs_raise
 from torch_metal_flash.testing import randn
 
 RAGGED_Q, RAGGED_K = [5, 0, 1, 37, 20, 1], [7, 3, 0, 37, 41, 1]

@@ -280,7 +280,7 @@ needs_mps = pytest.mark.skipif(not torch.backends.mps.is_available(),
 @pytest.mark.parametrize("i,case", list(enumerate(CASES)))
 def test_mps_kernels_match_oracle(i, case):
     """Strict metal backend (a fallback fails the test), mps tensors, oracle on the CPU."""
-    from test_kvcache import check_against_oracle
+    from support.kvcache_cases import check_against_oracle
 
     kw = make_case(seed=500 + i, **case["kw"])
     dev = torch.device("mps")

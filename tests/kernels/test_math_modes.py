@@ -21,7 +21,7 @@ import test_forward_kernels as fwd  # noqa: E402
 import test_quantized_kernels as quant  # noqa: E402
 from support import varlen_cases as vc  # noqa: E402
 from torch_metal_flash import emulator  # noqa: E402
-from test_kvcache import make_case  # noqa: E402
+from support.kvcache_cases import make_case  # noqa: E402
 from torch_metal_flash.spec import make_spec  # noqa: E402
 
 MODES = ("fast", "relaxed", "safe")

@@ -28,6 +28,7 @@ from torch_metal_flash.testing import (Arith, assert_matches_oracle, backward_re
                                        grad_errors, plain_attention, randn)
 
 from support.kvcache_cases import check_against_oracle
+from support.precision_cases import DEFECT_CASES, SWEEP_SHAPES, kernel_grads, sweep_case
 
 
 def _leaves(*tensors):
@@ -111,40 +112,16 @@ def test_issue10_kvcache_float32_large_scores(splits):
 # ---------------------------------------------------------------------------
 # float32 gradients at score magnitudes up to 30.
 # ---------------------------------------------------------------------------
-SWEEP_SHAPES = {
-    "causal-gqa": dict(d=64, lq=33, lk=33, hq=2, hkv=1, kw=dict(window_right=0)),
-    "bias-dlse": dict(d=8, lq=17, lk=40, hq=2, hkv=2, kw=dict(), bias=True, dlse=True),
-    "window-sinks-alibi": dict(d=128, lq=29, lk=29, hq=2, hkv=1, kw=dict(window_left=9, window_right=3),
-                               sinks=True, alibi=True),
-}
-
-
-def _sweep_case(shape: str, target: float, seed: int):
-    """A float32 problem whose largest |score| is ``target`` (through the softmax scale)."""
-    c = SWEEP_SHAPES[shape]
-    g = torch.Generator().manual_seed(seed)
-    q = randn(1, c["hq"], c["lq"], c["d"], generator=g)
-    k, v = (randn(1, c["hkv"], c["lk"], c["d"], generator=g) for _ in range(2))
-    mask = randn(1, 1, c["lq"], c["lk"], generator=g) if c.get("bias") else None
-    sinks = randn(c["hq"], generator=g) if c.get("sinks") else None
-    alibi = torch.rand(c["hq"], generator=g) * 0.1 if c.get("alibi") else None
-    qk = q @ k.repeat_interleave(c["hq"] // c["hkv"], dim=1).transpose(-1, -2)
-    spec = make_spec(q, k, v, mask, alibi, sinks, scale=target / qk.abs().max().item(), **c["kw"])
-    dout = randn(1, c["hq"], c["lq"], c["d"], generator=g)
-    dlse = randn(1, c["hq"], c["lq"], generator=g) if c.get("dlse") else None
-    return spec, dout, dlse
-
-
 @pytest.mark.parametrize("target", [1, 3, 10, 30])
 @pytest.mark.parametrize("shape", list(SWEEP_SHAPES))
 def test_float32_gradients_at_large_scores(shape, target):
     """Forward and backward kernels of one problem (fast emulator mode: the
     checked runs are elsewhere) within the rule at max |score| = target."""
     from support import forward_cases as fc
-    import test_backward_kernels as bk
+    from support import backward_cases as bk
     from torch_metal_flash.testing import check_forward
 
-    spec, dout, dlse = _sweep_case(shape, target, seed=target)
+    spec, dout, dlse = sweep_case(shape, target, seed=target)
     compute_dbias = spec.mask is not None
     check_forward(spec, *fc.run_forward(spec, checked=False))
     out, aux = bk.saved_forward(spec)
@@ -156,27 +133,6 @@ def test_float32_gradients_at_large_scores(shape, target):
 # The float32 rule still catches small defects (in fp16/bf16 they drown in
 # the dtype's own rounding, which the budget must allow).
 # ---------------------------------------------------------------------------
-DEFECT_CASES = [dict(d=64, l=33, amp=1.0, scale=None), dict(d=32, l=40, amp=1.0, scale=0.3),
-                dict(d=16, l=64, amp=1.5, scale=None)]
-
-
-def _kernel_grads(c, scale_error=1.0):
-    """(spec, dout, kernel grads, (oracle, plain)) of a case; the kernels run
-    with the softmax scale multiplied by ``scale_error``."""
-    import dataclasses
-
-    import test_backward_kernels as bk
-
-    g = torch.Generator().manual_seed(c["d"] + c["l"])
-    q, k = (c["amp"] * randn(1, 2, c["l"], c["d"], generator=g) for _ in range(2))
-    v, dout = (randn(1, 2, c["l"], c["d"], generator=g) for _ in range(2))
-    spec = make_spec(q, k, v, scale=c["d"] ** -0.5 if c["scale"] is None else c["scale"])
-    run = dataclasses.replace(spec, scale=spec.scale * scale_error)
-    out, aux = bk.saved_forward(run)
-    grads, _ = bk.run_backward(run, dout, out, aux, checked=False)
-    return spec, dout, (*grads[:3], None, None), backward_reference(spec, dout, compute_dbias=True)
-
-
 def _fails(spec, dout, grads, reference) -> bool:
     errs = grad_errors(spec, dout, None, grads, reference=reference)
     return any(e > a for e, a in errs.values())
@@ -185,7 +141,7 @@ def _fails(spec, dout, grads, reference) -> bool:
 @pytest.mark.parametrize("i", range(len(DEFECT_CASES)))
 def test_planted_defect_one_key_dropped_from_one_gradient_row(i):
     """dQ of one query row missing one typical key (its median probability)."""
-    spec, dout, grads, (ref, low) = _kernel_grads(DEFECT_CASES[i])
+    spec, dout, grads, (ref, low) = kernel_grads(DEFECT_CASES[i])
     assert not _fails(spec, dout, grads, (ref, low))
     row = spec.seqlen_q // 2
     p = torch.softmax(spec.q[0, 0, row].double() @ spec.k[0, 0].double().T * spec.scale, -1)
@@ -198,7 +154,7 @@ def test_planted_defect_one_key_dropped_from_one_gradient_row(i):
 @pytest.mark.parametrize("i", range(len(DEFECT_CASES)))
 def test_planted_defect_relative_error_in_one_row_of_dv(i):
     """dV of one key row (the median by norm) off by a relative 1e-4."""
-    spec, dout, grads, (ref, low) = _kernel_grads(DEFECT_CASES[i])
+    spec, dout, grads, (ref, low) = kernel_grads(DEFECT_CASES[i])
     dv = grads[2].clone()
     row = dv[0, 0].norm(dim=-1).argsort()[spec.seqlen_k // 2].item()
     dv[0, 0, row] *= 1 + 1e-4
@@ -208,7 +164,7 @@ def test_planted_defect_relative_error_in_one_row_of_dv(i):
 @pytest.mark.parametrize("i", range(len(DEFECT_CASES)))
 def test_planted_defect_softmax_scale_off_by_1e5(i):
     """Forward and backward kernels run with scale * (1 + 1e-5)."""
-    spec, dout, grads, reference = _kernel_grads(DEFECT_CASES[i], scale_error=1 + 1e-5)
+    spec, dout, grads, reference = kernel_grads(DEFECT_CASES[i], scale_error=1 + 1e-5)
     assert _fails(spec, dout, grads, reference)
 
 

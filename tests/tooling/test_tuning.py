@@ -333,9 +333,8 @@ def test_forced_variants_are_per_thread(launched):
 
 # ----------------------------------------------------------------------------- a sampled matrix
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels"))
+from support import backward_cases as bk  # noqa: E402
 from support import forward_cases as fc  # noqa: E402
-import test_backward_kernels as bk  # noqa: E402
 
 MATRIX_SEED = 20261202
 
