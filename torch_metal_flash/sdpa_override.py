@@ -335,8 +335,7 @@ def _kernel(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *
     reason, face_checks = _checks(tracing, *args)
     out = None
     if reason is None:
-        if face_checks is None or tracing or _cpu_mode() is True or dropout_p > 0 or \
-                ops.needs_grad(query, key, value, attn_mask):
+        if tracing or _cpu_mode() is True or dropout_p > 0 or ops.needs_grad(query, key, value, attn_mask):
             # Ask first: the backward must be served too, a dropout call must not draw its seed
             # twice, a traced call has no data, forced CPU routing serves everything.
             reason = _kernel_reason(*args)
