@@ -127,9 +127,18 @@ def _register_with(ext, index: int) -> None:
         raise RuntimeError(f"torch_metal_flash core: {_OPS[index].name} got index {got}, expected {index}")
 
 
+def _transpose_12(a, b, c):
+    return a.transpose(1, 2), b.transpose(1, 2), c.transpose(1, 2)
+
+
+# (a, b, c) with dims 1 and 2 swapped (the flash-attn faces' views of q, k, v): in C++ once
+# the core is loaded, one call instead of three Python-level view ops.
+transpose_12 = _transpose_12
+
+
 def load():
     """The extension module holding the core (``_C`` on macOS, else built at first use)."""
-    global _ext
+    global _ext, transpose_12
     if _ext is not None:
         return _ext
     with _lock:
@@ -145,6 +154,7 @@ def load():
                 _register_with(ext, i)
             backends._mirror = ext.core.set_thread_backend
             checks.use_native_signature(getattr(ext.core, "signature", None))
+            transpose_12 = getattr(ext.core, "transpose_12", _transpose_12)
             from . import tuning
             tuning.sync_core(ext)
             _ext = ext

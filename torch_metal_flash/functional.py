@@ -14,7 +14,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import checks, ops, philox, reference  # noqa: F401  (ops registers torch.ops.metal_flash)
+from . import checks, core, ops, philox, reference  # noqa: F401  (ops registers torch.ops.metal_flash)
 from .quant import QuantizedTensor, flat_format
 from .spec import stats_dtype
 
@@ -277,7 +277,10 @@ def _flash_attn(q, k, v, alibi_slopes, return_attn_probs, dropout_p, scale, left
     """flash_attn_func on checked arguments."""
     if dropout_p == 0 and not return_attn_probs and not isinstance(k, QuantizedTensor):
         # the common call, without _attention's generality (a face's host time is per call)
-        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if torch.compiler.is_compiling():  # dynamo traces view ops, not the core's C++ call
+            qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        else:
+            qt, kt, vt = core.transpose_12(q, k, v)
         out = _FWD(qt, kt, vt, None, alibi_slopes, None, scale, k.shape[1] - q.shape[1], left, right, softcap,
                    ops.needs_grad(qt, kt, vt), 0.0, None, None, None, None, None, 0, 0)[0]
         return out.transpose(1, 2)

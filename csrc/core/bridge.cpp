@@ -508,6 +508,9 @@ void bind_core(py::module_& parent) {
     TORCH_CHECK(g_stub != nullptr, "torch_metal_flash core: core.init() has not been called");
     set_encoder(Backend::Emulator, stub ? g_stub : g_emulator);
   }, py::arg("stub"), "Replace the emulator encoder by one that encodes nothing (host-overhead benchmarks).");
+  m.def("transpose_12", [](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
+    return std::make_tuple(a.transpose(1, 2), b.transpose(1, 2), c.transpose(1, 2));
+  }, "(a, b, c) with dims 1 and 2 swapped: the flash-attn faces' views, in one call.");
   m.def("signature", &call_signature,
         "The memo key of a face call's argument checks (bytes), or None when an argument is not a tensor, "
         "None, bool, int, float or a tuple of those.");
