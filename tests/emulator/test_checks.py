@@ -207,3 +207,32 @@ def test_misaligned_vector_accesses_in_checked_mode():
     _assert_located(ei.value, "misaligned_threadgroup", "misaligned threadgroup load")
     lib(CHECKS).packed_device(x, y, 1, grid=8, threadgroup=8)  # packed vectors need only float alignment
     assert y.tolist() == [1.0 + 4 * i for i in range(8)]
+
+
+def test_precompiled_shim_follows_the_shim_folder(tmp_path, monkeypatch):
+    """The pre-pass parses with the shim precompiled; clang reads the shim's files where the PCH was
+    built.  Each copy of the package (a checkout, an installed copy, another clone) gets its own,
+    and a copy whose files were touched (same content, new mtime) keeps working."""
+    import os
+    import shutil
+
+    from torch_metal_flash import _paths
+    from torch_metal_flash.emulator import compiler
+    monkeypatch.setenv("TORCH_METAL_FLASH_CACHE_DIR", str(tmp_path / "cache"))
+    comp = compiler.find_compiler()
+    view = "kernel void k(device float* x) { x[0] = (float)1; }\n"
+    pchs, original = [], compiler.csrc_emulator_dir()
+    for copy in ("a", "b"):
+        csrc = tmp_path / copy / "csrc"
+        shutil.copytree(original, csrc / "emulator")
+        monkeypatch.setattr(_paths, "csrc_dir", lambda csrc=csrc: csrc)
+        compiler._syntax_cache.clear()
+        pchs.append(compiler.shim_pch(comp))
+        assert compiler.syntax_facts(comp, view + f"// {copy}\n") is not None
+        if copy == "a":
+            shutil.rmtree(tmp_path / "a")  # gone: copy b must not use a's PCH
+    assert pchs[0] != pchs[1]
+    for f in (tmp_path / "b" / "csrc" / "emulator" / "shim").iterdir():
+        os.utime(f, (1_000_000_000, 1_000_000_000))
+    compiler._syntax_cache.clear()
+    assert compiler.syntax_facts(comp, view + "// touched\n") is not None

@@ -312,13 +312,19 @@ def _compile(comp: Compiler, flags: list, text: str, tmp: str, *extra) -> subpro
 # ---------------------------------------------------------------- clang's AST of the pre-pass view
 
 # The view is parsed as the build parses it (no fp64, function pointers), without warnings.
-SYNTAX_FLAGS = OPENCL + ["-Xclang", "-cl-ext=+__cl_clang_function_pointers,-cl_khr_fp64,-__opencl_c_fp64", "-w"]
+# A precompiled header records its inputs' paths and mtimes: checked by content instead of mtime
+# (a checkout touched or re-cloned keeps its PCH), and keyed by the shim's folder (each copy of
+# the package -- checkout, installed, another clone -- has its own; clang needs the files there).
+SYNTAX_FLAGS = OPENCL + ["-Xclang", "-cl-ext=+__cl_clang_function_pointers,-cl_khr_fp64,-__opencl_c_fp64", "-w",
+                         "-fpch-validate-input-files-content"]
 
 
 def shim_pch(comp: Compiler) -> Path:
-    """The shim (and shim/mtl_syntax.h) as a precompiled header, one per compiler and shim: the
-    AST dump of a source then holds the source's declarations only, and parsing skips the shim."""
-    key = _hash("shim-pch", runtime_sources_hash(), comp.ident, " ".join(SYNTAX_FLAGS))
+    """The shim (and shim/mtl_syntax.h) as a precompiled header, one per compiler, shim and shim
+    folder: the AST dump of a source then holds the source's declarations only, and parsing skips
+    the shim."""
+    key = _hash("shim-pch", runtime_sources_hash(), str(shim_header().parent.resolve()), comp.ident,
+                " ".join(SYNTAX_FLAGS))
     target = cache_dir() / f"shim-{key}.pch"
 
     def build(tmp):
