@@ -181,6 +181,18 @@ def call_signature(*args) -> Any:
                  for a in args)
 
 
+def memo_key(*args) -> Any:
+    """:func:`call_signature`, or None where a face must check every call: while
+    torch.compile traces (symbolic sizes), or for an argument it cannot key (the checks
+    then explain it)."""
+    if torch.compiler.is_compiling():
+        return None
+    try:
+        return call_signature(*args)
+    except TypeError:
+        return None
+
+
 def scalar(x) -> tuple:
     """A scalar argument with its type (``True`` and ``1.0`` are checked differently)."""
     return type(x), x

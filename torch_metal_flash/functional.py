@@ -108,7 +108,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     ``key``/``value`` may be quantized (:class:`~torch_metal_flash.quant.QuantizedTensor`,
     inference only), or float16 / bfloat16 under a float32 ``query``.
     """
-    signature = _signature(_sdpa_signature, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    signature = checks.memo_key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     checked = _SDPA_CHECKED.get(signature)
     if checked is None:
         checked = _sdpa_checks(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
@@ -130,20 +130,6 @@ def sdpa_checked(query, key, value, attn_mask, checked):
 
 
 _SDPA_CHECKED = checks.Memo("checks.sdpa")
-
-
-def _signature(make, *args):
-    """The memo key of a face call, or None (not memoisable, or traced by torch.compile)."""
-    if torch.compiler.is_compiling():
-        return None
-    try:
-        return make(*args)
-    except TypeError:
-        return None
-
-
-def _sdpa_signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
-    return checks.call_signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
 def _sdpa_checks(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
@@ -241,8 +227,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     """
     if isinstance(k, QuantizedTensor):
         checks.inference_only("quantized k/v", (("q", q), ("alibi_slopes", alibi_slopes)))
-    signature = _signature(_flash_signature, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                           alibi_slopes)
+    signature = checks.memo_key(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
     checked = _FLASH_CHECKED.get(signature)
     if checked is None:
         _flash_checks(q, k, v)
@@ -254,10 +239,6 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
 
 
 _FLASH_CHECKED = checks.Memo("checks.flash")
-
-
-def _flash_signature(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes):
-    return checks.call_signature(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
 
 
 def _flash_arguments(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, seqlen_k):

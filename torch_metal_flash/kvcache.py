@@ -75,23 +75,16 @@ def _op_args(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
     """The op's arguments; the checks run once per call signature (a decode loop repeats one)."""
     args = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
             block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits)
-    signature = None
-    if not torch.compiler.is_compiling():
-        try:
-            signature = checks.call_signature(*args)
-        except TypeError:  # an argument the checks explain
-            signature = None
+    signature = checks.memo_key(*args)
     checked = _CHECKED.get(signature)
     if checked is None:
         problem = _checked_op_args(*args)
         if signature is not None:
             _CHECKED.put(signature, (problem.seqlen, problem.scale, problem.window_left, problem.window_right,
-                                     problem.softcap, problem.rotary_cos is not None and
-                                     problem.rotary_cos.dtype != rotary_cos.dtype))
+                                     problem.softcap, None if rotary_cos is None else problem.rotary_cos.dtype))
         return problem
-    seqlen, scale, left, right, softcap, rotary_float = checked
+    seqlen, scale, left, right, softcap, table = checked
     if rotary_cos is not None:
-        table = torch.float32 if rotary_float else rotary_cos.dtype
         rotary_cos, rotary_sin = _in_dtype(rotary_cos, table), _in_dtype(rotary_sin, table)
     return KvCacheProblem(q, k_cache, v_cache, _in_dtype(k, k_cache.dtype), _in_dtype(v, k_cache.dtype),
                           rotary_cos, rotary_sin,

@@ -220,10 +220,11 @@ def _checks(tracing: bool, query, key, value, attn_mask, dropout_p, is_causal, s
     signature = None
     if not tracing:
         try:
-            signature = (checks.call_signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa),
-                         backends.requested(), _cpu_mode())
-        except (TypeError, RuntimeError):  # non-tensors, nested tensors: no memo
-            signature = None
+            call = checks.memo_key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        except RuntimeError:  # nested tensors: no memo
+            call = None
+        if call is not None:
+            signature = (call, backends.requested(), _cpu_mode())
     checked = _CHECKED.get(signature)
     if checked is None:
         args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
