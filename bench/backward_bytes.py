@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # for tests/support: the case matrices 
 from support import backward_cases as bk  # noqa: E402
 from torch_metal_flash import backends, emulator  # noqa: E402
 from torch_metal_flash.planner.backward_tiles import (DSINKS_THREADS, backward_variants)  # noqa: E402
-from torch_metal_flash.spec import make_spec  # noqa: E402
+from torch_metal_flash.problem.spec import make_spec  # noqa: E402
 
 PARAMS_INDEX = {"pre": 6, "dq": 6, "dkv": 6, "dsinks": 6}
 DT = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}

@@ -42,7 +42,7 @@ from torch_metal_flash.backends.emulator import EmulatorBackend  # noqa: E402
 from torch_metal_flash.planner.decode import DecodeProblem, compulsory_bytes, plan_decode  # noqa: E402
 from torch_metal_flash.planner.kvcache import KvCacheProblem, plan_kvcache  # noqa: E402
 from torch_metal_flash.planner.kvformat import row_bytes  # noqa: E402
-from torch_metal_flash.quant import quantize  # noqa: E402
+from torch_metal_flash.problem.quant import quantize  # noqa: E402
 
 FORMATS = {"affine4 g64": dict(bits=4, group_size=64), "affine8 g64": dict(bits=8, group_size=64),
            "int8 g32": dict(bits=8, group_size=32, mode="symmetric"), "affine4 g32": dict(bits=4, group_size=32)}

@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # for tests/support: the case matrices 
 from support import forward_cases as fc  # noqa: E402
 import torch_metal_flash as tmf  # noqa: E402
 from torch_metal_flash.planner import forward_variants  # noqa: E402
-from torch_metal_flash.spec import make_spec  # noqa: E402
+from torch_metal_flash.problem.spec import make_spec  # noqa: E402
 
 DT = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 

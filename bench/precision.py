@@ -47,7 +47,7 @@ def main() -> int:
     import torch
 
     from torch_metal_flash import backends
-    from torch_metal_flash.spec import make_spec
+    from torch_metal_flash.problem.spec import make_spec
 
     randn = rule.randn
     rows = []

@@ -123,8 +123,8 @@ def run_config(B, H, L, D, causal, dtype, device, repeats):
 
 def set_commit(on: bool) -> bool:
     """Turn the launcher's commit after large plans on or off (same threshold); returns the previous state."""
-    from torch_metal_flash.backends import metal
-    ext = metal._extension()
+    from torch_metal_flash import native
+    ext = native.launcher()
     enabled, threads = ext.commit_policy()
     ext.set_commit(on, threads)
     return enabled

@@ -17,7 +17,7 @@ import torch
 
 import torch_metal_flash as tmf
 from torch_metal_flash import backends
-from torch_metal_flash.spec import make_spec
+from .problem.spec import make_spec
 from torch_metal_flash.testing import error_budget, forward_reference, randn
 
 

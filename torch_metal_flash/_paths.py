@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 _PKG = Path(__file__).resolve().parent
+VERSION = "0.1.0"  # the distribution's version (pyproject.toml reads it from here)
 
 
 def _find(installed: str, repo: str) -> Path:

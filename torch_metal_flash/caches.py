@@ -1,5 +1,6 @@
-"""Every process-wide cache of the package: bounded, inspectable with
-:func:`cache_info` and emptied with :func:`clear_caches`.
+"""The bounded cache every process-wide cache of the package is (:class:`LRU`), and their
+registry, which :func:`torch_metal_flash.cache_info` reads and :func:`torch_metal_flash.clear_caches`
+empties.  This module imports nothing of the package: every layer may use it.
 
 =============================  ======  ===================================================
 cache                          size    holds
@@ -91,15 +92,6 @@ def register(name: str, info: Callable[[], dict], clear: Callable[[], None]) -> 
     _registry[name] = (info, clear)
 
 
-def cache_info() -> dict[str, dict]:
-    """``{cache name: {"size", "maxsize", ...}}`` for every cache of the process."""
-    from . import core  # noqa: F401  (registers the plan cache)
-    from .backends import emulator, metal  # noqa: F401  (these modules' caches register on import)
-    from .emulator import library, runtime  # noqa: F401
-    return {name: info() for name, (info, _) in sorted(_registry.items())}
-
-
-def clear_caches() -> None:
-    """Empty every cache (compiled kernels are rebuilt, or reloaded from the disk cache, on next use)."""
-    for _, clear in _registry.values():
-        clear()
+def registered() -> dict[str, tuple[Callable[[], dict], Callable[[], None]]]:
+    """``{cache name: (info, clear)}`` of the caches registered so far."""
+    return dict(_registry)

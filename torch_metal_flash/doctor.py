@@ -24,7 +24,6 @@ import collections
 import dataclasses
 import os
 import platform
-import subprocess
 import sys
 import time
 import traceback
@@ -35,10 +34,11 @@ import torch.nn.functional as F
 
 import torch_metal_flash as tmf
 
-from . import backends
+from . import backends, native
 from ._paths import build_info
+from .backends import metal
 from .planner import variants
-from .spec import make_spec
+from .problem.spec import make_spec
 from .testing import error_budget, forward_reference, grad_errors, randn
 
 MIN_MACOS = (14, 0)  # MSL 3.1 (bfloat) and torch's MPS backend
@@ -99,23 +99,6 @@ def probe_grid(full: bool) -> list[Probe]:
 # The machine.
 # ---------------------------------------------------------------------------
 
-def _chip() -> str:
-    if sys.platform == "darwin":
-        try:
-            return subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True,
-                                  timeout=10).stdout.strip() or platform.machine()
-        except (OSError, subprocess.SubprocessError):
-            return platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _macos() -> Optional[tuple]:
     release = platform.mac_ver()[0]
     return tuple(int(x) for x in release.split(".")[:2]) if release else None
@@ -149,13 +132,12 @@ def machine_rows(name, backend, why) -> tuple[list, list]:
         failures.append(f"macOS {platform.mac_ver()[0]}: torch_metal_flash needs macOS 14 or newer "
                         "(Metal Shading Language 3.1 for bfloat; torch's MPS backend)")
     rows = [("torch_metal_flash", f"{tmf.__version__} ({os.path.dirname(tmf.__file__)})"),
-            ("machine", f"{system}, {_chip()}"),
+            ("machine", f"{system}, {metal.chip_name()}"),
             ("python / torch", f"{platform.python_version()} / {torch.__version__} (MPS built: "
                                f"{torch.backends.mps.is_built()}, available: {torch.backends.mps.is_available()})"),
             ("backend", f"{name}: {why}")]
     if name == "metal" and backend is not None:
-        from .backends import metal
-        rows += [("GPU family", backend.family), ("Metal language", f"MSL {metal._extension().LANGUAGE_VERSION}")]
+        rows += [("GPU family", backend.family), ("Metal language", f"MSL {native.launcher().LANGUAGE_VERSION}")]
     elif name == "emulator":
         from . import emulator
         checks = "race and bounds checks" if emulator.default_checked() else "fast mode, no checks"
@@ -163,7 +145,6 @@ def machine_rows(name, backend, why) -> tuple[list, list]:
                                 f"emulator.settings(family=...) changes it)" if backend is not None else "apple8"),
                  ("Metal language", f"MSL 3.1 as C++20 (emulated; {checks})")]
     if sys.platform == "darwin" or name == "metal":
-        from .backends import metal
         rows.append(("Metal launcher", metal.unavailable_reason() or "torch_metal_flash._C imports"))
     info = build_info()
     if info:
@@ -207,8 +188,7 @@ def tuning_rows(family: str) -> tuple[str, list]:
 
 def math_mode(name, backend) -> str:
     if name == "metal" and backend is not None:
-        from .backends import metal
-        return metal._extension().math_mode()
+        return native.launcher().math_mode()
     from . import emulator
     mode = getattr(emulator, "math_mode", None)
     return mode() if callable(mode) else "the host CPU's IEEE float math (emulated)"
@@ -418,7 +398,6 @@ def main(argv=None) -> int:
     print(f"torch_metal_flash doctor: {name} backend, {'full' if full else 'reduced'} grid")
     machine, failures = machine_rows(name, backend, why)
     if args.backend == "auto" and name != "metal" and torch.backends.mps.is_available():
-        from .backends import metal
         failures.append(f"MPS is available but the Metal kernels cannot run: {metal.unavailable_reason()}")
     sections = []
     if backend is None:

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .functional import scaled_dot_product_attention
+from .faces.functional import scaled_dot_product_attention
 
 __all__ = ["MultiheadAttention", "swap_attention", "restore_attention"]
 

@@ -96,8 +96,8 @@ from typing import Optional
 
 import torch
 
-from . import philox
-from .spec import AttentionSpec
+from .problem import philox
+from .problem.spec import AttentionSpec
 
 UNIT_ROUNDOFF = {torch.float64: 2.0 ** -53, torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11,
                  torch.bfloat16: 2.0 ** -8}

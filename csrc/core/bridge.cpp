@@ -380,7 +380,7 @@ WithoutGil::~WithoutGil() {
 }  // namespace bridge
 
 // ---------------------------------------------------------------------------
-// Call signatures: the memo key of a face's argument checks (torch_metal_flash.checks),
+// Call signatures: the memo key of a face's argument checks (torch_metal_flash.problem.checks),
 // what those checks read -- per tensor its dtype, device, sizes and whether the last
 // dim is contiguous; per scalar its exact type and value.  None for anything else
 // (the Python signature then decides).
@@ -446,7 +446,7 @@ py::object call_signature(py::args args) {
 // ---------------------------------------------------------------------------
 
 void bind_core(py::module_& parent) {
-  py::module_ m = parent.def_submodule("core", "torch_metal_flash's C++ op core (see torch_metal_flash/core.py)");
+  py::module_ m = parent.def_submodule("core", "torch_metal_flash's C++ op core (see torch_metal_flash/core)");
 
   m.def("init", [](py::object on_miss, py::object reference, py::object autograd, py::object debug_check,
                    py::object current_choice, py::object emulator_prepare, py::object emulator_encode) {

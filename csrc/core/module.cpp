@@ -1,5 +1,5 @@
 // The core as a module of its own (Linux, and macOS without the Metal
-// launcher): torch_metal_flash/core.py builds it at first use.  On macOS
+// launcher): torch_metal_flash/native/build.py builds it at first use.  On macOS
 // torch_metal_flash._C binds the same core next to the Metal encoder.
 #include "bridge.h"
 

@@ -35,7 +35,7 @@
 // Shading Language 3.1), Apple-silicon GPU, torch 2.10 to 2.13 built with MPS.
 // Compiled with ARC (-fobjc-arc); see setup.py.
 //
-// Python API (see torch_metal_flash/backends/metal.py and core.py):
+// Python API (see torch_metal_flash/backends/metal.py and torch_metal_flash/core):
 //   core.*                           the C++ op core (csrc/core/bridge.cpp)
 //   set_shader_dir(path)             where the .metal/.h sources (and .metallib files) live
 //   gpu_family() -> "apple7" | "apple8" | "apple9" | ... | "mac2" | "unknown"

@@ -9,7 +9,7 @@ import torch
 import torch_metal_flash as tmf
 from torch_metal_flash import backends, core, ops
 from torch_metal_flash.backends.emulator import EmulatorBackend
-from torch_metal_flash.plan import Launch, Plan, Unsupported
+from torch_metal_flash.planner.plan import Launch, Plan, Unsupported
 
 
 @pytest.fixture(autouse=True)

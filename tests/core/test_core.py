@@ -9,8 +9,8 @@ import torch
 import torch_metal_flash as tmf
 from torch_metal_flash import backends, core, emulator, ops, reference
 from torch_metal_flash.backends.emulator import EmulatorBackend
-from torch_metal_flash.plan import Launch, Plan
-from torch_metal_flash.spec import make_spec
+from torch_metal_flash.planner.plan import Launch, Plan
+from torch_metal_flash.problem.spec import make_spec
 
 fwd = torch.ops.metal_flash.fwd
 
@@ -30,7 +30,7 @@ def _qkv(B=1, H=2, L=9, D=16, dtype=torch.float32, seed=0):
 
 
 def _args(q, k, v, scale=0.3, window_right=0, softcap=0.0, mask=None):
-    # fwd's arguments, the optional dropout / varlen ones at their defaults (core.call_slow takes them all)
+    # fwd's arguments, the optional dropout / varlen ones at their defaults (core.python_body takes them all)
     return (q, k, v, mask, None, None, scale, 0, -1, window_right, softcap, False, 0.0, None, None, None, None, None,
             0, 0)
 
@@ -206,10 +206,10 @@ def test_python_body_hands_calls_over():
     """The op's Python body (devices the core does not serve yet) runs the core's body or the reference."""
     q, k, v = _qkv()
     with tmf.backend("emulator"):
-        out, lse, aux = core.call_slow(ops.FWD, _args(q, k, v))
+        out, lse, aux = core.python_body(ops.FWD, _args(q, k, v))
     _check(out, lse, aux, _args(q, k, v))
     with tmf.backend("reference"):
-        out2, _, _ = core.call_slow(ops.FWD, _args(q, k, v))
+        out2, _, _ = core.python_body(ops.FWD, _args(q, k, v))
     assert tmf.run_counts(reset=True) == {"emulator": 1, "reference": 1}
     torch.testing.assert_close(out, out2, atol=2e-3, rtol=2e-3)
 
@@ -258,7 +258,7 @@ def test_mutating_op_bumps_the_versions_of_what_it_writes():
 def test_call_signature_keys_exactly_what_the_checks_read(native, monkeypatch):
     """The faces' memo key: equal for calls the checks cannot tell apart (other values, same
     layout), different when a dtype, device, size, last-dim contiguity, scalar type or value differs."""
-    from torch_metal_flash import checks
+    from torch_metal_flash.problem import checks
     core.load()
     assert checks._native_signature is not None  # the loaded core provides it
     if not native:

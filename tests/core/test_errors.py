@@ -81,7 +81,8 @@ def test_unknown_backend_names_the_source(monkeypatch):
 def test_face_checks_are_memoised_per_signature(monkeypatch):
     """A call with a signature the checks already passed skips them; any new
     signature (here: a bad head count) runs them, with the same error."""
-    from torch_metal_flash import checks, functional
+    from torch_metal_flash.problem import checks
+    from torch_metal_flash.faces import functional
     monkeypatch.setattr(functional, "_FLASH_CHECKED", checks.Memo("test.flash_checks"))
     ran = []
     real = functional._flash_checks
@@ -136,7 +137,7 @@ def qz(*shape, dtype=torch.float16):
 
 
 def op_quantized(q, kq, vq):
-    from torch_metal_flash.quant import flat_format
+    from torch_metal_flash.problem.quant import flat_format
     return lambda: torch.ops.metal_flash.fwd_quantized(q, kq.data, vq.data, None, None, None, 1.0, 0, -1, -1, 0.0,
                                                        kq.scales, kq.biases, vq.scales, vq.biases, *flat_format(kq))
 

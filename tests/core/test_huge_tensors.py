@@ -46,7 +46,7 @@ def test_output_with_huge_strides_from_the_planner():
     """out written through a view whose batch 1 starts beyond 2^32 elements."""
     from torch_metal_flash.backends import select
     from torch_metal_flash.planner import plan_forward
-    from torch_metal_flash.spec import make_spec
+    from torch_metal_flash.problem.spec import make_spec
     q, k, v = rand(2, 2, 3, 32, seed=5), rand(2, 2, 9, 32, seed=6), rand(2, 2, 9, 32, seed=7)
     spec = make_spec(q, k, v, scale=0.2)
     lse = torch.empty(2, 2, 3)

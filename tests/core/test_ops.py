@@ -5,7 +5,7 @@ import torch
 
 import torch_metal_flash  # noqa: F401  (registers the ops)
 from torch_metal_flash import reference
-from torch_metal_flash.spec import make_spec
+from torch_metal_flash.problem.spec import make_spec
 
 fwd = torch.ops.metal_flash.fwd
 bwd = torch.ops.metal_flash.bwd

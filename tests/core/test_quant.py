@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import torch_metal_flash as tmf
-from torch_metal_flash.quant import QuantizedTensor, flat_format, from_flat
+from torch_metal_flash.problem.quant import QuantizedTensor, flat_format, from_flat
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ULP = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7, torch.float32: 2.0 ** -23}

@@ -9,7 +9,7 @@ import torch
 from emu_helpers import KERNELS, ORDERS
 from torch_metal_flash import emulator
 from torch_metal_flash.backends import emulator as backend_mod
-from torch_metal_flash.plan import Launch, Plan
+from torch_metal_flash.planner.plan import Launch, Plan
 from test_attention import AttnParams, _reference
 
 

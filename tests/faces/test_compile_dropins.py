@@ -11,8 +11,8 @@ from torch.nn.functional import scaled_dot_product_attention as captured_sdpa
 
 import torch_metal_flash as tmf
 from torch_metal_flash import nn as tnn
-from torch_metal_flash.flash_attn_shim import install_flash_attn_shim, uninstall_flash_attn_shim
-from torch_metal_flash.sdpa_override import reset_sdpa_stats, sdpa_override, sdpa_stats
+from torch_metal_flash.faces.flash_attn_shim import install_flash_attn_shim, uninstall_flash_attn_shim
+from torch_metal_flash.faces.sdpa_override import reset_sdpa_stats, sdpa_override, sdpa_stats
 
 BACKENDS = ["reference", "emulator"]
 TOL = dict(atol=1e-4, rtol=1e-4)

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import torch_metal_flash  # noqa: F401
-from torch_metal_flash import functional
-from torch_metal_flash.flash_attn_shim import (install_flash_attn_shim, is_flash_attn_shim_installed,
-                                               uninstall_flash_attn_shim)
+from torch_metal_flash.faces import functional
+from torch_metal_flash.faces.flash_attn_shim import (install_flash_attn_shim, is_flash_attn_shim_installed,
+                                                     uninstall_flash_attn_shim)
 
 
 @pytest.fixture
@@ -50,7 +50,7 @@ def _ref(q, k, v, causal=False, window=(-1, -1), softcap=0.0, scale=None):
 
 
 def test_not_installed_on_import():
-    code = ("import sys, torch_metal_flash, torch_metal_flash.flash_attn_shim;"
+    code = ("import sys, torch_metal_flash, torch_metal_flash.faces.flash_attn_shim;"
             "assert 'flash_attn' not in sys.modules;"
             "import importlib.util; assert importlib.util.find_spec('flash_attn') is None")
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -153,7 +153,7 @@ def test_unimplemented_functions_name_what_is_missing(shim, monkeypatch):
         flash_attn.flash_attn_varlen_qkvpacked_func(torch.stack([q, q, q], 1), cu, 6)
     with pytest.raises(NotImplementedError, match="flash_attn_with_kvcache.*KV cache"):
         flash_attn.flash_attn_with_kvcache(q[None], q[None], q[None])
-    # ...and forward to torch_metal_flash.functional as soon as it provides them
+    # ...and forward to torch_metal_flash.faces.functional as soon as it provides them
     seen = {}
     monkeypatch.setattr(functional, "flash_attn_varlen_func", lambda *a, **kw: seen.setdefault("varlen", (a, kw)),
                         raising=False)
@@ -191,7 +191,7 @@ def test_varlen_and_kvcache_forward_to_ours(shim):
             want = _ref(q[None, s], k[None, s], v[None, s], causal=True)[0]
             torch.testing.assert_close(out[s].double(), want, atol=1e-5, rtol=1e-5)
     try:
-        from torch_metal_flash.kvcache import flash_attn_with_kvcache as ours
+        from torch_metal_flash.faces.kvcache import flash_attn_with_kvcache as ours
     except ImportError:
         ours = getattr(functional, "flash_attn_with_kvcache", None)
     if ours is not None:

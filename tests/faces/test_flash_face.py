@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import torch_metal_flash as tmf
-from torch_metal_flash.spec import make_spec
+from torch_metal_flash.problem.spec import make_spec
 from torch_metal_flash.testing import assert_matches_oracle, plain_attention
 
 

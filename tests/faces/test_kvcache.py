@@ -10,9 +10,9 @@ import torch
 
 from support.kvcache_cases import check_call, make_case
 from torch_metal_flash import backends
-from torch_metal_flash.kvcache import flash_attn_with_kvcache
+from torch_metal_flash.faces.kvcache import flash_attn_with_kvcache
 from torch_metal_flash.planner.decode import route_reason
-from torch_metal_flash.spec import make_spec
+from torch_metal_flash.problem.spec import make_spec
 
 CASES = [
     dict(),

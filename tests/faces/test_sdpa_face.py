@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import torch_metal_flash as tmf
-from torch_metal_flash.spec import make_spec
+from torch_metal_flash.problem.spec import make_spec
 from torch_metal_flash.testing import assert_matches_oracle, plain_attention
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -1,4 +1,4 @@
-"""The SDPA override (torch_metal_flash.sdpa_override) against torch's own SDPA.
+"""The SDPA override (torch_metal_flash.faces.sdpa_override) against torch's own SDPA.
 
 CPU tensors are routed with ``sdpa_override(cpu=True)`` (our reference path)
 or, once the emulator has landed, with ``backend("emulator")``; every routed
@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch.nn.functional import scaled_dot_product_attention as captured_sdpa  # captured before enabling
 
 from torch_metal_flash import backend
-from torch_metal_flash.sdpa_override import (disable_sdpa, enable_sdpa, is_sdpa_enabled, reset_sdpa_stats,
-                                             sdpa_override, sdpa_stats)
+from torch_metal_flash.faces.sdpa_override import (disable_sdpa, enable_sdpa, is_sdpa_enabled, reset_sdpa_stats,
+                                                   sdpa_override, sdpa_stats)
 
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
        torch.float16: dict(atol=2e-3, rtol=2e-3)}

@@ -14,7 +14,7 @@ import torch
 
 transformers = pytest.importorskip("transformers", minversion="5.0")
 
-from torch_metal_flash import functional  # noqa: E402
+from torch_metal_flash.faces import functional  # noqa: E402
 from torch_metal_flash.integrations import transformers as tmf_hf  # noqa: E402
 
 TOL = dict(atol=2e-5, rtol=2e-5)
@@ -271,7 +271,7 @@ def test_quantized_cache_generate_matches_dequantized_caches(kind, fmt, spy):
     (emulator, strict) with quantized K/V, and gives the same tokens as the same model fed the
     dequantize()d cache through sdpa (eager for GPT-OSS's sinks); the cache memory is reported."""
     from torch_metal_flash import backends, emulator
-    from torch_metal_flash.quant import QuantizedTensor
+    from torch_metal_flash.problem.quant import QuantizedTensor
 
     model, reference = _build(kind)
     ids, mask = _batch()

@@ -399,7 +399,7 @@ def test_transformers_packed_sequences_take_the_varlen_kernels():
     kwargs cu_seq_lens_*/max_length_*) run one varlen call per layer, equal to running each sequence
     alone; with the kwargs there is no host synchronisation."""
     transformers = pytest.importorskip("transformers", minversion="5.0")
-    from torch_metal_flash import functional
+    from torch_metal_flash.faces import functional
     from torch_metal_flash.integrations import transformers as tmf_hf
     cfg = transformers.MistralConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=4,

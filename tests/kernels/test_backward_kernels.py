@@ -22,9 +22,9 @@ from support.backward_cases import (DTYPES, ORDER_PAIRS, build_case, case_id, ch
                                     run_and_check, run_backward, sample_cases, saved_forward)
 from torch_metal_flash import reference
 from torch_metal_flash._paths import shaders_dir
-from torch_metal_flash.layout import empty_in_layout
-from torch_metal_flash.plan import Plan, Unsupported
-from torch_metal_flash.spec import make_spec
+from torch_metal_flash.problem.layout import empty_in_layout
+from torch_metal_flash.planner.plan import Plan, Unsupported
+from torch_metal_flash.problem.spec import make_spec
 
 SEED = 20261129
 SAMPLED = sample_cases(30, SEED)

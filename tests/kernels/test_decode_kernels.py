@@ -21,8 +21,8 @@ import torch_metal_flash
 from support.kvcache_cases import check_call, make_case
 from torch_metal_flash import backends, emulator
 from torch_metal_flash.backends.emulator import EmulatorBackend
-from torch_metal_flash.kvcache import flash_attn_with_kvcache
-from torch_metal_flash.plan import Plan, Unsupported
+from torch_metal_flash.faces.kvcache import flash_attn_with_kvcache
+from torch_metal_flash.planner.plan import Plan, Unsupported
 from torch_metal_flash.planner.decode import (DecodeParams, DecodeProblem, choose_splits,
                                               compulsory_bytes, decode_variants, plan_decode)
 
@@ -254,8 +254,8 @@ def test_sdpa_face_routes_decode_shapes_to_the_decode_kernels():
     """Short queries over long keys through the general op take the split-K kernels,
     with SDPA's top-left causal alignment (diag_offset 0)."""
     from torch_metal_flash import planner
-    from torch_metal_flash.layout import empty_in_layout
-    from torch_metal_flash.spec import make_spec
+    from torch_metal_flash.problem.layout import empty_in_layout
+    from torch_metal_flash.problem.spec import make_spec
     g = torch.Generator().manual_seed(44)
     q = torch.randn(1, 4, 3, 32, generator=g)
     k, v = torch.randn(1, 2, 300, 32, generator=g), torch.randn(1, 2, 300, 32, generator=g)

@@ -23,10 +23,11 @@ import torch
 
 from support import forward_cases as fc
 import torch_metal_flash as tmf
-from torch_metal_flash import backends, emulator, philox
+from torch_metal_flash import backends, emulator
+from torch_metal_flash.problem import philox
 from torch_metal_flash._paths import shaders_dir
-from torch_metal_flash.layout import empty_in_layout
-from torch_metal_flash.spec import make_spec
+from torch_metal_flash.problem.layout import empty_in_layout
+from torch_metal_flash.problem.spec import make_spec
 from torch_metal_flash.testing import check_backward, check_forward, randn
 
 KAT = [  # Random123 philox4x32-10 known-answer vectors: (counter, key) -> output
@@ -243,7 +244,7 @@ def test_s_dmask_follows_flash_attn_conventions():
     normalize_flash_attn_S, which splits the keys in blocks of _get_block_size_n and rescales
     each by exp(cummax of the later blocks' max - lse): with the shim's block size (one block)
     that recovers P = exp(s - lse) exactly (here the same computation, in float64)."""
-    from torch_metal_flash._flash_attn_shim.flash_attn_interface import _get_block_size_n
+    from torch_metal_flash.faces.flash_attn_package.flash_attn_interface import _get_block_size_n
     g = torch.Generator().manual_seed(9)
     q, k, v = (torch.randn(2, n, 3, 32, generator=g) for n in (21, 37, 37))
     with emulator.settings(checked=False), tmf.backend("emulator", strict=True):
@@ -269,7 +270,7 @@ def test_s_dmask_follows_flash_attn_conventions():
 
 def test_every_face_runs_dropout_on_the_kernels():
     from torch_metal_flash.integrations import transformers as tmf_hf
-    from torch_metal_flash.sdpa_override import reset_sdpa_stats, sdpa_override, sdpa_stats
+    from torch_metal_flash.faces.sdpa_override import reset_sdpa_stats, sdpa_override, sdpa_stats
     import torch.nn.functional as F
     torch.manual_seed(2)
     q, k, v = (torch.randn(2, 4, 11, 16, requires_grad=True) for _ in range(3))

@@ -17,11 +17,11 @@ import torch
 
 from support import forward_cases as fc
 from torch_metal_flash._paths import shaders_dir
-from torch_metal_flash.plan import Plan, Unsupported
+from torch_metal_flash.planner.plan import Plan, Unsupported
 from torch_metal_flash.planner import forward_variants
 from torch_metal_flash.planner.forward import plan_forward  # noqa: E402 - the prefill planner
 from torch_metal_flash.planner.params import FlashFwdParams, field_layout
-from torch_metal_flash.spec import make_spec
+from torch_metal_flash.problem.spec import make_spec
 
 SEED = 20260411
 ORDER_PAIRS = (("forward", "reverse"), ("reverse", "random"), ("random", "forward"))

@@ -22,7 +22,7 @@ import test_quantized_kernels as quant  # noqa: E402
 from support import varlen_cases as vc  # noqa: E402
 from torch_metal_flash import emulator  # noqa: E402
 from support.kvcache_cases import make_case  # noqa: E402
-from torch_metal_flash.spec import make_spec  # noqa: E402
+from torch_metal_flash.problem.spec import make_spec  # noqa: E402
 
 MODES = ("fast", "relaxed", "safe")
 FORWARD = [

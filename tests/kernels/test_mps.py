@@ -31,7 +31,7 @@ import pytest
 import torch
 
 import torch_metal_flash as tmf
-from torch_metal_flash.spec import make_spec
+from torch_metal_flash.problem.spec import make_spec
 from torch_metal_flash.testing import Arith, plain_attention
 
 pytestmark = pytest.mark.skipif(
@@ -74,7 +74,7 @@ def naive_attention(q, k, v, *, scale, mask=None, diag_offset=0, window_left=-1,
                     alibi=None, sinks=None):
     """(out, lse) for (B, Hq, L, D) tensors, in q's dtype, on q's device.
 
-    Semantics of :mod:`torch_metal_flash.spec`: softcap, then ALiBi, then a
+    Semantics of :mod:`torch_metal_flash.problem.spec`: softcap, then ALiBi, then a
     float mask is added / a bool mask hides; the band hides keys outside
     ``[i + diag_offset - window_left, i + diag_offset + window_right]``; sinks
     add one logit per head to the denominator; rows with nothing visible give
@@ -588,7 +588,7 @@ def probe_dir(tmp_path):
 def _run(source, kernel, buffers, constants=(), threadgroups=(1, 1, 1), threadgroup=(1, 1, 1), tg_memory=None):
     """Encode one launch as it is, through the core's Metal encoder (what MetalBackend.run does)."""
     from torch_metal_flash import core
-    from torch_metal_flash.plan import Launch, Plan
+    from torch_metal_flash.planner.plan import Launch, Plan
     core.run_plan("metal", Plan((Launch(source, kernel, threadgroups, threadgroup, dict(buffers), dict(constants),
                                         dict(tg_memory or {})),)))
 
@@ -687,7 +687,7 @@ def test_varlen_dropout_on_metal_equals_the_reference_with_the_same_rng_state():
     """Packed sequences (lengths 0 and 1 among them) with dropout: the Metal kernels and the
     CPU reference path given the same (seed, offset) apply the same Philox mask, forward and
     backward; the rng draw of the faces is a GPU op that torch.manual_seed reproduces."""
-    from torch_metal_flash import philox
+    from torch_metal_flash.problem import philox
     lens = [5, 0, 1, 130, 77]
     cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
     q, k, v = (randn(1, h, sum(lens), 64, dtype=torch.float32, seed=61 + i) for i, h in enumerate((4, 2, 2)))
@@ -715,7 +715,7 @@ def test_varlen_dropout_on_metal_equals_the_reference_with_the_same_rng_state():
 @needs_backward
 def test_paged_varlen_backward_on_metal_equals_the_packed_call():
     """Paged K/V with gradients on the GPU (the gather, the sort and the segmented scan of
-    torch_metal_flash.paged as MPS ops): out, dq and each cache row's dK/dV equal the packed
+    torch_metal_flash.ops.paged as MPS ops): out, dq and each cache row's dK/dV equal the packed
     call over the same keys bit for bit; a block two sequences share gets the sum of their
     gradients; two runs are bitwise equal."""
     page, lens_q, lens_k = 16, [7, 1, 40], [37, 16, 50]

@@ -13,9 +13,9 @@ import torch
 import torch_metal_flash as tmf
 from torch_metal_flash import backends, core
 from torch_metal_flash.backends.emulator import EmulatorBackend
-from torch_metal_flash.plan import Launch, Plan, Unsupported
+from torch_metal_flash.planner.plan import Launch, Plan, Unsupported
 from torch_metal_flash.planner import limits
-from torch_metal_flash.spec import make_spec
+from torch_metal_flash.problem.spec import make_spec
 from torch_metal_flash.testing import check_backward, check_forward
 
 ROOMY = {"max_total_threads_per_threadgroup": 1024, "thread_execution_width": 32,

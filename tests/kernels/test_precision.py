@@ -23,7 +23,7 @@ import torch
 
 import torch_metal_flash as tmf
 from torch_metal_flash import backends
-from torch_metal_flash.spec import make_spec
+from torch_metal_flash.problem.spec import make_spec
 from torch_metal_flash.testing import (Arith, assert_matches_oracle, backward_reference, check_backward,
                                        grad_errors, plain_attention, randn)
 

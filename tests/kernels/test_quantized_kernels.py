@@ -24,11 +24,11 @@ from support.host_syncs import host_syncs_raise
 from support.kvcache_cases import check_against_oracle, make_case
 from torch_metal_flash import backends, emulator, testing
 from torch_metal_flash.backends.emulator import EmulatorBackend
-from torch_metal_flash.kvcache import flash_attn_with_kvcache
-from torch_metal_flash.plan import Unsupported
+from torch_metal_flash.faces.kvcache import flash_attn_with_kvcache
+from torch_metal_flash.planner.plan import Unsupported
 from torch_metal_flash.planner import decode, kvcache as kv_planner, variants
-from torch_metal_flash.quant import QuantizedTensor
-from torch_metal_flash.spec import make_spec
+from torch_metal_flash.problem.quant import QuantizedTensor
+from torch_metal_flash.problem.spec import make_spec
 
 ORDERS = (("forward", "reverse"), ("reverse", "random"), ("random", "forward"))
 A4 = dict(bits=4, group_size=64)

@@ -12,9 +12,9 @@ import torch
 
 from support import forward_cases as fc
 from torch_metal_flash._paths import shaders_dir
-from torch_metal_flash.layout import empty_in_layout
-from torch_metal_flash.plan import Plan
-from torch_metal_flash.spec import AttentionSpec
+from torch_metal_flash.problem.layout import empty_in_layout
+from torch_metal_flash.planner.plan import Plan
+from torch_metal_flash.problem.spec import AttentionSpec
 from torch_metal_flash.testing import check_backward, randn
 
 ORDER_PAIRS = (("forward", "reverse"), ("reverse", "random"), ("random", "forward"))

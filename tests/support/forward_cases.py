@@ -14,9 +14,9 @@ from typing import Iterator, Optional
 
 import torch
 
-from torch_metal_flash.plan import Plan
+from torch_metal_flash.planner.plan import Plan
 from torch_metal_flash.planner.forward import plan_forward
-from torch_metal_flash.spec import make_spec
+from torch_metal_flash.problem.spec import make_spec
 from torch_metal_flash.testing import check_forward, randn
 
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
@@ -147,7 +147,7 @@ def outputs_for(spec):
     if spec.head_dim_v == spec.head_dim:
         out = torch.empty_like(q)
     else:
-        from torch_metal_flash.layout import empty_in_layout
+        from torch_metal_flash.problem.layout import empty_in_layout
         out = empty_in_layout(q, spec.head_dim_v)
     lse = torch.empty(q.shape[:3], dtype=torch.float32)
     return out, lse
@@ -211,7 +211,7 @@ def tile_for(spec, family: str = "apple8"):
 def launch_stats(launch, order: str = "forward", checked: bool = True):
     """Run one Launch through the emulator backend and return its LaunchStats."""
     from torch_metal_flash import emulator
-    from torch_metal_flash.plan import Plan as _Plan
+    from torch_metal_flash.planner.plan import Plan as _Plan
 
     with emulator.settings(order=order, checked=checked):
         backend().run(_Plan(launches=(launch,)))

@@ -16,7 +16,7 @@ forward and backward, and the two runs to each other bit for bit.
 
 Dropout (the SDPA, override and flash-attn faces): the face draws its Philox
 ``rng_state`` from torch's default generator seeded with the problem's seed, and the
-oracle applies the keep mask :mod:`torch_metal_flash.philox` computes from the same
+oracle applies the keep mask :mod:`torch_metal_flash.problem.philox` computes from the same
 state (:func:`dropout_keep`).
 
 Later features plug in with a line or two: a draw in the face's strategy and, while the
@@ -37,9 +37,10 @@ import torch.nn.functional as F
 from hypothesis import strategies as st
 
 import torch_metal_flash as tmf
-from torch_metal_flash import backends, emulator, philox, testing
-from torch_metal_flash.quant import QuantizedTensor, flat_format
-from torch_metal_flash.spec import make_spec
+from torch_metal_flash import backends, emulator, testing
+from torch_metal_flash.problem import philox
+from torch_metal_flash.problem.quant import QuantizedTensor, flat_format
+from torch_metal_flash.problem.spec import make_spec
 
 from support import kvcache_oracle
 

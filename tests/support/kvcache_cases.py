@@ -9,7 +9,7 @@ import torch
 
 from support import kvcache_oracle
 from torch_metal_flash import backends
-from torch_metal_flash.kvcache import flash_attn_with_kvcache
+from torch_metal_flash.faces.kvcache import flash_attn_with_kvcache
 from torch_metal_flash.testing import assert_matches_oracle
 
 

@@ -167,7 +167,7 @@ def row_problems(q, k_cache, v_cache, dtype, **kw):
     visibility as a bool mask, ALiBi relative to the row's bottom-right corner),
     with every input rotated / stored in ``dtype``: the problems whose plain
     math in ``dtype`` sets the error budget."""
-    from torch_metal_flash.spec import make_spec
+    from torch_metal_flash.problem.spec import make_spec
 
     specs = []
     for b, qb, keys, vals, vis, slopes in _rows(q, k_cache, v_cache, dtype=dtype, **kw)[0]:

@@ -8,7 +8,7 @@ import dataclasses
 import torch
 
 from support import backward_cases as bk
-from torch_metal_flash.spec import make_spec
+from torch_metal_flash.problem.spec import make_spec
 from torch_metal_flash.testing import backward_reference, randn
 
 SWEEP_SHAPES = {

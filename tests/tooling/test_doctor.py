@@ -8,10 +8,10 @@ import torch
 
 from torch_metal_flash import doctor
 from torch_metal_flash.backends.emulator import EmulatorBackend
-from torch_metal_flash.layout import empty_in_layout
-from torch_metal_flash.plan import Unsupported
+from torch_metal_flash.problem.layout import empty_in_layout
+from torch_metal_flash.planner.plan import Unsupported
 from torch_metal_flash.planner import backward, forward, kvcache, variants
-from torch_metal_flash.spec import aux_width, make_spec
+from torch_metal_flash.problem.spec import aux_width, make_spec
 
 
 def test_doctor_passes_and_reports(tmp_path, capsys):

@@ -8,6 +8,7 @@ import torch
 
 import torch_metal_flash as tmf
 from torch_metal_flash import backends
+from torch_metal_flash import native
 from torch_metal_flash.backends import metal
 
 MPS = torch.device("mps")  # a device object only: nothing is allocated on it
@@ -29,11 +30,11 @@ class BrokenExtension(importlib.abc.MetaPathFinder):
 
 @pytest.fixture
 def fresh(monkeypatch):
-    metal._load.cache_clear()
+    native.load_launcher.cache_clear()
     monkeypatch.setattr(backends, "_warned", set())
     monkeypatch.delitem(sys.modules, "torch_metal_flash._C", raising=False)
     yield monkeypatch
-    metal._load.cache_clear()
+    native.load_launcher.cache_clear()
 
 
 def _break(monkeypatch, error):
@@ -44,7 +45,7 @@ def _break(monkeypatch, error):
 
 def test_abi_mismatch_is_reported_with_the_import_error_and_imported_once(fresh):
     finder = _break(fresh, ImportError("dlopen(_C.so): Symbol not found: __ZN3c1017RegisterOperatorsD1Ev"))
-    fresh.setattr(metal, "build_info", lambda: {"torch": "2.13.9"})
+    fresh.setattr(native, "build_info", lambda: {"torch": "2.13.9"})
     why = metal.unavailable_reason(MPS)
     assert "failed to import: ImportError: dlopen(_C.so): Symbol not found: __ZN3c1017Register" in why
     assert f"built against torch 2.13.9, this process runs torch {torch.__version__}" in why
@@ -68,8 +69,8 @@ def test_not_built_is_told_apart_from_a_broken_build(fresh):
     why = metal.unavailable_reason(MPS)  # this install has no _C (Linux)
     assert "is not built" in why and "failed to import" not in why
     fresh.setattr(sys, "platform", "darwin")
-    fresh.setattr(metal, "build_info", lambda: {"extension": "torch was built without MPS"})
-    metal._load.cache_clear()
+    fresh.setattr(native, "build_info", lambda: {"extension": "torch was built without MPS"})
+    native.load_launcher.cache_clear()
     why = metal.unavailable_reason(MPS)
     assert "not built in this install (torch was built without MPS)" in why and "--no-build-isolation" in why
 
@@ -90,7 +91,7 @@ def test_a_checkout_shadowing_the_installed_copy_says_so(fresh, tmp_path):
         @staticmethod
         def locate_file(name):
             return tmp_path / "site-packages" / name
-    fresh.setattr(metal.importlib.metadata, "distribution", lambda name: Dist)
+    fresh.setattr(native.importlib.metadata, "distribution", lambda name: Dist)
     fresh.setattr(sys, "platform", "darwin")
     why = metal.unavailable_reason(MPS)
     assert f"the installed copy in {installed.resolve()} has" in why

@@ -18,7 +18,7 @@ import torch_metal_flash as tmf
 from torch_metal_flash import emulator, tuning
 from torch_metal_flash.backends.emulator import EmulatorBackend
 from torch_metal_flash.planner import backward_tiles, decode, tiles
-from torch_metal_flash.spec import make_spec
+from torch_metal_flash.problem.spec import make_spec
 from torch_metal_flash.testing import check_backward, check_forward
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -11,8 +11,10 @@ path with a one-time warning naming the reason; in strict mode it raises
 :class:`UnsupportedError` instead.
 
 The ops' bodies run in the C++ core (:mod:`torch_metal_flash.core`), which
-mirrors each thread's choice (:func:`backend` tells it) and calls back here for
-the fallback and the reference path.
+mirrors each thread's choice (:func:`backend` tells it through the setter the
+core registers with :func:`mirror_choice_to`) and calls back here for the
+fallback and the reference path.  This layer sits below the core: it imports
+nothing above it.
 """
 from __future__ import annotations
 
@@ -32,8 +34,14 @@ BACKENDS = ("auto", "metal", "emulator", "reference")
 
 _choice: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("tmf_backend", default=None)
 _strict: contextvars.ContextVar[Optional[bool]] = contextvars.ContextVar("tmf_strict", default=None)
-# Mirrors this thread's choice into the C++ core once it is loaded (core.load() sets it).
 _mirror: Optional[Callable[[Optional[str]], None]] = None
+
+
+def mirror_choice_to(setter: Callable[[Optional[str]], None]) -> None:
+    """Tell ``setter`` this thread's choice each time :func:`backend` changes it (the C++ core,
+    once loaded, keeps its own copy so that a call needs no Python to know its backend)."""
+    global _mirror
+    _mirror = setter
 
 
 class UnsupportedError(RuntimeError):
@@ -107,14 +115,22 @@ def record_run(name: str) -> None:
         _runs[name] += 1
 
 
+_more_runs: list[Callable[[bool], dict]] = []
+
+
+def count_runs_from(counter: Callable[[bool], dict]) -> None:
+    """Add ``counter(reset) -> {backend: runs}`` to :func:`run_counts` (the C++ core counts the plans it encodes)."""
+    _more_runs.append(counter)
+
+
 def run_counts(reset: bool = False) -> dict[str, int]:
     """How many op calls each backend executed (``reference`` includes fallbacks)."""
-    from .. import core
     with _runs_lock:
         counts = collections.Counter(_runs)
         if reset:
             _runs.clear()
-    counts.update(core.run_counts(reset))  # plans the C++ core encoded
+    for counter in _more_runs:
+        counts.update(counter(reset))
     return dict(counts)
 
 

@@ -12,7 +12,7 @@ by index.  Schedule order, checked mode and seed come from
 Two ways in, one way to launch: the C++ core's emulator encoder calls
 :meth:`EmulatorBackend.prepare` once per launch of a cached template and
 :meth:`EmulatorBackend.encode` per call (raw bindings); :meth:`EmulatorBackend.run`
-runs a :class:`~torch_metal_flash.plan.Plan` as it is (tests, benches).
+runs a :class:`~torch_metal_flash.planner.plan.Plan` as it is (tests, benches).
 
 ``pipeline_info`` reports a kernel's limits as the Metal backend does
 (``emulator.Library.pipeline_info``: ``[[max_total_threads_per_threadgroup(n)]]``,
@@ -27,10 +27,10 @@ from __future__ import annotations
 import threading
 
 from .. import emulator
-from ..emulator import config
 from .._paths import shaders_dir
 from ..caches import LRU
-from ..plan import Plan
+from ..emulator import config
+from ..planner.plan import Plan
 
 
 # Shared by every instance (what they hold depends only on the key).

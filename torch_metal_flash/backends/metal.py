@@ -5,86 +5,47 @@ together with the C++ op core) holds the Metal encoder: the ops' C++ bodies
 encode cached launch templates on PyTorch's current MPS stream, one
 ``dispatch_sync`` per plan; :meth:`MetalBackend.run` encodes a plan as it is.
 
-The extension is imported once per process.  When that fails, the reason
-(the import error itself: an ABI mismatch with the running torch, a missing
-symbol, a wrong architecture; or "not built" with why) is kept and reported
-by :func:`unavailable_reason`, and so in the fallback warning.
+The extension is loaded by :mod:`torch_metal_flash.native`; when it cannot be,
+:func:`unavailable_reason` reports why (and so the fallback warning).
 """
 from __future__ import annotations
 
-import functools
-import importlib
-import importlib.metadata
+import platform
+import subprocess
 import sys
-from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
-from .._paths import build_info, shaders_dir
+from .._paths import shaders_dir
 from ..caches import LRU
-from ..plan import Plan
-
-# Builds the extension against the torch that runs (no isolated build environment).
-_REBUILD = "pip install --no-build-isolation --force-reinstall --no-deps ."
+from ..native import launcher, load_launcher
+from ..planner.plan import Plan
 
 
-def _installed_copy() -> Optional[Path]:
-    """The package folder of the installed distribution when this process imported
-    another copy (a source checkout shadowing it: Python puts the working directory
-    first on ``sys.path``), else None."""
+def chip_name() -> str:
+    """The machine's chip (the GPU's name on a Mac: the tuning cache is kept per chip)."""
+    if sys.platform == "darwin":
+        try:
+            return subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True,
+                                  timeout=10).stdout.strip() or platform.machine()
+        except (OSError, subprocess.SubprocessError):
+            return platform.machine()
     try:
-        dist = importlib.metadata.distribution("torch_metal_flash")
-        installed = Path(dist.locate_file("torch_metal_flash")).resolve()
-    except (importlib.metadata.PackageNotFoundError, TypeError, OSError):
-        return None
-    here = Path(__file__).resolve().parents[1]
-    return installed if installed != here and installed.is_dir() else None
-
-
-def _not_built_reason() -> str:
-    if sys.platform != "darwin":
-        return f"torch_metal_flash._C (the Metal launcher) is not built: this is a pure-Python install ({sys.platform})"
-    here = Path(__file__).resolve().parents[1]
-    installed = _installed_copy()
-    if installed is not None and any(installed.glob("_C*.so")):
-        return (f"torch_metal_flash was imported from {here}, a source checkout without the built launcher "
-                f"(_C), which the installed copy in {installed} has: Python imports the folder you run in "
-                f"first. Run from another directory, or build the checkout in place with `pip install -e .`")
-    note = build_info().get("extension")
-    why = f" ({note})" if isinstance(note, str) else ""
-    return (f"torch_metal_flash._C (the Metal launcher) is not built in this install{why}; "
-            f"build it from a checkout with `{_REBUILD}`")
-
-
-@functools.lru_cache(maxsize=None)
-def _load() -> tuple[Optional[object], Optional[str]]:
-    """``(module, None)`` or ``(None, why)``; the import is attempted once per process."""
-    try:
-        return importlib.import_module("torch_metal_flash._C"), None
-    except ModuleNotFoundError as e:
-        if e.name == "torch_metal_flash._C":
-            return None, _not_built_reason()
-        error = e
-    except Exception as e:  # noqa: BLE001 -- any failure of the import is the diagnosis we report
-        error = e
-    built = build_info().get("torch")
-    versions = (f"; it was built against torch {built}, this process runs torch {torch.__version__}"
-                if built and built != torch.__version__ else "")
-    return None, (f"torch_metal_flash._C (the Metal launcher) failed to import: {type(error).__name__}: {error}"
-                  f"{versions}. Rebuild it against the torch you run, from a checkout: `{_REBUILD}`")
-
-
-def _extension():
-    """The launcher module, or None (see :func:`unavailable_reason`)."""
-    return _load()[0]
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def unavailable_reason(device: Optional[torch.device] = None) -> Optional[str]:
     """None when the metal backend can run on ``device`` (default: the MPS device), else why not."""
     if device is not None and device.type != "mps":
         return f"the metal backend runs on MPS tensors, got {device.type}"
-    module, why = _load()
+    module, why = load_launcher()
     if module is None:
         return why
     if device is None and not torch.backends.mps.is_available():
@@ -99,7 +60,7 @@ class MetalBackend:
     name = "metal"
 
     def __init__(self):
-        self._C = _extension()
+        self._C = launcher()
         self._C.set_shader_dir(str(shaders_dir()))
         self.family = self._C.gpu_family()  # selects the tile tables
 
@@ -115,5 +76,17 @@ class MetalBackend:
 
     def run(self, plan: Plan) -> None:
         """Encode a plan as it is (the ops replay cached templates in C++ instead)."""
-        from .. import core
-        core.run_plan("metal", plan)
+        _run_plan("metal", plan)
+
+
+def _no_runner(backend_name: str, plan: Plan) -> None:
+    raise RuntimeError("torch_metal_flash: the C++ core is not imported; import torch_metal_flash first")
+
+
+_run_plan: Callable[[str, Plan], None] = _no_runner
+
+
+def run_plans_with(runner: Callable[[str, Plan], None]) -> None:
+    """The core's encoder runs :meth:`MetalBackend.run`'s plans (the core registers it: it sits above)."""
+    global _run_plan
+    _run_plan = runner

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 ORDERS = ("forward", "reverse", "random")
 MATH_MODES = ("fast", "relaxed", "safe")
@@ -134,17 +134,24 @@ def settings(*, order: Optional[str] = None, checked: Optional[bool] = None, see
         new["family"] = family
     token = _ctx.set(new)
     if family is not None:
-        _sync_plan_cache()
+        _family_changed()
     try:
         yield
     finally:
         _ctx.reset(token)
         if family is not None:
-            _sync_plan_cache()
+            _family_changed()
 
 
-def _sync_plan_cache() -> None:
-    # the package's plan cache keys on the family this thread plans with
-    from .. import core, tuning
-    core.load()
-    tuning.sync_thread()
+_family_listeners: list[Callable[[Optional[str]], None]] = []
+
+
+def on_family_change(listener: Callable[[Optional[str]], None]) -> None:
+    """Call ``listener(family)`` when a :func:`settings` context sets or restores the family
+    (the package's plan cache keys on it; the emulator imports nothing of the package)."""
+    _family_listeners.append(listener)
+
+
+def _family_changed() -> None:
+    for listener in _family_listeners:
+        listener(family_override())

@@ -12,7 +12,7 @@
 Each layer's ``update`` quantizes the new key/value rows **on the GPU, by the
 append kernel** (``flash_attn_with_kvcache`` with no query rows: no host
 synchronisation, no dequantized copy) into a (B, H_kv, capacity, D)
-:class:`~torch_metal_flash.quant.QuantizedTensor` that grows by doubling, and
+:class:`~torch_metal_flash.problem.quant.QuantizedTensor` that grows by doubling, and
 returns views of the filled part; the ``metal_sdpa`` attention function passes
 them to the quantized op, whose kernels dequantize in registers.  Every step,
 prefill included, attends to the stored (quantized) values.  Sliding-window
@@ -30,8 +30,8 @@ from typing import Optional
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..kvcache import append_kv
-from ..quant import QuantizedTensor, _check_format, quantized_zeros
+from ..faces.kvcache import append_kv
+from ..problem.quant import QuantizedTensor, _check_format, quantized_zeros
 
 __all__ = ["QuantizedKVCache", "QuantizedKVLayer"]
 

@@ -57,8 +57,9 @@ from typing import Optional
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .. import checks, functional
-from ..quant import QuantizedTensor
+from ..faces import functional
+from ..problem import checks
+from ..problem.quant import QuantizedTensor
 
 __all__ = ["NAME", "register", "set_attention", "metal_sdpa_attention_forward", "QuantizedKVCache"]
 

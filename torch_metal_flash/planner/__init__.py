@@ -1,4 +1,4 @@
-"""Planners: op arguments -> :class:`~torch_metal_flash.plan.Plan` or :class:`~torch_metal_flash.plan.Unsupported`.
+"""Planners: op arguments -> :class:`~.plan.Plan` or :class:`~.plan.Unsupported`.
 
 Pure and backend-agnostic.  The prefill forward lives in :mod:`.forward`
 (tile table :mod:`.tiles`, params mirror :mod:`.params`), the backward in
@@ -12,12 +12,12 @@ from typing import Optional, Union
 
 import torch
 
-from ..plan import Plan, Unsupported
-from ..spec import AttentionSpec
+from ..problem.spec import AttentionSpec
 from . import decode
 from .backward import plan_backward
 from .forward import plan_forward as plan_prefill
 from .limits import PipelineInfo
+from .plan import Plan, Unsupported
 from .tiles import FAMILIES, ForwardTile, forward_tile, forward_variants
 
 __all__ = ["plan_forward", "plan_backward", "plan_prefill", "forward_tile", "forward_variants", "ForwardTile",

@@ -1,8 +1,8 @@
 """Planner for the fused backward kernels in ``shaders/flash_bwd.metal``.
 
-``plan_backward`` turns an :class:`~torch_metal_flash.spec.AttentionSpec`, the
+``plan_backward`` turns an :class:`~torch_metal_flash.problem.spec.AttentionSpec`, the
 saved forward results (``out`` and the row state ``aux``, see
-:mod:`torch_metal_flash.spec`) and the preallocated gradients into an ordered
+:mod:`torch_metal_flash.problem.spec`) and the preallocated gradients into an ordered
 plan:
 
 1. ``flash_bwd_pre_<dt>``: ``delta = rowsum(dO * O) - dlse`` (O from aux for
@@ -34,15 +34,16 @@ from typing import Optional, Union
 
 import torch
 
-from ..plan import Launch, Plan, Unsupported
-from ..spec import AttentionSpec
+from ..problem import philox
+from ..problem.spec import AttentionSpec
+from . import choice
 from .backward_tiles import (DSINKS_KERNEL, DSINKS_THREADS, PRE_ROWS_PER_GROUP, PRE_THREADS, BackwardTiles,
                              backward_candidates, backward_tiles)
-from .. import philox
 from .forward import (MASK_KINDS, _last_dim_contiguous, check_aux, check_problem, effective_band, max_seqlens,
                       score_scale)
 from .limits import PipelineInfo, first_fitting
 from .params import FlashFwdParams
+from .plan import Launch, Plan, Unsupported
 
 SOURCE = "flash_bwd.metal"
 
@@ -148,11 +149,10 @@ def plan_backward(spec: AttentionSpec, dout: torch.Tensor, out: torch.Tensor, au
     reason = _check(spec, dout, out, aux, dlse, dq, dk, dv, dbias, dsinks)
     if reason is not None:
         return Unsupported(reason)
-    from .. import tuning
     from .forward import features, is_causal, max_seqlens
     max_q, max_k = max_seqlens(spec)
     try:
-        chosen = [tuning.planned("bwd", part, spec.q.dtype, spec.head_dim, spec.head_dim_v, family=family,
+        chosen = [choice.planned("bwd", part, spec.q.dtype, spec.head_dim, spec.head_dim_v, family=family,
                                  seqlen_q=max_q, seqlen_k=max_k, causal=is_causal(spec), features=features(spec))
                   for part in ("dq", "dkv")]
         candidates = backward_candidates(spec.q.dtype, max(spec.head_dim, spec.head_dim_v), family, *chosen)

@@ -16,10 +16,10 @@ parameters, preallocated out/lse) into one or two launches:
 ``num_splits=0`` picks the split count from the KV length and the GPU size
 (:func:`choose_splits`); ``num_splits > 0`` forces it (capped at
 :data:`MAX_SPLITS`).  Configurations the kernels do not cover come back as
-:class:`~torch_metal_flash.plan.Unsupported` with the reason.
+:class:`~torch_metal_flash.planner.plan.Unsupported` with the reason.
 
 The caches are in q's dtype, in float16 / bfloat16 under a float32 q (mixed
-precision), or :class:`~torch_metal_flash.quant.QuantizedTensor` (affine 4/8-bit,
+precision), or :class:`~torch_metal_flash.problem.quant.QuantizedTensor` (affine 4/8-bit,
 symmetric int8; the kernel dequantizes each packed word in registers as it
 loads a tile): the planner binds the packed words where a plain cache goes,
 with strides counted in rows, and the scales (and biases) next to them.
@@ -34,12 +34,13 @@ from typing import Optional, Union
 
 import torch
 
-from ..plan import Launch, Plan, Unsupported
-from ..quant import QuantizedTensor
-from ..spec import AttentionSpec
+from ..problem.quant import QuantizedTensor
+from ..problem.spec import AttentionSpec
+from . import choice
 from . import kvformat
 from .kvformat import MIXED_KV_DTYPES
 from .limits import PipelineInfo, first_fitting
+from .plan import Launch, Plan, Unsupported
 
 SOURCE = "flash_decode.metal"
 VARIANTS_SOURCE = "flash_decode_variants.metal"  # the tuner's further tiles (the same template)
@@ -304,10 +305,9 @@ def plan_decode(pb: DecodeProblem, num_splits: int = 0, gpu_cores: int = DEFAULT
     B, Hq, Lq, D = pb.q.shape
     if B == 0 or Hq == 0 or Lq == 0:
         return Plan(launches=())
-    from .. import tuning
     variant = None
     if pb.k_cache.dtype == pb.q.dtype:
-        variant = tuning.planned("decode", "decode", pb.q.dtype, D, D, seqlen_q=Lq, seqlen_k=pb.capacity,
+        variant = choice.planned("decode", "decode", pb.q.dtype, D, D, seqlen_q=Lq, seqlen_k=pb.capacity,
                                  causal=pb.window_right == 0, features={"mask": pb.mask is not None})
     tile = decode_tile(pb.q.dtype, D, pb.k_cache.dtype, variant)
     widest = row_cap(tile.bd)

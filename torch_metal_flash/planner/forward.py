@@ -1,6 +1,6 @@
 """Planner for the fused forward kernels in ``shaders/flash_fwd.metal``.
 
-``plan_forward`` turns an :class:`~torch_metal_flash.spec.AttentionSpec` plus
+``plan_forward`` turns an :class:`~torch_metal_flash.problem.spec.AttentionSpec` plus
 preallocated ``out`` / ``lse`` (and ``aux``, the backward's row state, when
 gradients are needed) into one launch: the tile from the table
 (:mod:`.tiles`), the grid ``(ceil(pack * Lq / BQ), Hq / pack, B)`` (``pack``
@@ -13,7 +13,7 @@ stored mask).  Tensors are
 bound as they are (no copies of q/k/v/mask; a broadcast mask is read through
 its 0 strides).  The per-head vectors (ALiBi slopes, sinks) must arrive as
 float32 (the faces convert them); the planner derives no tensors (see
-:mod:`torch_metal_flash.plan`).
+:mod:`torch_metal_flash.planner.plan`).
 """
 from __future__ import annotations
 
@@ -22,11 +22,12 @@ from typing import Optional, Union
 
 import torch
 
-from .. import philox
-from ..plan import Launch, Plan, Unsupported
-from ..spec import AttentionSpec, aux_width
+from ..problem import philox
+from ..problem.spec import AttentionSpec, aux_width
+from . import choice
 from .limits import PipelineInfo, first_fitting
 from .params import FlashFwdParams
+from .plan import Launch, Plan, Unsupported
 from .tiles import DTYPE_NAMES, MAX_HEAD_DIM, ForwardTile, forward_candidates, forward_tile
 
 SOURCE = "flash_fwd.metal"
@@ -233,7 +234,7 @@ def plan_forward(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor, aux:
                  probs: Optional[torch.Tensor] = None) -> Union[Plan, Unsupported]:
     """The ``flash_fwd.metal`` launch for the op's forward (the prefill kernel).
 
-    ``aux`` (see :mod:`torch_metal_flash.spec`), when given, receives the row
+    ``aux`` (see :mod:`torch_metal_flash.problem.spec`), when given, receives the row
     state the backward kernels need.  ``torch_metal_flash.planner.plan_forward``
     sends decode-shaped problems without ``aux`` to the split-K decode kernels
     first and everything else here.  With ``pipeline_info`` (the backend's),
@@ -246,10 +247,9 @@ def plan_forward(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor, aux:
     reason = _check(spec, out, lse, aux) or _check_probs(spec, probs)
     if reason is not None:
         return Unsupported(reason)
-    from .. import tuning
     max_q, max_k = max_seqlens(spec)
     try:
-        variant = tuning.planned("fwd", "fwd", spec.q.dtype, spec.head_dim, spec.head_dim_v, family=family,
+        variant = choice.planned("fwd", "fwd", spec.q.dtype, spec.head_dim, spec.head_dim_v, family=family,
                                  seqlen_q=max_q, seqlen_k=max_k, causal=is_causal(spec), features=features(spec))
         tiles = forward_candidates(spec.q.dtype, max(spec.head_dim, spec.head_dim_v), family, variant)
     except (KeyError, ValueError) as e:

@@ -7,7 +7,7 @@
    k/v and, with rotary, per (b, i, h) row of q, one thread per feature.  It
    rotates the new k and writes k/v into the cache (through the block table when
    paged, at ``cache_batch_idx`` rows otherwise) -- quantizing the rows when the
-   caches are :class:`~torch_metal_flash.quant.QuantizedTensor` -- and writes the
+   caches are :class:`~torch_metal_flash.problem.quant.QuantizedTensor` -- and writes the
    rotated q to a scratch tensor that the decode kernel then reads;
 2. the split-K decode launches of :func:`.decode.plan_decode` over the updated cache.
 
@@ -23,11 +23,11 @@ from typing import NamedTuple, Optional, Union
 
 import torch
 
-from ..plan import Launch, Plan, Unsupported
-from ..quant import QuantizedTensor, flat_format
+from ..problem.quant import QuantizedTensor, flat_format
 from . import kvformat
 from .decode import DTYPE_NAMES, MAX_HEAD_DIM, DecodeProblem, plan_decode
 from .limits import PipelineInfo, first_fitting
+from .plan import Launch, Plan, Unsupported
 
 SOURCE = "kvcache_append.metal"
 # [[function_constant(i)]] indices of kvcache_append.metal

@@ -1,12 +1,12 @@
 """How the decode and append kernels address a K/V cache: a tensor, or a QuantizedTensor.
 
 A plain cache is bound as it is, with its element strides.  A quantized one
-(:mod:`torch_metal_flash.quant`, ``shaders/kv_quant.h``) is bound as three
+(:mod:`torch_metal_flash.problem.quant`, ``shaders/kv_quant.h``) is bound as three
 buffers -- the packed words where a plain cache goes, then its scales (and
 biases) -- and addressed by row: the kernels take the strides of its leading
 dims counted in rows, which must be the same for the three components (true
-for what :func:`~torch_metal_flash.quant.quantize` /
-:func:`~torch_metal_flash.quant.quantized_zeros` make and for every view of
+for what :func:`~torch_metal_flash.problem.quant.quantize` /
+:func:`~torch_metal_flash.problem.quant.quantized_zeros` make and for every view of
 their leading dims).
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Optional, Union
 
 import torch
 
-from ..quant import QuantizedTensor
+from ..problem.quant import QuantizedTensor
 
 Cache = Union[torch.Tensor, QuantizedTensor]
 FORMATS = ("plain", "affine", "symmetric")

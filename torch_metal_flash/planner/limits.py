@@ -7,7 +7,7 @@ out at launch time would leave the earlier launches of its plan encoded.  So
 the planners take the backend's ``pipeline_info(source, kernel,
 function_constants)`` (cached by the backend; keys as in TEAM.md), try their
 candidate variants in order of preference and keep the first plan whose every
-launch fits, or return :class:`~torch_metal_flash.plan.Unsupported` (the op
+launch fits, or return :class:`~torch_metal_flash.planner.plan.Unsupported` (the op
 then falls back with the one-time warning).
 
 Planners stay pure: ``pipeline_info`` is an argument, and ``None`` (no backend,
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Mapping, Optional, Union
 
-from ..plan import Launch, Plan, Unsupported
+from .plan import Launch, Plan, Unsupported
 
 PipelineInfo = Callable[[str, str, Mapping[int, Union[bool, int, float]]], Mapping[str, int]]
 

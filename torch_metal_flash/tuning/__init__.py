@@ -384,3 +384,24 @@ def tune(problems, *, timer: Optional[Callable] = None, cache=None, progress: Op
     c.save()
     reload()
     return results
+
+
+# ----------------------------------------------------------------------------- hooks into the layers below
+
+def _sync_family(_family: Optional[str]) -> None:
+    # the plan cache keys on the family this thread plans with
+    from .. import core
+    core.load()
+    sync_thread()
+
+
+def _register_hooks() -> None:
+    from .. import core
+    from ..emulator import config
+    from ..planner import choice
+    core.when_loaded(sync_core)
+    config.on_family_change(_sync_family)
+    choice.install(planned)
+
+
+_register_hooks()

@@ -23,6 +23,8 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
+from .._paths import VERSION
+
 ENV = "TORCH_METAL_FLASH_TUNING_CACHE"
 FORMAT = 1
 _SEQ_CLASSES = (256, 1024, 4096, 16384)
@@ -51,8 +53,8 @@ def feature_class(causal: bool, features: dict) -> str:
 def gpu_name(family: str) -> str:
     """The device the choices are made for: the Mac's chip, else the emulator and its family."""
     if sys.platform == "darwin":
-        from ..doctor import _chip
-        return _chip()
+        from ..backends.metal import chip_name
+        return chip_name()
     return f"emulator-{family}"
 
 
@@ -61,8 +63,7 @@ def os_version() -> str:
 
 
 def package_version() -> str:
-    from .. import __version__
-    return __version__
+    return VERSION
 
 
 def default_path(gpu: str) -> Path:

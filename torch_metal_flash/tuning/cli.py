@@ -87,7 +87,7 @@ def verify(ops, dtypes, head_dims, report=print) -> int:
     import torch_metal_flash as tmf
     from torch_metal_flash import emulator
     from torch_metal_flash.backends.emulator import EmulatorBackend
-    from torch_metal_flash.spec import make_spec
+    from ..problem.spec import make_spec
     from torch_metal_flash.testing import check_backward, check_forward
     from . import use
 

@@ -3,15 +3,14 @@
 Same names, signatures and meaning as the ``flash_attn`` (2.x) package, on
 torch_metal_flash's kernels.  Functions whose kernels are not implemented yet
 raise :class:`NotImplementedError` naming what is missing; once
-``torch_metal_flash.functional`` provides them, the shim forwards to them.
+``torch_metal_flash.faces.functional`` provides them, the shim forwards to them.
 """
 from __future__ import annotations
 
 import importlib
 
-from torch_metal_flash import functional as _functional
-from torch_metal_flash.functional import (flash_attn_func, flash_attn_kvpacked_func,  # noqa: F401
-                                          flash_attn_qkvpacked_func)
+from .. import functional as _functional
+from ..functional import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
 
 __all__ = [
     "flash_attn_func",
@@ -26,8 +25,8 @@ __all__ = [
 
 
 # where torch_metal_flash implements each function (looked up at call time, so the shim picks
-# implementations up as they land): torch_metal_flash.functional first, then these modules
-_PROVIDERS = {"flash_attn_with_kvcache": ("torch_metal_flash.kvcache",)}
+# implementations up as they land): torch_metal_flash.faces.functional first, then these modules
+_PROVIDERS = {"flash_attn_with_kvcache": ("torch_metal_flash.faces.kvcache",)}
 
 
 def _forward(name: str, missing: str):

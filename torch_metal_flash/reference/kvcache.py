@@ -5,8 +5,8 @@ backend, or a configuration they do not cover) and by
 ``flash_attn_with_kvcache``'s debug mode (``TORCH_METAL_FLASH_DEBUG=1``).
 Both read the index tensors on the host, which on MPS is a GPU
 synchronisation; the kernel path never does (shaders/kvcache_index.h).
-Quantized caches (:class:`~torch_metal_flash.quant.QuantizedTensor`) get the new
-rows quantized with :func:`~torch_metal_flash.quant.quantize` (the kernels' rule)
+Quantized caches (:class:`~torch_metal_flash.problem.quant.QuantizedTensor`) get the new
+rows quantized with :func:`~torch_metal_flash.problem.quant.quantize` (the kernels' rule)
 and the attended rows dequantized.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from .quant import QuantizedTensor, quantize
+from ..problem.quant import QuantizedTensor, quantize
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,

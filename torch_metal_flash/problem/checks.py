@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from . import caches
+from .. import caches
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -224,7 +224,7 @@ class Memo:
 
 
 def kv_tensor(name: str, t, ndim: Optional[Sequence[int]] = None):
-    """A K/V argument: a tensor, or a :class:`~torch_metal_flash.quant.QuantizedTensor`."""
+    """A K/V argument: a tensor, or a :class:`~torch_metal_flash.problem.quant.QuantizedTensor`."""
     from .quant import QuantizedTensor
     if isinstance(t, QuantizedTensor):
         if ndim is not None and t.dim() not in ndim:

@@ -28,7 +28,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from .layout import empty_in_layout
+from ..problem.layout import empty_in_layout
 
 
 class PaddedLayout(NamedTuple):

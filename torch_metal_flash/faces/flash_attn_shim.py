@@ -9,11 +9,11 @@
 
 Nothing is installed on import of torch_metal_flash: only
 :func:`install_flash_attn_shim` puts the shim package
-(``torch_metal_flash._flash_attn_shim``) into ``sys.modules`` as
+(``torch_metal_flash.faces.flash_attn_package``) into ``sys.modules`` as
 ``flash_attn`` and ``flash_attn.flash_attn_interface``.  The functions are
 looked up at call time (``flash_attn_varlen_func`` and its packed forms in
-``torch_metal_flash.functional``, ``flash_attn_with_kvcache`` there or in
-``torch_metal_flash.kvcache``); one that does not exist raises
+``torch_metal_flash.faces.functional``, ``flash_attn_with_kvcache`` there or in
+``torch_metal_flash.faces.kvcache``); one that does not exist raises
 :class:`NotImplementedError` naming what is missing.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from types import ModuleType
 
 __all__ = ["install_flash_attn_shim", "uninstall_flash_attn_shim", "is_flash_attn_shim_installed"]
 
-_SHIM_PACKAGE = "torch_metal_flash._flash_attn_shim"
+_SHIM_PACKAGE = "torch_metal_flash.faces.flash_attn_package"
 _SUBMODULES = ("flash_attn_interface", "bert_padding")
 
 _lock = threading.Lock()

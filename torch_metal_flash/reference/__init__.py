@@ -1,6 +1,6 @@
 """Plain-PyTorch attention: the reference backend and the oracle for the kernels.
 
-Implements every feature of :class:`~torch_metal_flash.spec.AttentionSpec`
+Implements every feature of :class:`~torch_metal_flash.problem.spec.AttentionSpec`
 exactly, in float32 (float64 for float64 inputs).  Query rows are processed in
 chunks so that no more than ``_CHUNK_ELEMENTS`` scores exist at once: memory is
 O(L) for long sequences, never B·H·L·S.  GQA broadcasts K/V per group in the
@@ -15,9 +15,9 @@ from typing import Iterator, Optional
 
 import torch
 
-from . import philox
-from .layout import empty_in_layout
-from .spec import AttentionSpec, stats_dtype
+from ..problem import philox
+from ..problem.layout import empty_in_layout
+from ..problem.spec import AttentionSpec, stats_dtype
 
 _CHUNK_ELEMENTS = 1 << 24  # scores per chunk (64 MiB in float32)
 # A row whose lse is below this has every score below it too (e.g. a float mask
@@ -113,7 +113,7 @@ def forward(spec: AttentionSpec, aux: Optional[torch.Tensor] = None) -> tuple[to
     """Returns ``out`` (q's dtype and layout) and ``lse`` (float32, (B, Hq, Lq)).
 
     When ``aux`` is given it is filled with the row state of
-    :mod:`torch_metal_flash.spec` (row max and sum; the output before it is
+    :mod:`torch_metal_flash.problem.spec` (row max and sum; the output before it is
     rounded to the input dtype), which either backward (reference or kernels)
     can take.
     """
@@ -261,7 +261,7 @@ def _varlen_forward(spec: AttentionSpec, aux: Optional[torch.Tensor]):
 def _varlen_backward(spec: AttentionSpec, dout, out, aux, dlse):
     if spec.varlen.block_table is not None:
         raise NotImplementedError("block_table: the backward takes packed K/V (metal_flash.fwd's autograd gathers "
-                                  "paged K/V first, torch_metal_flash.paged)")
+                                  "paged K/V first, torch_metal_flash.ops.paged)")
     ct = compute_dtype(spec.q)
     dq = empty_in_layout(spec.q).zero_()
     dk = torch.zeros(spec.k.shape, dtype=ct, device=spec.k.device)

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from ._paths import csrc_dir
-from .emulator import compiler as emc
-from .emulator.errors import CompilerNotFoundError
+from .._paths import csrc_dir
+from ..emulator import compiler as emc
+from ..emulator.errors import CompilerNotFoundError
 
 MODULE_NAME = "_tmf_core"
 

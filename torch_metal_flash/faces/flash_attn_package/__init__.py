@@ -1,5 +1,5 @@
 """The ``flash_attn`` package API on torch_metal_flash (installed as ``flash_attn`` in
-``sys.modules`` by :func:`torch_metal_flash.flash_attn_shim.install_flash_attn_shim`,
+``sys.modules`` by :func:`torch_metal_flash.faces.flash_attn_shim.install_flash_attn_shim`,
 never on import).
 
 ``__version__`` is the flash-attn API level the shim follows (some code gates

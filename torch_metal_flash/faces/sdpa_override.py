@@ -58,7 +58,8 @@ from typing import Iterator, Optional
 
 import torch
 
-from . import backends, checks, ops
+from .. import backends, ops
+from ..problem import checks
 from .functional import _as_4d, _sdpa_checks, mask_as_4d, scaled_dot_product_attention, sdpa_checked
 
 __all__ = ["enable_sdpa", "disable_sdpa", "sdpa_override", "sdpa_stats", "reset_sdpa_stats", "is_sdpa_enabled"]
@@ -194,7 +195,7 @@ def _device_reason(device: torch.device) -> Optional[str]:
     if device.type == "mps":
         if name not in ("auto", "metal"):
             return f"backend {name!r} selected for MPS tensors"
-        from .backends import metal
+        from ..backends import metal
         return metal.unavailable_reason(device)
     if device.type == "cpu":
         mode = _cpu_mode()

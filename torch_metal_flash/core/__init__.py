@@ -14,13 +14,13 @@ behave as in :mod:`.backends`: the C++ side mirrors each thread's choice and
 calls back here for everything but the kernels.
 
 Adding an op (the seam): define it with ``torch.library.custom_op`` whose body
-is ``core.call_slow(MY_OP, args)``, register its fake kernel, then
+is ``core.python_body(MY_OP, args)``, register its fake kernel, then
 ``register(CoreOp("ns::name", outputs=..., plan=..., reference=...))``.  Its
 schema may use Tensor, Tensor?, int, float, bool, int[] and str arguments and
 return tensors; mutated arguments are bound as arguments.
 
 The core is part of ``torch_metal_flash._C`` on macOS (next to the Metal
-encoder); elsewhere it is built at first use (:mod:`._core_build`) and serves
+encoder); elsewhere it is built at first use (:mod:`torch_metal_flash.native.build`) and serves
 CPU tensors behind the emulator backend.  ``TORCH_METAL_FLASH_PLAN_CACHE_SIZE``
 bounds the cache (default 512 templates); ``TORCH_METAL_FLASH_PLAN_CACHE_VERIFY=1``
 re-plans every hit and raises if the template differs (the test suite runs so).
@@ -34,11 +34,13 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from . import backends, caches, checks
-from .plan import Plan, Unsupported
+from .. import backends, caches, native
+from ..backends import metal
+from ..planner.plan import Plan, Unsupported
+from ..problem import checks
 
 __all__ = ["CoreOp", "register", "load", "loaded", "plan_cache_info", "plan_cache_clear", "configure_plan_cache",
-           "call_slow"]
+           "python_body"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,20 +145,16 @@ def load():
         return _ext
     with _lock:
         if _ext is None:
-            from .backends import metal
-            ext = metal._extension()
-            if ext is None or not hasattr(ext, "core"):
-                from . import _core_build
-                ext = _core_build.load()
+            ext = native.core_extension()
             ext.core.init(_on_miss, _reference, _autograd, _debug_check, _current_choice, _emulator_prepare,
                           _emulator_encode)
             for i in range(len(_OPS)):
                 _register_with(ext, i)
-            backends._mirror = ext.core.set_thread_backend
+            backends.mirror_choice_to(ext.core.set_thread_backend)
             checks.use_native_signature(getattr(ext.core, "signature", None))
             transpose_12 = getattr(ext.core, "transpose_12", _transpose_12)
-            from . import tuning
-            tuning.sync_core(ext)
+            for hook in _on_load:
+                hook(ext)
             _ext = ext
     return _ext
 
@@ -165,11 +163,19 @@ def loaded() -> bool:
     return _ext is not None
 
 
+_on_load: list[Callable] = []
+
+
+def when_loaded(hook: Callable) -> None:
+    """Call ``hook(ext)`` as the core loads (layers above it, e.g. tuning, hand it their state)."""
+    _on_load.append(hook)
+
+
 def _serves(device: torch.device) -> bool:
     return device.type == "cpu" or (device.type == "mps" and load().core.has_encoder("metal"))
 
 
-def call_slow(op: CoreOp, args: tuple):
+def python_body(op: CoreOp, args: tuple):
     """The op's Python body: reached only while the core does not serve the call's
     device (not loaded yet, or another device such as CUDA).  Loads the core when a
     kernel backend is selected and hands the call over; else runs the reference."""
@@ -253,6 +259,10 @@ def run_counts(reset: bool = False) -> dict:
     if _ext is None:
         return {}
     return {name: n for name, n in _ext.core.run_counts(reset).items() if n}
+
+
+backends.count_runs_from(run_counts)
+metal.run_plans_with(run_plan)
 
 
 # ---------------------------------------------------------------------------
@@ -339,7 +349,8 @@ def _template(plan: Plan, args: tuple, outputs: tuple):
                 ref = by_place.get(_place(b))
             if ref is None:
                 raise RuntimeError(f"{launch.kernel}: buffer {index} is neither an argument of the op, an output nor "
-                                   f"the plan's scratch; planners must not derive tensors (see torch_metal_flash.plan)")
+                                   f"the plan's scratch; planners must not derive tensors "
+                                   f"(see torch_metal_flash.planner.plan)")
             buffers.append((index, (ref[0], ref[1], extent_bytes(b))))
         launches.append((launch.source, launch.kernel, sorted(launch.function_constants.items()), buffers,
                          tuple(launch.threadgroups), tuple(launch.threadgroup),

@@ -22,7 +22,7 @@ plan cache, the fallbacks and the reference path stay one path; the existing
 calls keep their meaning (the defaults switch both off).
 
 * ``dropout_p`` > 0 drops attention probabilities, each by Philox
-  (:mod:`torch_metal_flash.philox`) from ``rng_state`` = (seed, offset), int64
+  (:mod:`torch_metal_flash.problem.philox`) from ``rng_state`` = (seed, offset), int64
   (2,) on q's device, and rescales the kept ones by 1 / (1 - p); the backward
   regenerates the mask from the same ``rng_state`` (nothing stored: memory stays
   O(L)).  The faces draw ``rng_state`` from the device's default generator per
@@ -37,7 +37,7 @@ calls keep their meaning (the defaults switch both off).
   (num_seqs, max_blocks) makes ``k``/``v`` paged caches (num_blocks, Hkv,
   page_size, D)-indexed (``bwd`` takes packed K/V only: fwd's autograd formula
   gathers paged K/V into a packed layout and sums dK/dV back into the blocks,
-  :mod:`torch_metal_flash.paged`).  The kernels read these index vectors
+  :mod:`torch_metal_flash.ops.paged`).  The kernels read these index vectors
   on the GPU (no host synchronisation) and clamp what is out of range to the
   tensors: offsets to [0, total], each length to [0, max_seqlen] (an end before
   its start: an empty sequence), ``seqused_k`` to [0, the sequence's keys], block
@@ -52,12 +52,12 @@ calls keep their meaning (the defaults switch both off).
   ``probs >= 0`` (``~signbit``) recovers the keep mask, ``|probs| * exp(m - lse)``
   the probabilities.  It is O(L^2): for tests.
 
-``aux`` is the row state the backward needs (:mod:`torch_metal_flash.spec`:
+``aux`` is the row state the backward needs (:mod:`torch_metal_flash.problem.spec`:
 row max and sum, and the unrounded output for fp16/bf16), written only when
 ``return_aux`` (the faces pass ``True`` when an input requires grad), else an
 empty tensor; either side of a training step may fall back to the reference
 path, aux is the same contract for both.  Both take the general problem of
-:mod:`torch_metal_flash.spec` so that the SDPA and flash-attn faces map onto
+:mod:`torch_metal_flash.problem.spec` so that the SDPA and flash-attn faces map onto
 them without copies.  ``fwd_kvcache`` (``flash_attn_with_kvcache``) appends to
 a KV cache in place and attends to it.
 
@@ -75,11 +75,11 @@ contiguous ``dlse`` (the autograd formula makes them so).  ``fwd`` and
 ``fwd_kvcache`` also take K/V (caches) in float16 / bfloat16 under a float32 q
 (mixed precision, on the decode kernels).
 
-Quantized K/V (:mod:`torch_metal_flash.quant`, inference only) have their own
+Quantized K/V (:mod:`torch_metal_flash.problem.quant`, inference only) have their own
 ops, each the plain op's arguments with ``k``/``v`` (``k_cache``/``v_cache``)
 the packed data, followed by the scales, the biases (None: symmetric int8) and
 the format ``kv_bits, kv_group_size, kv_dtype`` (dtype code of
-:data:`~torch_metal_flash.quant.DTYPE_CODES`):
+:data:`~torch_metal_flash.problem.quant.DTYPE_CODES`):
 
 * ``fwd_quantized(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset,
   window_left, window_right, softcap, k_scales, k_biases, v_scales, v_biases,
@@ -97,12 +97,15 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import backends, checks, core, kvcache_reference, paged, planner, reference
-from .layout import empty_in_layout
-from .plan import Unsupported
-from .planner.kvcache import KvCacheProblem, plan_kvcache
-from .quant import from_flat
-from .spec import AttentionSpec, aux_width, make_spec, stats_dtype
+from .. import backends, core, planner, reference
+from ..planner.kvcache import KvCacheProblem, plan_kvcache
+from ..planner.plan import Unsupported
+from ..problem import checks
+from ..problem.layout import empty_in_layout
+from ..problem.quant import from_flat
+from ..problem.spec import AttentionSpec, aux_width, make_spec, stats_dtype
+from ..reference import kvcache as kvcache_reference
+from . import paged
 
 
 def check_args(q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right,
@@ -182,7 +185,7 @@ def check_dropout_varlen(q, k, v, attn_mask, dropout_p, rng_state, cu_seqlens_q,
                              f"{rng_state.dtype} {tuple(rng_state.shape)} on {rng_state.device}")
     elif dropout_p > 0:
         raise ValueError("rng_state: required when dropout_p > 0 (an int64 (seed, offset) pair; "
-                         "torch_metal_flash.philox.new_rng_state(device) draws one)")
+                         "torch_metal_flash.problem.philox.new_rng_state(device) draws one)")
     if (cu_seqlens_q is None) != (cu_seqlens_k is None):
         raise ValueError("cu_seqlens_q, cu_seqlens_k: pass both (varlen) or neither")
     if cu_seqlens_q is None:
@@ -333,10 +336,10 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], alibi_slop
         cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
         seqused_k: Optional[Tensor] = None, block_table: Optional[Tensor] = None, max_seqlen_q: int = 0,
         max_seqlen_k: int = 0) -> tuple[Tensor, Tensor, Tensor]:
-    """Attention forward on (B, H, L, D)-indexed tensors; see :mod:`torch_metal_flash.spec`.
+    """Attention forward on (B, H, L, D)-indexed tensors; see :mod:`torch_metal_flash.problem.spec`.
     Returns ``out``, ``lse`` and ``aux`` (the backward's row state when
     ``return_aux``, else empty).  Dropout and varlen: see the module doc."""
-    return core.call_slow(FWD, (q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left,
+    return core.python_body(FWD, (q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left,
                                 window_right, softcap, return_aux, dropout_p, rng_state, cu_seqlens_q,
                                 cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k))
 
@@ -357,7 +360,7 @@ def _bwd_buffers(spec: AttentionSpec, compute_dbias: bool):
 
 
 def _bwd_spec(args: tuple) -> AttentionSpec:
-    """The spec of bwd's arguments (no block_table: bwd takes packed K/V, see :mod:`torch_metal_flash.paged`)."""
+    """The spec of bwd's arguments (no block_table: bwd takes packed K/V, see :mod:`torch_metal_flash.ops.paged`)."""
     q, k, v = args[1:4]
     return _spec(q, k, v, *args[7:15], *args[16:21], None, *args[21:23])
 
@@ -410,7 +413,7 @@ def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, aux: Tensor,
     empty; both float32 (float64 for float64 inputs).  The dropout and varlen
     arguments must be the forward's (the same ``rng_state`` regenerates its mask);
     varlen dK/dV rows of keys a sequence does not use (seqused_k) are zero."""
-    return core.call_slow(BWD, (dout, q, k, v, out, aux, dlse, attn_mask, alibi_slopes, sinks, scale, diag_offset,
+    return core.python_body(BWD, (dout, q, k, v, out, aux, dlse, attn_mask, alibi_slopes, sinks, scale, diag_offset,
                                 window_left, window_right, softcap, compute_dbias, dropout_p, rng_state,
                                 cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k))
 
@@ -449,7 +452,7 @@ def _backward(ctx, dout, dlse, _daux):
     layout = None
     if block_table is not None:
         # Paged K/V: the varlen backward runs on the cache gathered into a padded packed
-        # layout; dK/dV are summed back into the blocks (torch_metal_flash.paged).
+        # layout; dK/dV are summed back into the blocks (torch_metal_flash.ops.paged).
         layout = paged.padded_layout(block_table, cu_seqlens_k, seqused_k, max_seqlens[1], page=k.shape[2],
                                      num_blocks=k.shape[0])
         caches = (k, v)
@@ -521,7 +524,7 @@ def fwd_probs(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], alib
               max_seqlen_k: int = 0) -> Tensor:
     """flash-attn's ``S_dmask`` of :func:`fwd` with the same arguments (debug, O(L^2);
     see the module doc).  Not differentiable."""
-    return core.call_slow(FWD_PROBS, (q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left,
+    return core.python_body(FWD_PROBS, (q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left,
                                       window_right, softcap, dropout_p, rng_state, cu_seqlens_q, cu_seqlens_k,
                                       seqused_k, block_table, max_seqlen_q, max_seqlen_k))[0]
 
@@ -585,7 +588,7 @@ def fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor]
     clamped or ignored (shaders/kvcache_index.h); the reference path, and the
     kernel path in debug mode (``TORCH_METAL_FLASH_DEBUG=1``), validate them on the
     host.  Returns ``out`` (B, Lq, Hq, D) and ``lse`` (B, Hq, Lq)."""
-    return core.call_slow(FWD_KVCACHE, (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+    return core.python_body(FWD_KVCACHE, (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                         cache_batch_idx, cache_leftpad, block_table, alibi_slopes, seqlen, scale,
                                         window_left, window_right, softcap, rotary_interleaved, num_splits))
 
@@ -646,7 +649,7 @@ def fwd_quantized(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], 
     """:func:`fwd` over quantized K/V: ``k``/``v`` are the packed data of (B, Hkv, Lk, D)
     QuantizedTensors (see the module doc).  The kernels dequantize in registers (every
     query length takes the decode kernels); the reference path dequantizes first."""
-    return core.call_slow(FWD_QUANTIZED, (q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left,
+    return core.python_body(FWD_QUANTIZED, (q, k, v, attn_mask, alibi_slopes, sinks, scale, diag_offset, window_left,
                                           window_right, softcap, k_scales, k_biases, v_scales, v_biases, kv_bits,
                                           kv_group_size, kv_dtype))
 
@@ -675,7 +678,7 @@ def fwd_kvcache_quantized(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Option
     """:func:`fwd_kvcache` over quantized caches (``k_cache``/``v_cache`` their packed
     data): the new ``k``/``v`` rows (in the caches' dtype) are quantized by the append
     kernel into the caches in place, and the attention reads the stored values."""
-    return core.call_slow(FWD_KVCACHE_QUANTIZED, (
+    return core.python_body(FWD_KVCACHE_QUANTIZED, (
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
         alibi_slopes, seqlen, scale, window_left, window_right, softcap, rotary_interleaved, num_splits,
         k_cache_scales, k_cache_biases, v_cache_scales, v_cache_biases, kv_bits, kv_group_size, kv_dtype))

@@ -15,8 +15,8 @@ kernels of ``shaders/flash_decode.metal``; both read ``cache_seqlens``,
 or ignore out-of-range values (``shaders/kvcache_index.h``).  With
 ``TORCH_METAL_FLASH_DEBUG=1`` the op validates the values on the host first,
 with clear errors; the reference path (other backends, or what the kernels do
-not cover) validates them always (:mod:`torch_metal_flash.kvcache_reference`).
-Quantized caches (:mod:`torch_metal_flash.quant`) go to the op
+not cover) validates them always (:mod:`torch_metal_flash.reference.kvcache`).
+Quantized caches (:mod:`torch_metal_flash.problem.quant`) go to the op
 ``metal_flash::fwd_kvcache_quantized`` (:meth:`KvCacheProblem.op_call`).
 """
 from __future__ import annotations
@@ -26,9 +26,10 @@ from typing import Optional, Union
 
 import torch
 
-from . import checks, ops  # noqa: F401  (ops registers torch.ops.metal_flash)
-from .kvcache_reference import Geometry, apply_rotary, check_rotary_length, check_seqlens
-from .planner.kvcache import KvCacheProblem
+from .. import ops  # noqa: F401  (ops registers torch.ops.metal_flash)
+from ..planner.kvcache import KvCacheProblem
+from ..problem import checks
+from ..reference.kvcache import Geometry, apply_rotary, check_rotary_length, check_seqlens
 
 __all__ = ["flash_attn_with_kvcache", "apply_rotary"]
 
@@ -237,8 +238,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             ``block_table``; (num_blocks, page_block_size, nheads_k, headdim) with
             it (paged cache; any page size).  nheads a multiple of nheads_k (MQA/GQA).
             Same dtype as q (float16, bfloat16, float32; float64 on the reference path),
-            float16 / bfloat16 under a float32 q, or quantized (:class:`~torch_metal_flash.quant.QuantizedTensor`,
-            e.g. from :func:`~torch_metal_flash.quant.quantized_zeros`: the new rows are
+            float16 / bfloat16 under a float32 q, or quantized (:class:`~.problem.quant.QuantizedTensor`,
+            e.g. from :func:`~torch_metal_flash.problem.quant.quantized_zeros`: the new rows are
             quantized by the append kernel, and this call attends to them as stored).
         k, v: optional (batch, seqlen_new, nheads_k, headdim) new keys/values to append,
             in the caches' dtype or q's.

@@ -1,11 +1,11 @@
 """The public faces: ``scaled_dot_product_attention`` (torch semantics) and the
 ``flash_attn`` package API.  Both check their arguments here and map onto the
 one ``metal_flash.fwd`` op without copying or transposing memory -- or, for
-quantized K/V (:class:`~torch_metal_flash.quant.QuantizedTensor`, inference
+quantized K/V (:class:`~torch_metal_flash.problem.quant.QuantizedTensor`, inference
 only), onto ``metal_flash.fwd_quantized``.  K/V may also be float16 / bfloat16
 under a float32 query (mixed precision).  Dropout runs in the kernels, each
 call drawing its Philox (seed, offset) from the device's default generator
-(:mod:`torch_metal_flash.philox`); the varlen faces make one op call for all
+(:mod:`torch_metal_flash.problem.philox`); the varlen faces make one op call for all
 their sequences, reading ``cu_seqlens`` on the GPU only."""
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import checks, core, ops, philox, reference  # noqa: F401  (ops registers torch.ops.metal_flash)
-from .quant import QuantizedTensor, flat_format
-from .spec import stats_dtype
+from .. import core, ops, reference  # noqa: F401  (ops registers torch.ops.metal_flash)
+from ..problem import checks, philox
+from ..problem.quant import QuantizedTensor, flat_format
+from ..problem.spec import stats_dtype
 
 
 class Varlen(NamedTuple):
@@ -105,7 +106,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     ``is_causal`` when both are given (as torch 2.13 does).  ``enable_gqa`` lets
     Hq be a multiple of Hkv (K/V are never repeated in memory).  Rows with no
     visible key return zeros.  Returns (..., Hq, L, Ev) in the query's dtype.
-    ``key``/``value`` may be quantized (:class:`~torch_metal_flash.quant.QuantizedTensor`,
+    ``key``/``value`` may be quantized (:class:`~torch_metal_flash.problem.quant.QuantizedTensor`,
     inference only), or float16 / bfloat16 under a float32 ``query``.
     """
     signature = checks.memo_key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
@@ -222,7 +223,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         element, negated where dropout drops it (the sign bit: ``S_dmask >= 0`` is the
         keep mask), 0 where nothing is seen; None without dropout.
 
-    ``k``/``v`` may be quantized (:class:`~torch_metal_flash.quant.QuantizedTensor`,
+    ``k``/``v`` may be quantized (:class:`~torch_metal_flash.problem.quant.QuantizedTensor`,
     inference only), or float16 / bfloat16 under a float32 ``q`` (mixed precision).
     """
     if isinstance(k, QuantizedTensor):
@@ -300,11 +301,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) cumulative sequence lengths, starting at 0.
         max_seqlen_q, max_seqlen_k: ints, the largest lengths (bound the kernels' grids; as
             flash-attn, window sizes >= max_seqlen_k mean unbounded).
-        k, v may also be quantized (:class:`~torch_metal_flash.quant.QuantizedTensor`) or
+        k, v may also be quantized (:class:`~torch_metal_flash.problem.quant.QuantizedTensor`) or
             float16 / bfloat16 under a float32 ``q``: converted to q's dtype first (a copy).
         block_table: int32 (batch, max_num_blocks_per_seq): sequence b's key j is row
             j % page_block_size of block block_table[b, j // page_block_size].  Differentiable: the
-            caches' gradients have their shape (torch_metal_flash.paged: blocks shared by several
+            caches' gradients have their shape (torch_metal_flash.ops.paged: blocks shared by several
             sequences get the sum of their gradients, deterministically).
         seqused_k: int32 (batch,) (flash-attn 3's argument): only the first seqused_k[b]
             keys of sequence b are attended (causal/windows aligned to them).

@@ -1,0 +1,116 @@
+"""The package's layout shows its layers (docs/architecture.md): no module imports a layer
+above its own, so there is no import cycle; few modules at the top level; the old module
+paths still import."""
+import ast
+import importlib
+import types
+from pathlib import Path
+
+import pytest
+
+import torch_metal_flash
+
+PACKAGE = Path(torch_metal_flash.__file__).parent
+NAME = "torch_metal_flash"
+
+# Bottom to top; a module may import its own layer and the layers below.
+LAYERS = [
+    {"_paths", "caches"},
+    {"emulator"},
+    {"native"},
+    {"problem"},
+    {"planner"},
+    {"reference"},
+    {"backends"},
+    {"core"},
+    {"ops"},
+    {"tuning"},
+    {"faces"},
+    {"integrations", "nn"},
+    {"diagnostics", "testing"},
+    {"doctor", "__main__", ""},  # "" is the package's __init__
+]
+RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+# Commands sit on top whatever folder they live in (`python -m torch_metal_flash tune` runs the faces).
+COMMANDS = {f"{NAME}.tuning.cli"}
+
+
+def _modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        yield ".".join(parts[:-1] if is_package else parts), is_package, path
+
+
+def _imports(module: str, is_package: bool, path: Path):
+    """Every package module ``module`` imports, at module level or inside functions."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".") if is_package else module.split(".")[:-1]
+                base = base[:len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            for alias in node.names:
+                yield target, alias.name, node.lineno
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, None, node.lineno
+
+
+def _layer(dotted: str) -> str:
+    if dotted in COMMANDS:
+        return "__main__"
+    parts = dotted.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def test_every_module_is_in_a_layer():
+    unplaced = sorted({_layer(m) for m, _, _ in _modules()} - set(RANK))
+    assert not unplaced, f"place these in LAYERS (and docs/architecture.md): {unplaced}"
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    known = {m for m, _, _ in _modules()}
+    wrong = []
+    for module, is_package, path in _modules():
+        for target, name, line in _imports(module, is_package, path):
+            if not (target == NAME or target.startswith(NAME + ".")):
+                continue
+            full = f"{target}.{name}" if name and f"{target}.{name}" in known else target
+            if full == NAME and name is not None:
+                continue  # `from torch_metal_flash import x` inside the top layer is checked below
+            mine, theirs = _layer(module), _layer(full)
+            if RANK[theirs] > RANK[mine]:
+                wrong.append(f"{path.relative_to(PACKAGE.parent)}:{line} ({mine}) imports {full} ({theirs})")
+    assert not wrong, "imports upward:\n" + "\n".join(wrong)
+
+
+def test_only_the_top_layer_imports_the_package_itself():
+    wrong = [f"{path.relative_to(PACKAGE.parent)}:{line}"
+             for module, is_package, path in _modules() if RANK[_layer(module)] < RANK["doctor"]
+             for target, name, line in _imports(module, is_package, path)
+             if target == NAME and (name is None or f"{NAME}.{name}" not in {m for m, _, _ in _modules()})]
+    assert not wrong, f"these import the package's __init__ (a cycle): {wrong}"
+
+
+def test_at_most_ten_modules_at_the_top_level():
+    top = sorted(p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
+    assert len(top) <= 10, top
+
+
+@pytest.mark.parametrize("old, new", sorted(torch_metal_flash._MOVED.items()))
+def test_old_module_paths_import_the_moved_module(old, new):
+    moved = importlib.import_module(f"{NAME}.{new}")
+    assert importlib.import_module(f"{NAME}.{old}") is moved
+    if old != "sdpa_override":  # the package's attribute of that name is the function
+        assert getattr(torch_metal_flash, old) is moved
+    assert moved.__spec__.name == f"{NAME}.{new}"
+
+
+def test_the_old_sdpa_override_path_keeps_the_function():
+    importlib.import_module(f"{NAME}.sdpa_override")
+    assert not isinstance(torch_metal_flash.sdpa_override, types.ModuleType)
+    with torch_metal_flash.sdpa_override():
+        pass
