@@ -89,7 +89,7 @@ def seam(monkeypatch, request):
         def plan_forward(spec, out, lse, aux, family, pipeline_info):
             calls.append(spec)
             return answer(spec, out, lse)
-        monkeypatch.setattr(ops, "planner", types.SimpleNamespace(plan_forward=plan_forward))
+        monkeypatch.setattr(ops.attention, "planner", types.SimpleNamespace(plan_forward=plan_forward))
         # (patched on the class: undoing a patch of the instance would leave an instance attribute behind)
         monkeypatch.setattr(EmulatorBackend, "prepare", lambda self, *launch: launch)
         monkeypatch.setattr(EmulatorBackend, "encode", lambda self, launches: encoder(launches))

@@ -98,13 +98,13 @@ def test_lru_bounds_the_cache():
 def test_verify_mode_catches_an_incomplete_key(monkeypatch):
     """A planner that depends on something outside the key is caught on the next hit."""
     calls = []
-    plan_forward = ops.planner.plan_forward
+    plan_forward = ops.attention.planner.plan_forward
 
     def drifting(spec, out, lse, aux, family, pipeline_info):
         calls.append(1)
         return plan_forward(spec, out, lse, family=family) if len(calls) == 1 else plan_forward(
             make_spec(spec.q, spec.k, spec.v, scale=spec.scale * 2), out, lse, family=family)
-    monkeypatch.setattr(ops, "planner", type("P", (), {"plan_forward": staticmethod(drifting)}))
+    monkeypatch.setattr(ops.attention, "planner", type("P", (), {"plan_forward": staticmethod(drifting)}))
     verify = core.plan_cache_info()["verify"]
     core.configure_plan_cache(verify=True)
     q, k, v = _qkv()
@@ -120,7 +120,7 @@ def test_verify_mode_catches_an_incomplete_key(monkeypatch):
 def test_planners_must_not_derive_tensors(monkeypatch):
     def deriving(spec, out, lse, aux, family, pipeline_info):
         return Plan((Launch("flash_fwd.metal", "k", (1, 1, 1), (32, 1, 1), {0: spec.q.clone(), 3: out}),))
-    monkeypatch.setattr(ops, "planner", type("P", (), {"plan_forward": staticmethod(deriving)}))
+    monkeypatch.setattr(ops.attention, "planner", type("P", (), {"plan_forward": staticmethod(deriving)}))
     q, k, v = _qkv()
     with tmf.backend("emulator"), pytest.raises(RuntimeError, match="neither an argument of the op"):
         fwd(*_args(q, k, v))

@@ -305,7 +305,7 @@ def test_every_face_runs_dropout_on_the_kernels():
 def test_no_stored_mask():
     """Dropout keeps memory O(B*H*L): no scratch in the forward plan, the backward's the same as
     without dropout (delta and row stats)."""
-    from torch_metal_flash.ops import _bwd_buffers, _fwd_buffers
+    from torch_metal_flash.ops.attention import _bwd_buffers, _fwd_buffers
     from torch_metal_flash.planner import plan_backward, plan_forward
     from torch_metal_flash.planner.backward import scratch_bytes
     spec, dout, _ = _padded(CASES[0])

@@ -30,7 +30,7 @@ def saved_forward(spec: AttentionSpec):
     sum; the float32 output for fp16/bf16), from the forward kernel in the
     emulator (fast mode) -- the backward rebuilds P from the very same scores."""
     from torch_metal_flash import emulator
-    from torch_metal_flash.ops import _fwd_buffers
+    from torch_metal_flash.ops.attention import _fwd_buffers
     from torch_metal_flash.planner import plan_forward
 
     out, lse, aux = _fwd_buffers(spec.q, spec.v, True)
@@ -73,7 +73,7 @@ def run_plan(plan: Plan, order: str = "forward", checked: bool = True) -> list:
 
 def grad_buffers(spec: AttentionSpec, compute_dbias: bool, poison: bool = True):
     """Gradients as ops.bwd allocates them (layout-preserving), poisoned with NaN."""
-    from torch_metal_flash.ops import _bwd_buffers
+    from torch_metal_flash.ops.attention import _bwd_buffers
     bufs = _bwd_buffers(spec, compute_dbias)
     if poison:
         for b in bufs:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from torch_metal_flash import doctor
+from torch_metal_flash.backends import metal
 from torch_metal_flash.backends.emulator import EmulatorBackend
 from torch_metal_flash.problem.layout import empty_in_layout
 from torch_metal_flash.planner.plan import Unsupported
@@ -74,7 +75,7 @@ def test_mps_without_working_metal_kernels_fails(monkeypatch, capsys):
 def test_macos_before_14_fails(monkeypatch):
     monkeypatch.setattr(doctor.platform, "mac_ver", lambda: ("13.6.1", ("", "", ""), "arm64"))
     rows, failures = doctor.machine_rows("emulator", None, "test")
-    assert ("machine", f"macOS 13.6.1, {doctor._chip()}") in rows
+    assert ("machine", f"macOS 13.6.1, {metal.chip_name()}") in rows
     assert failures == ["macOS 13.6.1: torch_metal_flash needs macOS 14 or newer (Metal Shading Language 3.1 for "
                         "bfloat; torch's MPS backend)"]
 

@@ -123,7 +123,7 @@ class Result:
 # ---------------------------------------------------------------- helpers
 
 
-def _mask(text: str) -> str:
+def _blank_literals_and_directives(text: str) -> str:
     """Same-length copy with string/char literal contents and directive lines blanked."""
     out = list(text)
     i, n = 0, len(text)
@@ -190,7 +190,7 @@ def _bool_lane_specializations(text: str) -> str:
     and parameter types ``__Mb`` too, so that it still specializes the template, and its
     ``return``s convert to the lane as a bool converts (``return (__Mb)(...)``: the only
     rewrite that changes lengths; lines stay)."""
-    masked = _mask(text)
+    masked = _blank_literals_and_directives(text)
     edits = []
     for m in _EXPLICIT_SPECIALIZATION.finditer(masked):
         paren = masked.find("(", m.end())
@@ -228,14 +228,14 @@ def bool_type_arguments(text: str) -> str:
     instantiation with such an argument also gets ``__Mb`` for the ``bool`` of its
     parameter list, an explicit specialization for its signature.  Every line stays where
     it was (and every column, outside such specializations' ``return``s)."""
-    masked = _mask(text)
+    masked = _blank_literals_and_directives(text)
     out = list(text)
     for m in _BOOL_ARG.finditer(masked):
         opener = _list_opener(masked, m.start())
         if opener >= 0 and not _KEEPS_BOOL.search(masked[:opener]):
             out[m.start():m.end()] = "__Mb"
     rewritten = "".join(out)
-    for m in _EXPLICIT_INSTANTIATION.finditer(_mask(rewritten)):
+    for m in _EXPLICIT_INSTANTIATION.finditer(_blank_literals_and_directives(rewritten)):
         if "__Mb" in m.group(0):
             out[m.start():m.end()] = re.sub(r"\bbool\b", "__Mb", rewritten[m.start():m.end()])
     return _bool_lane_specializations("".join(out))
@@ -639,9 +639,9 @@ def run(text: str, *, default_file: str, syntax, only: Optional[set] = None) -> 
     so a big file can be compiled in parallel pieces); the result still lists every kernel, with
     glue for the selected ones only."""
     text = _UNROLL_PRAGMA_WITH_NAMES.sub(lambda m: " " * len(m.group()), text)
-    masked = _mask(text)
+    masked = _blank_literals_and_directives(text)
     text = _function_template_params(text, masked)
-    masked = _mask(text)
+    masked = _blank_literals_and_directives(text)
     text, masked = _rewrite_tokens(text, masked)
     text, masked = _rewrite_syntax(text, masked, syntax(syntax_view(text, masked)))
     lines = _Lines(text, default_file)
