@@ -167,8 +167,12 @@ _on_load: list[Callable] = []
 
 
 def when_loaded(hook: Callable) -> None:
-    """Call ``hook(ext)`` as the core loads (layers above it, e.g. tuning, hand it their state)."""
-    _on_load.append(hook)
+    """Call ``hook(ext)`` as the core loads, or now if it has (layers above it, e.g. tuning, hand it their state)."""
+    with _lock:
+        _on_load.append(hook)
+        ext = _ext
+    if ext is not None:
+        hook(ext)
 
 
 def _serves(device: torch.device) -> bool:
