@@ -7,7 +7,7 @@ import torch
 
 import torch_metal_flash as tmf
 from torch_metal_flash.problem.spec import make_spec
-from torch_metal_flash.testing import assert_matches_oracle, plain_attention
+from torch_metal_flash.testing import assert_matches_oracle, check_backward, check_forward, plain_attention
 
 
 def naive_flash_attn(q, k, v, dtype, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -125,6 +125,45 @@ def test_gradients_against_float64(kw):
     ref = torch.autograd.grad(naive_flash_attn(q, k, v, torch.float64, **kw)[0], (q, k, v), dout)
     for a, b in zip(ours, ref):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d,dv", [(24, 40), (64, 32), (192, 128)])
+def test_value_head_dim_differs_forward_and_backward_on_the_kernels(dtype, d, dv):
+    """v may have its own head dim (flash-attn 3; DeepSeek prefill is 192/128): out and dv take
+    v's, dq and dk q's; all on the kernels, against the float64 oracle."""
+    g = torch.Generator().manual_seed(d * 1000 + dv)
+    B, Lq, Lk, H, Hk = 2, 21, 34, 4, 2
+    q = torch.randn(B, Lq, H, d, generator=g).to(dtype).requires_grad_(True)
+    k = torch.randn(B, Lk, Hk, d, generator=g).to(dtype).requires_grad_(True)
+    v = torch.randn(B, Lk, Hk, dv, generator=g).to(dtype).requires_grad_(True)
+    dout = torch.randn(B, Lq, H, dv, generator=g).to(dtype)
+    with tmf.backend("emulator", strict=True):
+        out, lse, _ = tmf.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert out.shape == (B, Lq, H, dv) and [t.shape for t in grads] == [q.shape, k.shape, v.shape]
+    spec = make_spec(q.detach().transpose(1, 2), k.detach().transpose(1, 2), v.detach().transpose(1, 2), None, None,
+                     scale=d ** -0.5, diag_offset=Lk - Lq, window_left=-1, window_right=0)
+    check_forward(spec, out.transpose(1, 2), lse)
+    check_backward(spec, dout.transpose(1, 2), None, [t.transpose(1, 2) for t in grads] + [None, None])
+
+
+def test_value_head_dim_differs_in_the_varlen_face():
+    """The varlen face takes v with its own head dim, as the per-sequence calls do."""
+    g = torch.Generator().manual_seed(3)
+    lens_q, lens_k = [3, 0, 17, 1], [5, 4, 9, 1]
+    q = torch.randn(sum(lens_q), 4, 48, generator=g).half()
+    k = torch.randn(sum(lens_k), 2, 48, generator=g).half()
+    v = torch.randn(sum(lens_k), 2, 16, generator=g).half()
+    cu_q = torch.tensor([0, 3, 3, 20, 21], dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, 9, 18, 19], dtype=torch.int32)
+    with tmf.backend("emulator", strict=True):
+        out = tmf.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 17, 9, causal=True)
+        assert out.shape == (q.shape[0], 4, 16)
+        for a, b, c, e in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()):
+            if b > a:
+                one = tmf.flash_attn_func(q[None, a:b], k[None, c:e], v[None, c:e], causal=True)
+                torch.testing.assert_close(out[a:b], one[0], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (3, 1))])

@@ -174,23 +174,28 @@ def _sdpa_checks(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
     return scale, 0 if is_causal else -1, dropout_p, mask_shape
 
 
-def _flash_checks(q, k, v, ndim=4) -> bool:
-    """flash-attn inputs: (batch, seqlen, heads, headdim), or (total, heads, headdim) for
-    varlen.  Returns whether k/v are quantized."""
-    checks.tensor("q", q, ndim=(ndim,))
+def _flash_checks(q, k, v, *, varlen: bool = False, paged: bool = False) -> bool:
+    """flash-attn inputs: (batch, seqlen, heads, headdim), or for varlen (total, heads, headdim)
+    with paged k/v as (num_blocks, page_block_size, heads, headdim).  v's head dim may differ
+    from q's and k's (as flash-attn 3 allows).  Returns whether k/v are quantized."""
+    q_ndim, kv_ndim = (3, 4 if paged else 3) if varlen else (4, 4)
+    checks.tensor("q", q, ndim=(q_ndim,))
     checks.float_dtype("q", q)
     for name, t in (("q", q), ("k", k), ("v", v)):
-        checks.kv_tensor(name, t, ndim=(ndim,))
+        checks.kv_tensor(name, t, ndim=(q_ndim if name == "q" else kv_ndim,))
         if isinstance(t, torch.Tensor):
             checks.last_dim_contiguous(name, t)
         checks.head_dim(name, t)
     quantized = checks.kv_dtypes("q", q, ("k", "v"), k, v)
-    if ndim == 4:
+    if not varlen:
         checks.dim_equal("k", k.shape[0], q.shape[0], "batch size equal to q's")
         checks.dim_equal("v", v.shape[0], q.shape[0], "batch size equal to q's")
     checks.dim_equal("k", k.shape[-1], q.shape[-1], "head dim equal to q's")
-    checks.dim_equal("v", v.shape[-1], q.shape[-1], "head dim equal to q's")
-    checks.dim_equal("v", v.shape[-3], k.shape[-3], "seqlen equal to k's")
+    if paged:
+        checks.dim_equal("v", v.shape[0], k.shape[0], "number of blocks equal to k's")
+        checks.dim_equal("v", v.shape[1], k.shape[1], "page size equal to k's")
+    else:
+        checks.dim_equal("v", v.shape[-3], k.shape[-3], "seqlen equal to k's")
     checks.dim_equal("v", v.shape[-2], k.shape[-2], "number of heads equal to k's")
     checks.gqa_heads(q.shape[-2], k.shape[-2], "q", "k/v")
     return quantized
@@ -233,7 +238,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     if checked is None:
         _flash_checks(q, k, v)
         checked = _flash_arguments(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                   seqlen_k=k.shape[1])
+                                   seqlen_k=k.shape[1], batch=q.shape[0])
         if signature is not None:
             _FLASH_CHECKED.put(signature, checked)
     return _flash_attn(q, k, v, alibi_slopes, return_attn_probs, *checked)
@@ -242,16 +247,15 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
 _FLASH_CHECKED = checks.Memo("checks.flash")
 
 
-def _flash_arguments(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, seqlen_k):
-    """Check flash_attn_func's other arguments; (dropout_p, scale, window left, window right, softcap)
+def _flash_arguments(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, seqlen_k, batch):
+    """Check the flash faces' other arguments; (dropout_p, scale, window left, window right, softcap)
     for the op.  ``seqlen_k`` is the length windows are clamped against (the call's key
     length; the batch's longest for varlen), as flash-attn does."""
     dropout_p = checks.dropout(dropout_p)
     left, right = checks.window(window_size, causal=causal, seqlen_k=seqlen_k)
     softcap = checks.softcap(softcap)
-    batch, seqlen_q, heads, head_dim = q.shape
-    checks.alibi(alibi_slopes, batch, heads, q.device)
-    scale = head_dim ** -0.5 if softmax_scale is None else checks.scale("softmax_scale", softmax_scale)
+    checks.alibi(alibi_slopes, batch, q.shape[-2], q.device)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else checks.scale("softmax_scale", softmax_scale)
     return dropout_p, scale, left, right, softcap
 
 
@@ -324,23 +328,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     ``TORCH_METAL_FLASH_DEBUG=1`` validates them (one GPU sync per call).
     """
     paged = block_table is not None
-    checks.tensor("q", q, ndim=(3,))
-    checks.float_dtype("q", q)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if name != "q":
-            checks.kv_tensor(name, t, ndim=(4,) if paged else (3,))
-        if isinstance(t, torch.Tensor):
-            checks.last_dim_contiguous(name, t)
-        checks.head_dim(name, t)
-    if checks.kv_dtypes("q", q, ("k", "v"), k, v):
+    if _flash_checks(q, k, v, varlen=True, paged=paged):
         checks.inference_only("quantized k/v", (("q", q),))
-    checks.dim_equal("k", k.shape[-1], q.shape[-1], "head dim equal to q's")
-    checks.dim_equal("v", v.shape[-2], k.shape[-2], "number of heads equal to k's")
-    checks.dim_equal("v", v.shape[0], k.shape[0], "number of blocks equal to k's" if paged else "seqlen equal to k's")
-    if paged:
-        checks.dim_equal("v", v.shape[1], k.shape[1], "page size equal to k's")
-    checks.gqa_heads(q.shape[1], k.shape[-2], "q", "k/v")
-    dropout_p = checks.dropout(dropout_p)
     cu_q, cu_k = (_index_vector(name, t, q.device) for name, t in (("cu_seqlens_q", cu_seqlens_q),
                                                                   ("cu_seqlens_k", cu_seqlens_k)))
     batch = cu_q.shape[0] - 1
@@ -354,10 +343,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if isinstance(n, bool) or not isinstance(n, (int, torch.SymInt)) or (isinstance(n, int) and n < 0):
             raise ValueError(f"{name}: expected an int >= 0 (a tensor would need a host sync), got {n!r}")
-    left, right = checks.window(window_size, causal=causal, seqlen_k=max_seqlen_k)
-    softcap = checks.softcap(softcap)
-    alibi_slopes = checks.alibi(alibi_slopes, batch, q.shape[1], q.device)
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else checks.scale("softmax_scale", softmax_scale)
+    dropout_p, scale, left, right, softcap = _flash_arguments(q, dropout_p, softmax_scale, causal, window_size,
+                                                              softcap, alibi_slopes, max_seqlen_k, batch)
     # (1, H, total, D) views of the packed tensors; paged caches as (num_blocks, Hkv, page, D)
     kv_view = (lambda t: t.transpose(1, 2)) if paged else (lambda t: t.transpose(0, 1).unsqueeze(0))
     varlen = Varlen(cu_q, cu_k, used, table, max_seqlen_q, max_seqlen_k)
