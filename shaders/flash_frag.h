@@ -116,7 +116,8 @@ inline void frag_scale(thread simdgroup_float8x8& m, float s) {
 }
 
 // a += b, element-wise (every lane its two elements).
-inline void frag_add(thread simdgroup_float8x8& a, simdgroup_float8x8 b) {
+__attribute__((always_inline)) inline
+void frag_add(thread simdgroup_float8x8& a, simdgroup_float8x8 b) {
   a.thread_elements()[0] += b.thread_elements()[0];
   a.thread_elements()[1] += b.thread_elements()[1];
 }
@@ -127,8 +128,9 @@ inline void frag_add(thread simdgroup_float8x8& a, simdgroup_float8x8 b) {
 // needs the scores (forward, dQ, decode) computes them here, so the backward
 // sees the forward's scores bit for bit.
 template <int NF, int NK, int LD, typename T>
-inline void qk_block(thread simdgroup_float8x8* S, const thread simdgroup_float8x8* Qf, const threadgroup T* Ks,
-                     FragCoord fc) {
+__attribute__((always_inline)) inline
+void qk_block(thread simdgroup_float8x8* S, const thread simdgroup_float8x8* Qf, const threadgroup T* Ks,
+              FragCoord fc) {
   for (int kk = 0; kk < NK; ++kk) {
     S[kk] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
     for (int dd = 0; dd < NF; ++dd) {

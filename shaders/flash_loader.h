@@ -27,8 +27,9 @@ struct TilePad {
 // multiples of 4, so full tiles move as 4-element vectors.
 // ---------------------------------------------------------------------------
 template <typename T, int ROWS, int COLS, int NT>
-inline void load_tile(threadgroup T* dst, int dst_ld, const device T* src, long src_ld,
-                      int rows_valid, int cols_valid, bool cols_aligned, bool vec_ok, ushort tid) {
+__attribute__((always_inline)) inline
+void load_tile(threadgroup T* dst, int dst_ld, const device T* src, long src_ld,
+               int rows_valid, int cols_valid, bool cols_aligned, bool vec_ok, ushort tid) {
   constexpr int kTotal = ROWS * COLS;
   if (cols_aligned && rows_valid >= ROWS) {
     if (vec_ok) {

@@ -41,10 +41,13 @@ inline void store_lse(device float* dst, float m, float l) {
 // -FLT_MAX where hidden (bit 2 * kk + e of `hidden`: element e of S[kk]),
 // and becomes P = exp(S - m_new) in place, 0 where hidden; l and the NF
 // output fragments O are rescaled by exp(m - m_new).  The rows are shared by
-// the 4 lanes xor 1 and xor 8.
+// the 4 lanes xor 1 and xor 8.  always_inline (as every shared piece on a hot
+// path): inlined before it is optimised on its own, so that under fast math its
+// sums are reassociated in the caller's context, exactly as code written in place.
 template <int NK, int NF>
-inline void softmax_step(thread simdgroup_float8x8* S, uint hidden, thread float& m_i, thread float& l_i,
-                         thread simdgroup_float8x8* Of) {
+__attribute__((always_inline)) inline
+void softmax_step(thread simdgroup_float8x8* S, uint hidden, thread float& m_i, thread float& l_i,
+                  thread simdgroup_float8x8* Of) {
   float mx = -FLT_MAX;
   for (int kk = 0; kk < NK; ++kk) {
     mx = max(mx, max(S[kk].thread_elements()[0], S[kk].thread_elements()[1]));

@@ -71,8 +71,9 @@ struct Score {
 // x += bias, or visible iff the bool mask.  `vis` (bounds, band) is and-ed
 // with the mask, whose element at mask_off is read only when vis and mask_ok
 // (rows past the problem's read nothing).
-inline Score transform_score(float x, int i, int j, int diag, float slope, float cap, ScoreFeatures f,
-                             const device uchar* mask, long mask_off, bool mask_ok, thread bool& vis) {
+__attribute__((always_inline)) inline
+Score transform_score(float x, int i, int j, int diag, float slope, float cap, ScoreFeatures f,
+                      const device uchar* mask, long mask_off, bool mask_ok, thread bool& vis) {
   Score r;
   r.th = 0.0f;
   float s = x;
