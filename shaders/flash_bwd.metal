@@ -2,10 +2,11 @@
 // probabilities from the forward's row state, with simdgroup-matrix (8x8)
 // multiplies and float32 accumulation.  Gradients are written in the input dtype.
 //
-// P is rebuilt exactly: the scores are computed as flash_fwd.metal computes
-// them (q pre-scaled by FlashFwdParams::qk_scale, one multiply-accumulate
-// chain over the head dim in the same order, the same transforms in natural
-// units), so they equal the forward's bit for bit, and P = exp(s - m) / l
+// P is rebuilt exactly: the scores are computed by the forward's own code (q
+// pre-scaled by FlashFwdParams::qk_scale, flash::qk_block's multiply-accumulate
+// chain over the head dim -- the dK/dV kernel runs it transposed, in the same
+// order -- and flash::transform_score), so they equal the forward's bit for
+// bit, and P = exp(s - m) / l
 // with the forward's own row max m and sum l (its aux output).  A row whose
 // single key is visible gets P = 1 exactly, and large scores lose nothing to
 // the rounding of lse = m + ln(l).
@@ -38,113 +39,48 @@
 //   x = scale * q.k; x = cap * tanh(x / cap); x -= slope |i + diag - j|;
 //   x += bias[i, j]; visible iff band and bool mask.
 //
-// Varlen (is_varlen, has_seqused_k: function constants 9 and 10, as in
-// flash_fwd.metal): grid entry z is a sequence (flash::seq_of); the dQ kernel
-// covers max_seqlen_q rows, the dK/dV kernel max_seqlen_k key rows of each
+// Varlen (is_varlen, has_seqused_k, as in flash_fwd.metal): grid entry z is a
+// sequence (flash::seq_of); the dQ kernel covers max_seqlen_q rows, the dK/dV
+// kernel max_seqlen_k key rows of each
 // sequence, threadgroups past a sequence's rows return at once, and dK/dV rows
 // of keys past seqused_k are written as zeros.  The preprocess and dsinks
-// kernels run over the tensors' rows as they are.  Dropout (has_dropout, 12):
+// kernels run over the tensors' rows as they are.  Dropout (has_dropout):
 // the forward's Philox mask is regenerated per element (flash::Dropout): with
 // Z = keep / (1 - p), dP = (dO V^T) Z, dS = P (dP - delta), dV += (P Z)^T dO
 // (delta = rowsum(dO * O) of the dropped output O).
 //
-// Function constants: 0-6 as in flash_fwd.metal (mask, mask kind, ALiBi,
-// sinks, softcap, band, dims aligned), 7 has_dbias, 8 has_dlse, 9 is_varlen,
-// 10 has_seqused_k, 12 has_dropout.
+// Function constants (indices: function_constants.h): the forward's FC_ATTN_*
+// ones, which the scores depend on, plus has_dbias and has_dlse.
 // Threadgroup memory per variant: planner/backward_tiles.py and
 // bench/results/backward.md (all <= 17.4 KiB).
 #include "flash_common.h"
 #include "flash_bwd_params.h"
+#include "function_constants.h"
 
-constant bool has_mask [[function_constant(0)]];
-constant int mask_kind [[function_constant(1)]];
-constant bool has_alibi [[function_constant(2)]];
-constant bool has_sinks [[function_constant(3)]];
-constant bool has_softcap [[function_constant(4)]];
-constant bool has_band [[function_constant(5)]];
+constant bool has_mask [[function_constant(FC_ATTN_HAS_MASK)]];
+constant int mask_kind [[function_constant(FC_ATTN_MASK_KIND)]];
+constant bool has_alibi [[function_constant(FC_ATTN_HAS_ALIBI)]];
+constant bool has_sinks [[function_constant(FC_ATTN_HAS_SINKS)]];
+constant bool has_softcap [[function_constant(FC_ATTN_HAS_SOFTCAP)]];
+constant bool has_band [[function_constant(FC_ATTN_HAS_BAND)]];
 // head_dim == head_dim_v == BD: the tile loaders need no column guard.
-constant bool dims_aligned [[function_constant(6)]];
-constant bool has_dbias [[function_constant(7)]];
-constant bool has_dlse [[function_constant(8)]];
-constant bool is_varlen [[function_constant(9)]];
-constant bool has_seqused_k [[function_constant(10)]];
-constant bool has_dropout [[function_constant(12)]];
+constant bool dims_aligned [[function_constant(FC_ATTN_DIMS_ALIGNED)]];
+constant bool has_dbias [[function_constant(FC_BWD_HAS_DBIAS)]];
+constant bool has_dlse [[function_constant(FC_BWD_HAS_DLSE)]];
+constant bool is_varlen [[function_constant(FC_ATTN_IS_VARLEN)]];
+constant bool has_seqused_k [[function_constant(FC_ATTN_HAS_SEQUSED_K)]];
+constant bool has_dropout [[function_constant(FC_ATTN_HAS_DROPOUT)]];
 
 namespace flash_bwd {
 
 // A row's max below this marks a saturated row (see the preprocess kernel).
 constant constexpr float kSaturated = -1.0e37f;
 
-// a += b, element-wise (every lane its two elements).
-inline void frag_add(thread simdgroup_float8x8& a, simdgroup_float8x8 b) {
-  a.thread_elements()[0] += b.thread_elements()[0];
-  a.thread_elements()[1] += b.thread_elements()[1];
-}
-
-struct Score {
-  float s;   // the score in natural units, bitwise the forward's
-  float th;  // tanh (softcap) or 0
-};
-
-// The transformed score of element (i, j) given the raw product x (q
-// pre-scaled by f.qk_scale), written exactly as flash_fwd.metal writes it so
-// that both compile to the same operations; and the tanh for the softcap
-// chain rule.  `vis` is and-ed with the bool mask.
-inline Score transform(float x, int i, int j, float slope, int diag, long mask_off,
-                       const device uchar* mask, constant FlashFwdParams& f, thread bool& vis) {
-  Score r;
-  r.th = 0.0f;
-  float s = x;
-  if (has_softcap) {
-    r.th = flash::tanh_stable(x);  // finite for any x under fast math
-    s = r.th * f.softcap;
-  }
-  if (has_alibi) s -= slope * float(abs(i + diag - j));
-  if (has_mask && vis) {
-    if (mask_kind == flash::kMaskBool) {
-      vis = mask[mask_off] != 0;
-    } else {
-      // as the forward: a -inf entry hides the score (tested on its bits, no
-      // infinity in the arithmetic under fast math)
-      bool neg_inf;
-      s += flash::read_float_mask(mask, mask_off, mask_kind, neg_inf);
-      vis = !neg_inf;
-    }
-  }
-  r.s = s;
-  return r;
-}
-
 // P = exp(s - m) / l of a visible score with the row's stats (m, 1 / l).
 // s <= m for the forward's own scores; the clamp keeps the exponent finite
 // for any finite score (a finfo.min mask) and for rows with stats (0, 0).
 inline float prob(float s, float2 st) {
   return exp2(clamp(s - st.x, -128.0f, 0.0f) * flash::kLog2e) * st.y;
-}
-
-
-// Cooperative tile loader (scalar; own copy so that this file does not depend
-// on the forward's loader signature): ROWS x COLS elements, rows >= rows_valid
-// and columns >= cols_valid written as zero and never read.  No barrier.
-template <typename T, int ROWS, int COLS, int NT>
-inline void load_tile(threadgroup T* dst, int dst_ld, const device T* src, long src_ld,
-                      int rows_valid, int cols_valid, bool cols_aligned, ushort tid) {
-  constexpr int kTotal = ROWS * COLS;
-  if (cols_aligned && rows_valid >= ROWS) {
-    for (int idx = tid; idx < kTotal; idx += NT) {
-      const int r = idx / COLS;
-      const int c = idx - r * COLS;
-      dst[r * dst_ld + c] = src[long(r) * src_ld + c];
-    }
-  } else {
-    for (int idx = tid; idx < kTotal; idx += NT) {
-      const int r = idx / COLS;
-      const int c = idx - r * COLS;
-      T x = T(0);
-      if (r < rows_valid && c < cols_valid) x = src[long(r) * src_ld + c];
-      dst[r * dst_ld + c] = x;
-    }
-  }
 }
 
 }  // namespace flash_bwd
@@ -287,6 +223,7 @@ template <typename T, int BD, int BQ, int BK>
   }
 
   const flash::Band band{sq.diag, f.window_left, f.window_right};
+  const flash::ScoreFeatures feat{has_softcap, has_alibi, has_mask, mask_kind};
   int k_lo = 0;
   int k_hi = Lk;
   if (has_band) band.key_range(q0, i_last, Lk, k_lo, k_hi);
@@ -296,10 +233,10 @@ template <typename T, int BD, int BQ, int BK>
   for (int kb = kb_begin; kb < k_hi; kb += BK) {
     kb_end = kb + BK;
     const int k_valid = Lk - kb;
-    flash_bwd::load_tile<T, BK, BD, NT>(Ks, LD, kp + long(kb) * f.k_stride_l, f.k_stride_l, k_valid,
-                                    f.head_dim, aligned, tid);
-    flash_bwd::load_tile<T, BK, BD, NT>(Vs, LD, vp + long(kb) * f.v_stride_l, f.v_stride_l, k_valid,
-                                    f.head_dim_v, aligned, tid);
+    flash::load_tile<T, BK, BD, NT>(Ks, LD, kp + long(kb) * f.k_stride_l, f.k_stride_l, k_valid, f.head_dim,
+                                    aligned, false, tid);
+    flash::load_tile<T, BK, BD, NT>(Vs, LD, vp + long(kb) * f.v_stride_l, f.v_stride_l, k_valid, f.head_dim_v,
+                                    aligned, false, tid);
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
     const int sg_last = min(r0 + 7, Lq - 1);
@@ -314,26 +251,21 @@ template <typename T, int BD, int BQ, int BK>
     if (sg_active) {
       simdgroup_float8x8 S[NK];
       simdgroup_float8x8 dP[NK];
+      // S: the forward's scores bit for bit (the same flash::qk_block).  dP: two
+      // chains (even / odd head-dim fragments), summed at the end: half the
+      // rounding-error growth of one chain over BD.
+      flash::qk_block<NF, NK, LD>(S, Qf, Ks, fc);
       for (int kk = 0; kk < NK; ++kk) {
-        // S: one chain over the head dim in the forward's order (bitwise its
-        // scores).  dP: two chains (even / odd head-dim fragments), summed at
-        // the end: half the rounding-error growth of one chain over BD.
         simdgroup_float8x8 p1 = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-        S[kk] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
         dP[kk] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
         for (int dd = 0; dd < NF; dd += 2) {
-          simdgroup_float8x8 Kt;
           simdgroup_float8x8 Vt;
-          flash::load_frag_t(Kt, Ks + kk * 8 * LD + dd * 8, LD, fc);
-          simdgroup_multiply_accumulate(S[kk], Qf[dd], Kt, S[kk]);
-          flash::load_frag_t(Kt, Ks + kk * 8 * LD + dd * 8 + 8, LD, fc);
-          simdgroup_multiply_accumulate(S[kk], Qf[dd + 1], Kt, S[kk]);
           flash::load_frag_t(Vt, Vs + kk * 8 * LD + dd * 8, LD, fc);
           simdgroup_multiply_accumulate(dP[kk], dOf[dd], Vt, dP[kk]);
           flash::load_frag_t(Vt, Vs + kk * 8 * LD + dd * 8 + 8, LD, fc);
           simdgroup_multiply_accumulate(p1, dOf[dd + 1], Vt, p1);
         }
-        flash_bwd::frag_add(dP[kk], p1);
+        flash::frag_add(dP[kk], p1);
       }
       // dS, element-wise (kept in S).
       const bool need_bounds = kb + BK > Lk;
@@ -350,9 +282,9 @@ template <typename T, int BD, int BQ, int BK>
           bool vis = row_ok;
           if (need_bounds) vis = vis && j < Lk;
           if (need_band) vis = vis && band.visible(my_row, j);
-          const flash_bwd::Score sc = flash_bwd::transform(
-              S[kk].thread_elements()[e], my_row, j, slope, sq.diag, mask_row + long(j) * f.m_stride_k, mask, f,
-              vis);
+          const flash::Score sc =
+              flash::transform_score(S[kk].thread_elements()[e], my_row, j, sq.diag, slope, f.softcap, feat, mask,
+                                     mask_row + long(j) * f.m_stride_k, row_ok, vis);
           float ds = 0.0f;
           if (vis) {
             const float pr = flash_bwd::prob(sc.s, my_stats);
@@ -372,7 +304,7 @@ template <typename T, int BD, int BQ, int BK>
           flash::load_frag(Kf, Ks + kk * 8 * LD + dd * 8, LD, fc);
           simdgroup_multiply_accumulate(acc, S[kk], Kf, acc);
         }
-        flash_bwd::frag_add(dQf[dd], acc);
+        flash::frag_add(dQf[dd], acc);
       }
     } else if (has_dbias && row_ok) {
       for (int kk = 0; kk < NK; ++kk) {
@@ -471,6 +403,7 @@ template <typename T, int BD, int BK, int BQ, int MODE>
 
   // Query rows whose band reaches this threadgroup's keys, and this simdgroup's.
   const flash::Band band{sq.diag, f.window_left, f.window_right};
+  const flash::ScoreFeatures feat{has_softcap, has_alibi, has_mask, mask_kind};
   const int kb_last = min(kb0 + BK, Lk) - 1;
   int q_lo = 0;
   int q_hi = kb0 < Lk ? Lq : 0;  // keys past seqused_k see no query
@@ -495,10 +428,10 @@ template <typename T, int BD, int BK, int BQ, int MODE>
 
     for (int qb = qb_begin; qb < q_hi; qb += BQ) {
       const int q_valid = Lq - qb;
-      flash_bwd::load_tile<T, BQ, BD, NT>(Qs, LD, qp + long(qb) * f.q_stride_l, f.q_stride_l, q_valid,
-                                      f.head_dim, aligned, tid);
-      flash_bwd::load_tile<T, BQ, BD, NT>(dOs, LD, dop + long(qb) * p.do_stride_l, p.do_stride_l, q_valid,
-                                      f.head_dim_v, aligned, tid);
+      flash::load_tile<T, BQ, BD, NT>(Qs, LD, qp + long(qb) * f.q_stride_l, f.q_stride_l, q_valid, f.head_dim,
+                                      aligned, false, tid);
+      flash::load_tile<T, BQ, BD, NT>(dOs, LD, dop + long(qb) * p.do_stride_l, p.do_stride_l, q_valid,
+                                      f.head_dim_v, aligned, false, tid);
       for (int t = tid; t < BQ; t += NT) {
         const bool ok = qb + t < Lq;
         stat_tile[t] = ok ? stats[stat_base + qb + t] : float2(0.0f, 0.0f);
@@ -540,7 +473,7 @@ template <typename T, int BD, int BK, int BQ, int MODE>
               simdgroup_multiply_accumulate(p1, Vf[dd + 1], dOt, p1);
             }
           }
-          if (kDK) flash_bwd::frag_add(dPt[qq], p1);
+          if (kDK) flash::frag_add(dPt[qq], p1);
         }
         const bool need_bounds = qb + BQ > Lq || c0 + 8 > Lk;
         for (int qq = 0; qq < NQ; ++qq) {
@@ -550,9 +483,10 @@ template <typename T, int BD, int BK, int BQ, int MODE>
             bool vis = true;
             if (need_bounds) vis = key_ok && i < Lq;
             if (need_band) vis = vis && band.visible(i, my_key);
-            const flash_bwd::Score sc = flash_bwd::transform(
-                St[qq].thread_elements()[e], i, my_key, slope, sq.diag, mask_base + long(i) * f.m_stride_q, mask,
-                f, vis);
+            // (vis covers the query row: no separate mask guard)
+            const flash::Score sc =
+                flash::transform_score(St[qq].thread_elements()[e], i, my_key, sq.diag, slope, f.softcap, feat, mask,
+                                       mask_base + long(i) * f.m_stride_q, true, vis);
             float pr = 0.0f;
             float ds = 0.0f;
             if (vis) {
@@ -580,7 +514,7 @@ template <typename T, int BD, int BK, int BQ, int MODE>
               flash::load_frag(dOf, dOs + qq * 8 * LD + dd * 8, LD, fc);
               simdgroup_multiply_accumulate(acc, St[qq], dOf, acc);
             }
-            flash_bwd::frag_add(dVf[dd], acc);
+            flash::frag_add(dVf[dd], acc);
           }
           if (kDK) {
             simdgroup_float8x8 acc = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
@@ -589,7 +523,7 @@ template <typename T, int BD, int BK, int BQ, int MODE>
               flash::load_frag(Qf, Qs + qq * 8 * LD + dd * 8, LD, fc);
               simdgroup_multiply_accumulate(acc, dPt[qq], Qf, acc);
             }
-            flash_bwd::frag_add(dKf[dd], acc);
+            flash::frag_add(dKf[dd], acc);
           }
         }
       }

@@ -52,47 +52,23 @@
 // 13 mask (bytes), 14 sinks (float, (Hq,)), 15 k scales, 16 k biases, 17 v scales,
 // 18 v biases (TK, affine), 19 k scales, 20 v scales (half, symmetric).
 #include "flash_common.h"
+#include "flash_decode_params.h"
+#include "function_constants.h"
 #include "kv_quant.h"
 #include "kvcache_index.h"
 
-// Host mirror: torch_metal_flash/planner/decode.py (DecodeParams, ctypes).
-struct DecodeParams {
-  // q and out viewed as (B, Hq, Lq, D)
-  long q_stride_b, q_stride_h, q_stride_l;
-  // caches: (B_cache | num_blocks, L_max | page_size, Hkv, D)
-  long k_stride_b, k_stride_l, k_stride_h;
-  long v_stride_b, v_stride_l, v_stride_h;
-  long o_stride_b, o_stride_h, o_stride_l;
-  long bt_stride_b;            // block_table row stride
-  long a_stride_b, a_stride_h;  // alibi slopes (B, Hq)
-  long m_stride_b, m_stride_h, m_stride_q, m_stride_k;  // mask (B, Hq, Lq, Lk)
-  int batch, heads, kv_heads, gqa;
-  int seqlen_q, head_dim, page_size, num_splits;
-  int diag_adjust, window_left, window_right, rows_per_tg;
-  int row_blocks, num_threads;  // threads per threadgroup of flash_decode (>= 32 * ceil(rows_per_tg / 8))
-  // kvcache_index.h: cache_seqlens when buffer 6 is not bound, rows appended
-  // before this call, L_max or max_blocks * page_size, the caches' first dim
-  int seqlen_fixed, seqlen_new, capacity, cache_rows;
-  int mask_kind;                // flash::MaskKind of buffer 13
-  int kv_bits, kv_group_size;   // quantized caches (kv_quant.h)
-  int pad_i;
-  // q is multiplied by qk_scale when loaded: scale without softcap, scale /
-  // softcap with softcap (then the score is softcap * tanh(q.k)).
-  float qk_scale, softcap;
-};
-
-constant bool paged [[function_constant(0)]];
-constant bool has_leftpad [[function_constant(1)]];
-constant bool has_batch_idx [[function_constant(2)]];
-constant bool has_alibi [[function_constant(3)]];
-constant bool has_softcap [[function_constant(4)]];
-constant bool has_band [[function_constant(5)]];
-constant bool use_splits [[function_constant(6)]];
-constant bool has_seqlens [[function_constant(7)]];
-constant bool has_mask [[function_constant(8)]];
-constant bool has_sinks [[function_constant(9)]];
-constant bool kv_affine [[function_constant(10)]];
-constant bool kv_symmetric [[function_constant(11)]];
+constant bool paged [[function_constant(FC_DECODE_PAGED)]];
+constant bool has_leftpad [[function_constant(FC_DECODE_HAS_LEFTPAD)]];
+constant bool has_batch_idx [[function_constant(FC_DECODE_HAS_BATCH_IDX)]];
+constant bool has_alibi [[function_constant(FC_DECODE_HAS_ALIBI)]];
+constant bool has_softcap [[function_constant(FC_DECODE_HAS_SOFTCAP)]];
+constant bool has_band [[function_constant(FC_DECODE_HAS_BAND)]];
+constant bool use_splits [[function_constant(FC_DECODE_USE_SPLITS)]];
+constant bool has_seqlens [[function_constant(FC_DECODE_HAS_SEQLENS)]];
+constant bool has_mask [[function_constant(FC_DECODE_HAS_MASK)]];
+constant bool has_sinks [[function_constant(FC_DECODE_HAS_SINKS)]];
+constant bool kv_affine [[function_constant(FC_DECODE_KV_AFFINE)]];
+constant bool kv_symmetric [[function_constant(FC_DECODE_KV_SYMMETRIC)]];
 
 #define FLASH_DECODE_ARGS(TQ, TK)                                                      \
   const device TQ* q [[buffer(0)]], const device TK* kc [[buffer(1)]],                \
@@ -223,12 +199,7 @@ template <typename TQ, typename TK, int BD, int BK>
   simdgroup_float8x8 Qf[NF];
   simdgroup_float8x8 Of[NF];
   for (int dd = 0; dd < NF; ++dd) {
-    float e0 = 0.0f, e1 = 0.0f;
-    const int c = dd * 8 + fc.col;
-    if (row_ok && c < D) e0 = float(q[q_off + c]) * P.qk_scale;
-    if (row_ok && c + 1 < D) e1 = float(q[q_off + c + 1]) * P.qk_scale;
-    Qf[dd].thread_elements()[0] = e0;
-    Qf[dd].thread_elements()[1] = e1;
+    flash::load_frag_rows(Qf[dd], q + q_off + dd * 8, row_ok, D - dd * 8, fc, P.qk_scale);
     Of[dd] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
   }
   float m_i = kNeg;
@@ -314,62 +285,25 @@ template <typename TQ, typename TK, int BD, int BK>
     if (sg_active && kb < sg_key_hi && kb + BK > sg_key_lo) {
       simdgroup_float8x8 S[NK];
       uint hidden = 0;  // bit 2 * kk + e: element e of S[kk] is invisible
-      for (int kk = 0; kk < NK; ++kk) {
-        S[kk] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-        for (int dd = 0; dd < NF; ++dd) {
-          simdgroup_float8x8 Kt;
-          flash::load_frag_t(Kt, k_tile + kk * 8 * LD + dd * 8, LD, fc);
-          simdgroup_multiply_accumulate(S[kk], Qf[dd], Kt, S[kk]);
-        }
-      }
+      flash::qk_block<NF, NK, LD>(S, Qf, k_tile, fc);
       const bool need_bounds = paged || kb < key_lo || kb + BK > key_hi;
       if (has_softcap || has_alibi || has_band || has_mask || need_bounds) {
+        const flash::ScoreFeatures feat{has_softcap, has_alibi, has_mask, P.mask_kind};
         for (int kk = 0; kk < NK; ++kk) {
           for (int e = 0; e < 2; ++e) {
-            float s = S[kk].thread_elements()[e];
             const int pos = kb + kk * 8 + fc.col + e;
             const int j = pos - start;
-            if (has_softcap) s = flash::softcap_tanh(s, P.softcap);
-            if (has_alibi) s -= slope * float(abs(i + diag - j));
             bool vis = pos >= key_lo && pos < key_hi;
             if (paged) vis = vis && k_row[kk * 8 + fc.col + e] >= 0;
             if (has_band) vis = vis && band.visible(i, j);
-            if (has_mask && vis && row_ok) {
-              const long off = mask_row + long(j) * P.m_stride_k;
-              if (P.mask_kind == flash::kMaskBool) {
-                vis = mask[off] != 0;
-              } else {
-                bool neg_inf;
-                s += flash::read_float_mask(mask, off, P.mask_kind, neg_inf);
-                vis = !neg_inf;
-              }
-            }
+            const float s = flash::transform_score(S[kk].thread_elements()[e], i, j, diag, slope, P.softcap, feat,
+                                                   mask, mask_row + long(j) * P.m_stride_k, row_ok, vis).s;
             S[kk].thread_elements()[e] = vis ? s : kNeg;
             hidden |= vis ? 0u : 1u << (2 * kk + e);
           }
         }
       }
-      // Online softmax; the 4 lanes of a fragment row differ in lane bits 0 and 3.
-      float mx = kNeg;
-      for (int kk = 0; kk < NK; ++kk) {
-        mx = max(mx, max(S[kk].thread_elements()[0], S[kk].thread_elements()[1]));
-      }
-      mx = flash::row_max(mx);
-      const float m_new = max(m_i, mx);
-      const float factor = flash::exp_shifted(m_i - m_new);
-      float rs = 0.0f;
-      for (int kk = 0; kk < NK; ++kk) {
-        const float p0 = (hidden >> (2 * kk)) & 1u ? 0.0f : flash::exp_shifted(S[kk].thread_elements()[0] - m_new);
-        const float p1 =
-            (hidden >> (2 * kk + 1)) & 1u ? 0.0f : flash::exp_shifted(S[kk].thread_elements()[1] - m_new);
-        S[kk].thread_elements()[0] = p0;
-        S[kk].thread_elements()[1] = p1;
-        rs += p0 + p1;
-      }
-      rs = flash::row_sum(rs);
-      l_i = l_i * factor + rs;
-      m_i = m_new;
-      for (int dd = 0; dd < NF; ++dd) flash::frag_scale(Of[dd], factor);
+      flash::softmax_step<NK, NF>(S, hidden, m_i, l_i, Of);
       for (int kk = 0; kk < NK; ++kk) {
         for (int dd = 0; dd < NF; ++dd) {
           simdgroup_float8x8 Vf;
@@ -387,9 +321,7 @@ template <typename TQ, typename TK, int BD, int BK>
     const float inv_l = flash::inv_row_sum(l_i);
     const long o_off = long(b) * P.o_stride_b + long(h) * P.o_stride_h + long(i) * P.o_stride_l;
     for (int dd = 0; dd < NF; ++dd) {
-      const int c = dd * 8 + fc.col;
-      if (c < D) o[o_off + c] = TQ(Of[dd].thread_elements()[0] * inv_l);
-      if (c + 1 < D) o[o_off + c + 1] = TQ(Of[dd].thread_elements()[1] * inv_l);
+      flash::store_frag_rows(Of[dd], o + o_off + dd * 8, true, D - dd * 8, fc, inv_l);
     }
     if (fc.col == 0) {
       flash::store_lse(lse + row_id, m_i, l_i);

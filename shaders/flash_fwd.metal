@@ -46,26 +46,27 @@
 // 13 block_table (int, (num_seqs, max_blocks)), 14 rng_state (seed, offset
 // as two int64), 15 probs (T).
 #include "flash_common.h"
+#include "function_constants.h"
 
-constant bool has_mask [[function_constant(0)]];
-constant int mask_kind [[function_constant(1)]];
-constant bool has_alibi [[function_constant(2)]];
-constant bool has_sinks [[function_constant(3)]];
-constant bool has_softcap [[function_constant(4)]];
-constant bool has_band [[function_constant(5)]];
+constant bool has_mask [[function_constant(FC_ATTN_HAS_MASK)]];
+constant int mask_kind [[function_constant(FC_ATTN_MASK_KIND)]];
+constant bool has_alibi [[function_constant(FC_ATTN_HAS_ALIBI)]];
+constant bool has_sinks [[function_constant(FC_ATTN_HAS_SINKS)]];
+constant bool has_softcap [[function_constant(FC_ATTN_HAS_SOFTCAP)]];
+constant bool has_band [[function_constant(FC_ATTN_HAS_BAND)]];
 // head_dim == head_dim_v == BD: the tile loaders need no column guard.
-constant bool dims_aligned [[function_constant(6)]];
+constant bool dims_aligned [[function_constant(FC_ATTN_DIMS_ALIGNED)]];
 // k and v start on 4-element boundaries with row strides that are multiples
 // of 4 elements: full K/V tiles are loaded as 4-element vectors.
-constant bool kv_vec_aligned [[function_constant(7)]];
+constant bool kv_vec_aligned [[function_constant(FC_FWD_KV_VEC_ALIGNED)]];
 // Write the backward's row state into aux: A = 2 floats per row (m, l), and
 // for half/bfloat the float32 output row after them (A = 2 + head_dim_v).
-constant bool has_aux [[function_constant(8)]];
-constant bool is_varlen [[function_constant(9)]];
-constant bool has_seqused_k [[function_constant(10)]];
-constant bool is_paged [[function_constant(11)]];
-constant bool has_dropout [[function_constant(12)]];
-constant bool has_probs [[function_constant(13)]];
+constant bool has_aux [[function_constant(FC_FWD_HAS_AUX)]];
+constant bool is_varlen [[function_constant(FC_ATTN_IS_VARLEN)]];
+constant bool has_seqused_k [[function_constant(FC_ATTN_HAS_SEQUSED_K)]];
+constant bool is_paged [[function_constant(FC_FWD_IS_PAGED)]];
+constant bool has_dropout [[function_constant(FC_ATTN_HAS_DROPOUT)]];
+constant bool has_probs [[function_constant(FC_FWD_HAS_PROBS)]];
 
 #define FLASH_FWD_ARGS(T)                                                   \
   const device T* q [[buffer(0)]], const device T* k [[buffer(1)]],         \
@@ -104,48 +105,29 @@ inline void load_keys(threadgroup T* dst, int ld, const device T* head, long str
   }
 }
 
-// The scores of a simdgroup's 8 rows x the NK * 8 keys kb.. of the K tile Ks:
-// S = (q * qk_scale) K^T, then softcap, ALiBi and the float mask in natural
-// units; invisible elements (past lk, outside the band when need_band, a bool
-// mask or a -inf float mask) hold -FLT_MAX and have their bit 2 * kk + e set in
-// the result.  The backward kernels recompute exactly these values.
+// The scores of a simdgroup's 8 rows x the NK * 8 keys kb.. of the K tile Ks
+// (flash::qk_block, flash::transform_score: the backward's dQ kernel computes
+// them through the same two); invisible elements (past lk, outside the band
+// when need_band, a bool mask or a -inf float mask) hold -FLT_MAX and have
+// their bit 2 * kk + e set in the result.
 template <typename T, int NF, int NK, int LD>
 inline uint block_scores(thread simdgroup_float8x8* S, const thread simdgroup_float8x8* Qf,
                          const threadgroup T* Ks, flash::FragCoord fc, int kb, int i, bool row_ok, int lk,
                          bool need_band, flash::Band band, float slope, const device uchar* mask, long mask_row,
                          constant FlashFwdParams& p) {
-  for (int kk = 0; kk < NK; ++kk) {
-    S[kk] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-    for (int dd = 0; dd < NF; ++dd) {
-      simdgroup_float8x8 Kt;
-      flash::load_frag_t(Kt, Ks + kk * 8 * LD + dd * 8, LD, fc);
-      simdgroup_multiply_accumulate(S[kk], Qf[dd], Kt, S[kk]);
-    }
-  }
+  flash::qk_block<NF, NK, LD>(S, Qf, Ks, fc);
   uint hidden = 0;  // bit 2 * kk + e: element e of S[kk] is invisible
   const bool need_bounds = kb + NK * 8 > lk;
   if (has_softcap || has_alibi || has_mask || need_bounds || need_band) {
+    const flash::ScoreFeatures feat{has_softcap, has_alibi, has_mask, mask_kind};
     for (int kk = 0; kk < NK; ++kk) {
       for (int e = 0; e < 2; ++e) {
-        float s = S[kk].thread_elements()[e];
         const int j = kb + kk * 8 + fc.col + e;
-        if (has_softcap) s = flash::softcap_tanh(s, p.softcap);
-        if (has_alibi) s -= slope * float(abs(i + band.diag - j));
         bool vis = true;
         if (need_bounds) vis = j < lk;
         if (need_band) vis = vis && band.visible(i, j);
-        if (has_mask) {
-          if (vis && row_ok) {
-            const long off = mask_row + long(j) * p.m_stride_k;
-            if (mask_kind == flash::kMaskBool) {
-              vis = mask[off] != 0;
-            } else {
-              bool neg_inf;
-              s += flash::read_float_mask(mask, off, int(mask_kind), neg_inf);
-              vis = !neg_inf;
-            }
-          }
-        }
+        const float s = flash::transform_score(S[kk].thread_elements()[e], i, j, band.diag, slope, p.softcap, feat,
+                                               mask, mask_row + long(j) * p.m_stride_k, row_ok, vis).s;
         S[kk].thread_elements()[e] = vis ? s : -FLT_MAX;
         hidden |= vis ? 0u : 1u << (2 * kk + e);
       }
@@ -194,7 +176,7 @@ template <typename T, int BD, int BQ, int BK, bool KVS>
   int i_first = 0, i_last = 0;
   if (tg_live) flash::packed_row_span(q0, min(q0 + BQ, rows) - 1, Lq, i_first, i_last);
 
-  // Masked scores and the running max of a row that has seen nothing.
+  // The running max of a row that has seen nothing.
   const float kNeg = -FLT_MAX;
 
   const device T* qrow = q + long(sq.bt) * p.q_stride_b + long(h) * p.q_stride_h +
@@ -279,33 +261,14 @@ template <typename T, int BD, int BQ, int BK, bool KVS>
       const uint hidden = fwd_detail::block_scores<T, NF, NK, LD>(S, Qf, Ks, fc, kb, i, row_ok, Lk, need_band,
                                                                   band, slope, mask, mask_row, p);
 
-      // Online softmax (rows are shared by the 4 lanes xor 1 and xor 8).
-      float mx = kNeg;
-      for (int kk = 0; kk < NK; ++kk) {
-        mx = max(mx, max(S[kk].thread_elements()[0], S[kk].thread_elements()[1]));
-      }
-      mx = flash::row_max(mx);
-      const float m_new = max(m_i, mx);
-      const float factor = flash::exp_shifted(m_i - m_new);
-      float rs = 0.0f;
-      for (int kk = 0; kk < NK; ++kk) {
-        float p0 = (hidden >> (2 * kk)) & 1u ? 0.0f : flash::exp_shifted(S[kk].thread_elements()[0] - m_new);
-        float p1 = (hidden >> (2 * kk + 1)) & 1u ? 0.0f : flash::exp_shifted(S[kk].thread_elements()[1] - m_new);
-        rs += p0 + p1;  // the softmax sums every probability, dropped or not
-        if (has_dropout) {
+      flash::softmax_step<NK, NF>(S, hidden, m_i, l_i, Of);
+      if (has_dropout) {  // after the sum: the softmax sums every probability, dropped or not
+        for (int kk = 0; kk < NK; ++kk) {
           bool keep0, keep1;
           drop.keep2(i, kb + kk * 8 + fc.col, keep0, keep1);
-          p0 = keep0 ? p0 : 0.0f;
-          p1 = keep1 ? p1 : 0.0f;
+          S[kk].thread_elements()[0] = keep0 ? S[kk].thread_elements()[0] : 0.0f;
+          S[kk].thread_elements()[1] = keep1 ? S[kk].thread_elements()[1] : 0.0f;
         }
-        S[kk].thread_elements()[0] = p0;
-        S[kk].thread_elements()[1] = p1;
-      }
-      rs = flash::row_sum(rs);
-      l_i = l_i * factor + rs;
-      m_i = m_new;
-      for (int dd = 0; dd < NF; ++dd) {
-        flash::frag_scale(Of[dd], factor);
       }
     }
 

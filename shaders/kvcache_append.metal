@@ -29,35 +29,20 @@
 // 11 rotated q, 12 k scales, 13 k biases, 14 v scales, 15 v biases (T, affine),
 // 16 k scales, 17 v scales (half, symmetric).
 #include <metal_stdlib>
+#include "function_constants.h"
 #include "kv_quant.h"
+#include "kvcache_append_params.h"
 #include "kvcache_index.h"
 
 using namespace metal;
 
-// Host mirror: torch_metal_flash/planner/kvcache.py (AppendParams, ctypes).
-struct AppendParams {
-  long k_stride_b, k_stride_l, k_stride_h;     // new k, v: (B, Lnew, Hkv, D)
-  long v_stride_b, v_stride_l, v_stride_h;
-  long kc_stride_b, kc_stride_l, kc_stride_h;  // caches: (B_cache | num_blocks, L_max | page_size, Hkv, D)
-  long vc_stride_b, vc_stride_l, vc_stride_h;
-  long q_stride_b, q_stride_l, q_stride_h;     // q: (B, Lq, Hq, D)
-  long qr_stride_b, qr_stride_l, qr_stride_h;  // rotated q
-  long bt_stride_b;                            // block_table row stride
-  long cos_stride, sin_stride;                 // rotary table row strides
-  int batch, seqlen_new, seqlen_q, heads;
-  int kv_heads, head_dim, rotary_dim, seqlen_ro;
-  int page_size, capacity, cache_rows, seqlen_fixed;  // seqlen_fixed: cache_seqlens when no tensor is given
-  int kv_rows, q_local;                        // kv_rows = B * Lnew * Hkv
-  int kv_bits, kv_group_size;                  // quantized caches
-};
-
-constant bool paged [[function_constant(0)]];
-constant bool has_seqlens [[function_constant(1)]];
-constant bool has_batch_idx [[function_constant(2)]];
-constant bool has_rotary [[function_constant(3)]];
-constant bool rotary_interleaved [[function_constant(4)]];
-constant bool kv_affine [[function_constant(5)]];
-constant bool kv_symmetric [[function_constant(6)]];
+constant bool paged [[function_constant(FC_APPEND_PAGED)]];
+constant bool has_seqlens [[function_constant(FC_APPEND_HAS_SEQLENS)]];
+constant bool has_batch_idx [[function_constant(FC_APPEND_HAS_BATCH_IDX)]];
+constant bool has_rotary [[function_constant(FC_APPEND_HAS_ROTARY)]];
+constant bool rotary_interleaved [[function_constant(FC_APPEND_ROTARY_INTERLEAVED)]];
+constant bool kv_affine [[function_constant(FC_APPEND_KV_AFFINE)]];
+constant bool kv_symmetric [[function_constant(FC_APPEND_KV_SYMMETRIC)]];
 
 #define KVCACHE_APPEND_ARGS(T, R, TQ)                                                  \
   const device T* k [[buffer(0)]], const device T* v [[buffer(1)]],                     \

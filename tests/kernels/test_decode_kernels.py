@@ -25,6 +25,7 @@ from torch_metal_flash.faces.kvcache import flash_attn_with_kvcache
 from torch_metal_flash.planner.plan import Plan, Unsupported
 from torch_metal_flash.planner.decode import (DecodeParams, DecodeProblem, choose_splits,
                                               compulsory_bytes, decode_variants, plan_decode)
+from torch_metal_flash.planner.shader_constants import APPEND, DECODE
 
 ORDER_PAIRS = (("forward", "reverse"), ("reverse", "random"), ("random", "forward"))
 
@@ -194,7 +195,7 @@ def test_params_layout():
         setattr(p, n, -(k + 1) * 13)
     p.qk_scale, p.softcap = 0.5, -2.25
     lib = emulator.compile_shader(shaders_dir() / "flash_decode.metal",
-                                  function_constants={i: False for i in range(12)})
+                                  function_constants=dict.fromkeys(DECODE.indices(), False))
     out_l, out_i, out_f = torch.zeros(len(longs), dtype=torch.int64), torch.zeros(len(ints), dtype=torch.int32), \
         torch.zeros(2)
     lib.flash_decode_params_echo(buffers={0: out_l, 1: out_i, 2: out_f, 5: p.to_bytes()}, grid=(1,),
@@ -216,7 +217,7 @@ def test_append_params_layout():
     for k, n in enumerate(ints):
         setattr(p, n, -(k + 1) * 13)
     lib = emulator.compile_shader(shaders_dir() / "kvcache_append.metal",
-                                  function_constants={i: False for i in range(5)})
+                                  function_constants=dict.fromkeys(APPEND.indices(), False))
     out_l, out_i = torch.zeros(len(longs), dtype=torch.int64), torch.zeros(len(ints), dtype=torch.int32)
     lib.kvcache_append_params_echo(buffers={0: out_l, 1: out_i, 4: bytes(p)}, grid=(1,), threadgroup=(1,))
     assert out_l.tolist() == [getattr(p, n) for n in longs]

@@ -22,6 +22,7 @@ from torch_metal_flash.planner import forward_variants
 from torch_metal_flash.planner.forward import plan_forward  # noqa: E402 - the prefill planner
 from torch_metal_flash.planner.params import FlashFwdParams, field_layout
 from torch_metal_flash.problem.spec import make_spec
+from torch_metal_flash.planner.shader_constants import FWD as FC
 
 SEED = 20260411
 ORDER_PAIRS = (("forward", "reverse"), ("reverse", "random"), ("random", "forward"))
@@ -237,10 +238,11 @@ def test_plan_shape_and_constants():
     # Lq = 5 rows per head, GQA 4:2: both heads of a group share one threadgroup.
     assert launch.threadgroups == (1, 2, 1) and launch.threadgroup == (128, 1, 1)
     fcs = launch.function_constants
-    assert fcs[5] is True and fcs[4] is True and fcs[6] is False and fcs[0] is False
+    assert fcs[FC.has_band] is True and fcs[FC.has_softcap] is True and fcs[FC.dims_aligned] is False \
+        and fcs[FC.has_mask] is False
     # A window wider than the problem is no band at all.
     plan = plan_forward(_spec(window_left=10 ** 6, window_right=10 ** 6), *fc.outputs_for(_spec()))
-    assert plan.launches[0].function_constants[5] is False
+    assert plan.launches[0].function_constants[FC.has_band] is False
 
 
 def _kernel_direct(q, k, v, **kw):
@@ -346,12 +348,13 @@ def test_unaligned_kv_views_use_scalar_loads():
     k, v = base[..., 1:33], base[..., 35:67]  # offsets 1 and 35 elements
     spec = make_spec(q, k, v, scale=0.2, window_right=0, diag_offset=31)
     plan = plan_forward(spec, *fc.outputs_for(spec))
-    assert plan.launches[0].function_constants[6] is True and plan.launches[0].function_constants[7] is False
+    fcs = plan.launches[0].function_constants
+    assert fcs[FC.dims_aligned] is True and fcs[FC.kv_vec_aligned] is False
     out, lse = fc.run_forward(spec, order="reverse")
     fc.check(spec, out, lse)
     k2, v2 = base[..., 4:36], base[..., 36:68]
     spec = make_spec(q, k2, v2, scale=0.2)
-    assert plan_forward(spec, *fc.outputs_for(spec)).launches[0].function_constants[7] is True
+    assert plan_forward(spec, *fc.outputs_for(spec)).launches[0].function_constants[FC.kv_vec_aligned] is True
     out, lse = fc.run_forward(spec, order="random")
     fc.check(spec, out, lse)
 

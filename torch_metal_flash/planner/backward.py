@@ -44,22 +44,9 @@ from .forward import (MASK_KINDS, _last_dim_contiguous, check_aux, check_problem
 from .limits import PipelineInfo, first_fitting
 from .params import FlashFwdParams
 from .plan import Launch, Plan, Unsupported
+from .shader_constants import BWD as FC
 
 SOURCE = "flash_bwd.metal"
-
-# [[function_constant(i)]] indices of flash_bwd.metal
-FC_HAS_MASK = 0
-FC_MASK_KIND = 1
-FC_HAS_ALIBI = 2
-FC_HAS_SINKS = 3
-FC_HAS_SOFTCAP = 4
-FC_HAS_BAND = 5
-FC_DIMS_ALIGNED = 6
-FC_HAS_DBIAS = 7
-FC_HAS_DLSE = 8
-FC_IS_VARLEN = 9
-FC_HAS_SEQUSED_K = 10
-FC_HAS_DROPOUT = 12
 
 # [[buffer(i)]] indices
 # preprocess
@@ -172,18 +159,18 @@ def function_constants(mask_kind: int, alibi: bool, sinks: bool, softcap: bool, 
                        dropout: bool = False) -> dict:
     """The ``[[function_constant]]`` values of ``flash_bwd.metal`` for these features."""
     return {
-        FC_IS_VARLEN: varlen,
-        FC_HAS_SEQUSED_K: varlen and seqused_k,
-        FC_HAS_DROPOUT: dropout,
-        FC_HAS_MASK: mask_kind != 0,
-        FC_MASK_KIND: mask_kind,
-        FC_HAS_ALIBI: alibi,
-        FC_HAS_SINKS: sinks,
-        FC_HAS_SOFTCAP: softcap,
-        FC_HAS_BAND: band,
-        FC_DIMS_ALIGNED: dims_aligned,
-        FC_HAS_DBIAS: dbias,
-        FC_HAS_DLSE: dlse,
+        FC.is_varlen: varlen,
+        FC.has_seqused_k: varlen and seqused_k,
+        FC.has_dropout: dropout,
+        FC.has_mask: mask_kind != 0,
+        FC.mask_kind: mask_kind,
+        FC.has_alibi: alibi,
+        FC.has_sinks: sinks,
+        FC.has_softcap: softcap,
+        FC.has_band: band,
+        FC.dims_aligned: dims_aligned,
+        FC.has_dbias: dbias,
+        FC.has_dlse: dlse,
     }
 
 

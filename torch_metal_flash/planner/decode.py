@@ -41,20 +41,18 @@ from . import kvformat
 from .kvformat import MIXED_KV_DTYPES
 from .limits import PipelineInfo, first_fitting
 from .plan import Launch, Plan, Unsupported
+from .shader_constants import DECODE as FC
 
 SOURCE = "flash_decode.metal"
 VARIANTS_SOURCE = "flash_decode_variants.metal"  # the tuner's further tiles (the same template)
 
-# [[function_constant(i)]] indices of flash_decode.metal
-(FC_PAGED, FC_HAS_LEFTPAD, FC_HAS_BATCH_IDX, FC_HAS_ALIBI, FC_HAS_SOFTCAP, FC_HAS_BAND, FC_USE_SPLITS,
- FC_HAS_SEQLENS, FC_HAS_MASK, FC_HAS_SINKS, FC_KV_AFFINE, FC_KV_SYMMETRIC) = range(12)
 # [[buffer(i)]] indices
 (BUF_Q, BUF_K, BUF_V, BUF_O, BUF_LSE, BUF_PARAMS, BUF_SEQLENS, BUF_LEFTPAD, BUF_BATCH_IDX, BUF_BLOCK_TABLE,
  BUF_ALIBI, BUF_PART_O, BUF_PART_ML, BUF_MASK, BUF_SINKS, BUF_K_SCALES, BUF_K_BIASES, BUF_V_SCALES, BUF_V_BIASES,
  BUF_K_SCALES_SYM, BUF_V_SCALES_SYM) = range(21)
 
 DTYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
-# flash::MaskKind of flash_common.h
+# flash::MaskKind of flash_transforms.h
 MASK_KINDS = {torch.bool: 1, torch.float32: 2, torch.float16: 3, torch.bfloat16: 4}
 HEAD_DIM_BUCKETS = (32, 64, 96, 128, 192, 256)
 MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
@@ -413,10 +411,10 @@ def function_constants(paged: bool, leftpad: bool, batch_idx: bool, alibi: bool,
     """The ``[[function_constant]]`` values of ``flash_decode.metal`` for these features
     (``seqlens``: a lengths tensor is bound, else every row has ``seqlen_fixed``;
     ``kv_format``: ``plain``, ``affine`` or ``symmetric``)."""
-    return {FC_PAGED: paged, FC_HAS_LEFTPAD: leftpad, FC_HAS_BATCH_IDX: batch_idx, FC_HAS_ALIBI: alibi,
-            FC_HAS_SOFTCAP: softcap, FC_HAS_BAND: band, FC_USE_SPLITS: splits, FC_HAS_SEQLENS: seqlens,
-            FC_HAS_MASK: mask, FC_HAS_SINKS: sinks, FC_KV_AFFINE: kv_format == "affine",
-            FC_KV_SYMMETRIC: kv_format == "symmetric"}
+    return {FC.paged: paged, FC.has_leftpad: leftpad, FC.has_batch_idx: batch_idx, FC.has_alibi: alibi,
+            FC.has_softcap: softcap, FC.has_band: band, FC.use_splits: splits, FC.has_seqlens: seqlens,
+            FC.has_mask: mask, FC.has_sinks: sinks, FC.kv_affine: kv_format == "affine",
+            FC.kv_symmetric: kv_format == "symmetric"}
 
 
 # Every value plan_decode can pass to function_constants() (the doctor enumerates the variants from these).

@@ -28,25 +28,10 @@ from . import choice
 from .limits import PipelineInfo, first_fitting
 from .params import FlashFwdParams
 from .plan import Launch, Plan, Unsupported
+from .shader_constants import FWD as FC
 from .tiles import DTYPE_NAMES, MAX_HEAD_DIM, ForwardTile, forward_candidates, forward_tile
 
 SOURCE = "flash_fwd.metal"
-
-# [[function_constant(i)]] indices of flash_fwd.metal
-FC_HAS_MASK = 0
-FC_MASK_KIND = 1
-FC_HAS_ALIBI = 2
-FC_HAS_SINKS = 3
-FC_HAS_SOFTCAP = 4
-FC_HAS_BAND = 5
-FC_DIMS_ALIGNED = 6
-FC_KV_VEC_ALIGNED = 7
-FC_HAS_AUX = 8
-FC_IS_VARLEN = 9
-FC_HAS_SEQUSED_K = 10
-FC_IS_PAGED = 11
-FC_HAS_DROPOUT = 12
-FC_HAS_PROBS = 13
 
 MASK_KINDS = {torch.bool: 1, torch.float32: 2, torch.float16: 3, torch.bfloat16: 4}
 
@@ -292,20 +277,20 @@ def function_constants(mask_kind: int, alibi: bool, sinks: bool, softcap: bool, 
                        paged: bool = False, dropout: bool = False, probs: bool = False) -> dict:
     """The ``[[function_constant]]`` values of ``flash_fwd.metal`` for these features."""
     return {
-        FC_IS_VARLEN: varlen,
-        FC_HAS_SEQUSED_K: varlen and seqused_k,
-        FC_IS_PAGED: varlen and paged,
-        FC_HAS_DROPOUT: dropout,
-        FC_HAS_PROBS: probs,
-        FC_HAS_MASK: mask_kind != 0,
-        FC_MASK_KIND: mask_kind,
-        FC_HAS_ALIBI: alibi,
-        FC_HAS_SINKS: sinks,
-        FC_HAS_SOFTCAP: softcap,
-        FC_HAS_BAND: band,
-        FC_DIMS_ALIGNED: dims_aligned,
-        FC_KV_VEC_ALIGNED: dims_aligned and kv_vec_aligned,
-        FC_HAS_AUX: aux,
+        FC.is_varlen: varlen,
+        FC.has_seqused_k: varlen and seqused_k,
+        FC.is_paged: varlen and paged,
+        FC.has_dropout: dropout,
+        FC.has_probs: probs,
+        FC.has_mask: mask_kind != 0,
+        FC.mask_kind: mask_kind,
+        FC.has_alibi: alibi,
+        FC.has_sinks: sinks,
+        FC.has_softcap: softcap,
+        FC.has_band: band,
+        FC.dims_aligned: dims_aligned,
+        FC.kv_vec_aligned: dims_aligned and kv_vec_aligned,
+        FC.has_aux: aux,
     }
 
 

@@ -28,11 +28,9 @@ from . import kvformat
 from .decode import DTYPE_NAMES, MAX_HEAD_DIM, DecodeProblem, plan_decode
 from .limits import PipelineInfo, first_fitting
 from .plan import Launch, Plan, Unsupported
+from .shader_constants import APPEND as FC
 
 SOURCE = "kvcache_append.metal"
-# [[function_constant(i)]] indices of kvcache_append.metal
-FC_PAGED, FC_HAS_SEQLENS, FC_HAS_BATCH_IDX, FC_HAS_ROTARY, FC_ROTARY_INTERLEAVED, FC_KV_AFFINE, FC_KV_SYMMETRIC = \
-    range(7)
 # [[buffer(i)]] indices
 (BUF_K, BUF_V, BUF_K_CACHE, BUF_V_CACHE, BUF_PARAMS, BUF_SEQLENS, BUF_BATCH_IDX, BUF_BLOCK_TABLE, BUF_COS, BUF_SIN,
  BUF_Q, BUF_Q_ROT, BUF_K_SCALES, BUF_K_BIASES, BUF_V_SCALES, BUF_V_BIASES, BUF_K_SCALES_SYM,
@@ -57,9 +55,9 @@ def append_kernels() -> list[str]:
 def function_constants(paged: bool, seqlens: bool, batch_idx: bool, rotary: bool, interleaved: bool,
                        kv_format: str = "plain") -> dict:
     """The ``[[function_constant]]`` values of ``kvcache_append.metal`` for these features."""
-    return {FC_PAGED: paged, FC_HAS_SEQLENS: seqlens, FC_HAS_BATCH_IDX: batch_idx, FC_HAS_ROTARY: rotary,
-            FC_ROTARY_INTERLEAVED: interleaved, FC_KV_AFFINE: kv_format == "affine",
-            FC_KV_SYMMETRIC: kv_format == "symmetric"}
+    return {FC.paged: paged, FC.has_seqlens: seqlens, FC.has_batch_idx: batch_idx, FC.has_rotary: rotary,
+            FC.rotary_interleaved: interleaved, FC.kv_affine: kv_format == "affine",
+            FC.kv_symmetric: kv_format == "symmetric"}
 
 
 # Every value plan_kvcache can pass to function_constants() (the doctor enumerates the variants from these).

@@ -1,0 +1,144 @@
+// 8x8 simdgroup-matrix fragments: the lane layout, row reductions over it,
+// fragment loads and stores (threadgroup and device memory) and the Q K^T
+// block product.  Plain MSL; every pointer carries its address space.
+#pragma once
+
+#include <metal_stdlib>
+
+using namespace metal;
+
+namespace flash {
+
+// ---------------------------------------------------------------------------
+// Fragment lane layout (Apple does not document it; MLX relies on the same
+// mapping, and the emulator implements it, docs/emulator.md).  Lane l owns the elements
+// (row, col) and (row, col + 1) of every 8x8 simdgroup matrix, where
+//   qid = l / 4; row = (qid & 4) + (l / 2) % 4; col = (qid & 2) * 2 + (l % 2) * 2.
+// The lanes that share a row differ in bits 0 and 3 of the lane id.
+// ---------------------------------------------------------------------------
+struct FragCoord {
+  short row;
+  short col;
+};
+
+inline FragCoord frag_coord(ushort lane) {
+  const short qid = short(lane / 4);
+  FragCoord c;
+  c.row = short((qid & 4) + (lane / 2) % 4);
+  c.col = short((qid & 2) * 2 + (lane % 2) * 2);
+  return c;
+}
+
+// Reductions over the 4 lanes that share a fragment row.
+inline float row_max(float x) {
+  x = max(x, simd_shuffle_xor(x, ushort(1)));
+  x = max(x, simd_shuffle_xor(x, ushort(8)));
+  return x;
+}
+
+inline float row_sum(float x) {
+  x += simd_shuffle_xor(x, ushort(1));
+  x += simd_shuffle_xor(x, ushort(8));
+  return x;
+}
+
+// Load an 8x8 float fragment from a row-major threadgroup tile of T whose
+// top-left element is src (leading dimension ld): m[r][c] = src[r * ld + c].
+template <typename T>
+inline void load_frag(thread simdgroup_float8x8& m, const threadgroup T* src, int ld,
+                      FragCoord fc) {
+  const threadgroup T* p = src + fc.row * ld + fc.col;
+  m.thread_elements()[0] = float(p[0]);
+  m.thread_elements()[1] = float(p[1]);
+}
+
+// Transposed: m[r][c] = src[c * ld + r].
+template <typename T>
+inline void load_frag_t(thread simdgroup_float8x8& m, const threadgroup T* src, int ld,
+                        FragCoord fc) {
+  const threadgroup T* p = src + fc.col * ld + fc.row;
+  m.thread_elements()[0] = float(p[0]);
+  m.thread_elements()[1] = float(p[ld]);
+}
+
+// Load an 8x8 fragment straight from device memory (rows of stride ld),
+// rows >= rows_valid and cols >= cols_valid read as zero, scaled by `scale`.
+template <typename T>
+inline void load_frag_device(thread simdgroup_float8x8& m, const device T* src, long ld,
+                             int rows_valid, int cols_valid, FragCoord fc, float scale) {
+  float e0 = 0.0f, e1 = 0.0f;
+  if (fc.row < rows_valid) {
+    const device T* p = src + long(fc.row) * ld + fc.col;
+    if (fc.col < cols_valid) e0 = float(p[0]) * scale;
+    if (fc.col + 1 < cols_valid) e1 = float(p[1]) * scale;
+  }
+  m.thread_elements()[0] = e0;
+  m.thread_elements()[1] = e1;
+}
+
+// Per-lane-row variants: each lane passes the start of its own fragment row
+// (rows need not be equally spaced, e.g. packed GQA heads).
+template <typename T>
+inline void load_frag_rows(thread simdgroup_float8x8& m, const device T* row, bool row_valid,
+                           int cols_valid, FragCoord fc, float scale) {
+  float e0 = 0.0f, e1 = 0.0f;
+  if (row_valid) {
+    if (fc.col < cols_valid) e0 = float(row[fc.col]) * scale;
+    if (fc.col + 1 < cols_valid) e1 = float(row[fc.col + 1]) * scale;
+  }
+  m.thread_elements()[0] = e0;
+  m.thread_elements()[1] = e1;
+}
+
+template <typename T>
+inline void store_frag_rows(thread simdgroup_float8x8& m, device T* row, bool row_valid,
+                            int cols_valid, FragCoord fc, float scale) {
+  if (row_valid) {
+    if (fc.col < cols_valid) row[fc.col] = T(m.thread_elements()[0] * scale);
+    if (fc.col + 1 < cols_valid) row[fc.col + 1] = T(m.thread_elements()[1] * scale);
+  }
+}
+
+// Store an 8x8 fragment to device memory as T, guarded like load_frag_device.
+template <typename T>
+inline void store_frag_device(thread simdgroup_float8x8& m, device T* dst, long ld,
+                              int rows_valid, int cols_valid, FragCoord fc, float scale) {
+  if (fc.row < rows_valid) {
+    device T* p = dst + long(fc.row) * ld + fc.col;
+    if (fc.col < cols_valid) p[0] = T(m.thread_elements()[0] * scale);
+    if (fc.col + 1 < cols_valid) p[1] = T(m.thread_elements()[1] * scale);
+  }
+}
+
+inline void frag_scale(thread simdgroup_float8x8& m, float s) {
+  m.thread_elements()[0] *= s;
+  m.thread_elements()[1] *= s;
+}
+
+// a += b, element-wise (every lane its two elements).
+__attribute__((always_inline)) inline
+void frag_add(thread simdgroup_float8x8& a, simdgroup_float8x8 b) {
+  a.thread_elements()[0] += b.thread_elements()[0];
+  a.thread_elements()[1] += b.thread_elements()[1];
+}
+
+// S[kk] = Q K^T for 8 query rows (Qf: NF fragments along the head dim) x the
+// keys kk * 8.. of the threadgroup tile Ks (row stride LD): one
+// multiply-accumulate chain over the head dim, in order.  Every kernel that
+// needs the scores (forward, dQ, decode) computes them here, so the backward
+// sees the forward's scores bit for bit.
+template <int NF, int NK, int LD, typename T>
+__attribute__((always_inline)) inline
+void qk_block(thread simdgroup_float8x8* S, const thread simdgroup_float8x8* Qf, const threadgroup T* Ks,
+              FragCoord fc) {
+  for (int kk = 0; kk < NK; ++kk) {
+    S[kk] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    for (int dd = 0; dd < NF; ++dd) {
+      simdgroup_float8x8 Kt;
+      load_frag_t(Kt, Ks + kk * 8 * LD + dd * 8, LD, fc);
+      simdgroup_multiply_accumulate(S[kk], Qf[dd], Kt, S[kk]);
+    }
+  }
+}
+
+}  // namespace flash
