@@ -21,8 +21,8 @@
 //   BD  head-dim tile width (>= head_dim and head_dim_v, multiple of 8)
 //   BQ  query rows per threadgroup (8 per simdgroup)
 //   BK  key rows per step
-//   KVS K and V tiles share one threadgroup buffer (V is loaded after the
-//       scores are computed; two more barriers per step, half the memory,
+//   SHARED_KV  K and V tiles share one threadgroup buffer (V is loaded after
+//       the scores are computed; two more barriers per step, half the memory,
 //       so twice the keys per step for large head dims / float32)
 // Function constants switch the optional features off at compile time.
 //
@@ -138,12 +138,12 @@ inline uint block_scores(thread simdgroup_float8x8* S, const thread simdgroup_fl
 
 }  // namespace fwd_detail
 
-template <typename T, int BD, int BQ, int BK, bool KVS>
+template <typename T, int BD, int BQ, int BK, bool SHARED_KV>
 [[kernel]] void flash_fwd(FLASH_FWD_ARGS(T)) {
   constexpr int WM = BQ / 8;             // simdgroups
   constexpr int NT = WM * 32;            // threads
   constexpr int LD = BD + flash::TilePad<T>::value;
-  constexpr int TG_ELEMS = (KVS ? 1 : 2) * BK * LD;  // K tile then V tile, or one shared
+  constexpr int TG_ELEMS = (SHARED_KV ? 1 : 2) * BK * LD;  // K tile then V tile, or one shared
   constexpr int NF = BD / 8;             // fragments along the head dim
   constexpr int NK = BK / 8;             // fragments along the keys
   static_assert(BQ % 8 == 0 && BK % 8 == 0 && BD % 8 == 0, "tile sizes");
@@ -151,7 +151,7 @@ template <typename T, int BD, int BQ, int BK, bool KVS>
 
   threadgroup T smem[TG_ELEMS];
   threadgroup T* Ks = smem;
-  threadgroup T* Vs = KVS ? smem : smem + BK * LD;
+  threadgroup T* Vs = SHARED_KV ? smem : smem + BK * LD;
 
   const int b = int(tgid.z);
   const flash::Seq sq = flash::seq_of(p, b, is_varlen, is_paged, has_seqused_k, cu_q, cu_k, seqused);
@@ -236,7 +236,7 @@ template <typename T, int BD, int BQ, int BK, bool KVS>
     const int k_valid = Lk - kb;
     fwd_detail::load_keys<T, BK, BD, NT>(Ks, LD, kh, p.k_stride_b, p.k_stride_l, sq.k0, bt_row, p, kb, k_valid,
                                         p.head_dim, cols_aligned, vec_ok, ushort(tid));
-    if (!KVS) {
+    if (!SHARED_KV) {
       fwd_detail::load_keys<T, BK, BD, NT>(Vs, LD, vh, p.v_stride_b, p.v_stride_l, sq.k0, bt_row, p, kb, k_valid,
                                           p.head_dim_v, cols_aligned, vec_ok, ushort(tid));
     }
@@ -272,7 +272,7 @@ template <typename T, int BD, int BQ, int BK, bool KVS>
       }
     }
 
-    if (KVS) {  // every simdgroup is done with K: bring V into the same buffer
+    if (SHARED_KV) {  // every simdgroup is done with K: bring V into the same buffer
       threadgroup_barrier(mem_flags::mem_threadgroup);
       fwd_detail::load_keys<T, BK, BD, NT>(Vs, LD, vh, p.v_stride_b, p.v_stride_l, sq.k0, bt_row, p, kb, k_valid,
                                           p.head_dim_v, cols_aligned, vec_ok, ushort(tid));
