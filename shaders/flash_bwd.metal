@@ -165,7 +165,7 @@ template <typename T, int BD, int BQ, int BK>
 [[kernel]] void flash_bwd_dq(FLASH_BWD_DQ_ARGS(T)) {
   constexpr int WM = BQ / 8;
   constexpr int NT = WM * 32;
-  constexpr int LD = BD + flash::TilePad<T>::value;
+  constexpr int LD = flash::TileLD<T, BD, 2 * BK>::value;
   constexpr int NF = BD / 8;
   constexpr int NK = BK / 8;
   static_assert(BQ % 8 == 0 && BK % 8 == 0 && BD % 16 == 0, "tile sizes (two chains over BD)");
@@ -356,16 +356,21 @@ template <typename T, int BD, int BK, int BQ, int MODE>
 [[kernel]] void flash_bwd_dkv(FLASH_BWD_DKV_ARGS(T)) {
   constexpr int WM = BK / 8;
   constexpr int NT = WM * 32;
-  constexpr int LD = BD + flash::TilePad<T>::value;
+  constexpr int LD = flash::TileLD<T, BD, 2 * BQ>::value;
   constexpr int NF = BD / 8;
   constexpr int NQ = BQ / 8;
+  // The block's row statistics are staged in threadgroup memory where they fit
+  // next to the Q and dO tiles, else read from device memory where used.
+  constexpr bool kStatsStaged = 2 * BQ * LD * int(sizeof(T)) + BQ * 12 <= flash::kThreadgroupBytes;
   constexpr bool kDK = MODE != 2;
   constexpr bool kDV = MODE != 1;
   static_assert(BQ % 8 == 0 && BK % 8 == 0 && BD % 16 == 0, "tile sizes (two chains over BD)");
 
-  threadgroup T smem[2 * BQ * LD];
-  threadgroup float2 stat_tile[BQ];
-  threadgroup float delta_tile[BQ];
+  // One buffer: the Q and dO tiles, then (when staged) the row statistics m, 1/l and delta.
+  constexpr int STAT_ELEMS = kStatsStaged ? BQ * 12 / int(sizeof(T)) : 0;
+  threadgroup T smem[2 * BQ * LD + STAT_ELEMS];
+  threadgroup float2* stat_tile = reinterpret_cast<threadgroup float2*>(smem + 2 * BQ * LD);
+  threadgroup float* delta_tile = reinterpret_cast<threadgroup float*>(stat_tile + BQ);
   threadgroup T* Qs = smem;
   threadgroup T* dOs = smem + BQ * LD;
 
@@ -432,7 +437,7 @@ template <typename T, int BD, int BK, int BQ, int MODE>
                                       aligned, false, tid);
       flash::load_tile<T, BQ, BD, NT>(dOs, LD, dop + long(qb) * p.do_stride_l, p.do_stride_l, q_valid,
                                       f.head_dim_v, aligned, false, tid);
-      for (int t = tid; t < BQ; t += NT) {
+      for (int t = tid; kStatsStaged && t < BQ; t += NT) {
         const bool ok = qb + t < Lq;
         stat_tile[t] = ok ? stats[stat_base + qb + t] : float2(0.0f, 0.0f);
         delta_tile[t] = ok ? delta[stat_base + qb + t] : 0.0f;
@@ -490,10 +495,10 @@ template <typename T, int BD, int BK, int BQ, int MODE>
             float pr = 0.0f;
             float ds = 0.0f;
             if (vis) {
-              pr = flash_bwd::prob(sc.s, stat_tile[ii]);
+              pr = flash_bwd::prob(sc.s, kStatsStaged ? stat_tile[ii] : stats[stat_base + i]);
               const float zs = has_dropout ? (drop.keep(i, my_key) ? f.dropout_scale : 0.0f) : 1.0f;
               if (kDK) {
-                ds = pr * (dPt[qq].thread_elements()[e] * zs - delta_tile[ii]);
+                ds = pr * (dPt[qq].thread_elements()[e] * zs - (kStatsStaged ? delta_tile[ii] : delta[stat_base + i]));
                 if (has_softcap) ds *= 1.0f - sc.th * sc.th;
                 ds *= p.scale;
               }
@@ -610,6 +615,8 @@ FLASH_BWD_DQ_INSTANTIATE(f32, float, 128, 64, 16)
 FLASH_BWD_DQ_INSTANTIATE(f32, float, 160, 32, 8)
 FLASH_BWD_DQ_INSTANTIATE(f32, float, 192, 32, 8)
 FLASH_BWD_DQ_INSTANTIATE(f32, float, 256, 32, 8)
+FLASH_BWD_DQ_INSTANTIATE(f32, float, 384, 32, 8)
+FLASH_BWD_DQ_INSTANTIATE(f32, float, 512, 32, 8)
 FLASH_BWD_DQ_INSTANTIATE(f16, half, 32, 64, 32)
 FLASH_BWD_DQ_INSTANTIATE(f16, half, 64, 64, 32)
 FLASH_BWD_DQ_INSTANTIATE(f16, half, 80, 64, 32)
@@ -618,6 +625,8 @@ FLASH_BWD_DQ_INSTANTIATE(f16, half, 128, 64, 32)
 FLASH_BWD_DQ_INSTANTIATE(f16, half, 160, 32, 16)
 FLASH_BWD_DQ_INSTANTIATE(f16, half, 192, 32, 16)
 FLASH_BWD_DQ_INSTANTIATE(f16, half, 256, 32, 16)
+FLASH_BWD_DQ_INSTANTIATE(f16, half, 384, 32, 8)
+FLASH_BWD_DQ_INSTANTIATE(f16, half, 512, 32, 8)
 FLASH_BWD_DQ_INSTANTIATE(bf16, bfloat, 32, 64, 32)
 FLASH_BWD_DQ_INSTANTIATE(bf16, bfloat, 64, 64, 32)
 FLASH_BWD_DQ_INSTANTIATE(bf16, bfloat, 80, 64, 32)
@@ -626,6 +635,8 @@ FLASH_BWD_DQ_INSTANTIATE(bf16, bfloat, 128, 64, 32)
 FLASH_BWD_DQ_INSTANTIATE(bf16, bfloat, 160, 32, 16)
 FLASH_BWD_DQ_INSTANTIATE(bf16, bfloat, 192, 32, 16)
 FLASH_BWD_DQ_INSTANTIATE(bf16, bfloat, 256, 32, 16)
+FLASH_BWD_DQ_INSTANTIATE(bf16, bfloat, 384, 32, 8)
+FLASH_BWD_DQ_INSTANTIATE(bf16, bfloat, 512, 32, 8)
 
 // dK/dV (T, BD, BK, BQ, MODE): Q + dO tiles of BQ x (BD + pad) elements; fused
 // (MODE 0) up to BD 64, split into a dK (MODE 1) and a dV (MODE 2) kernel above.
@@ -643,6 +654,10 @@ FLASH_BWD_DKV_INSTANTIATE(f32, float, 192, 32, 8, 1)
 FLASH_BWD_DKV_INSTANTIATE(f32, float, 192, 32, 8, 2)
 FLASH_BWD_DKV_INSTANTIATE(f32, float, 256, 32, 8, 1)
 FLASH_BWD_DKV_INSTANTIATE(f32, float, 256, 32, 8, 2)
+FLASH_BWD_DKV_INSTANTIATE(f32, float, 384, 32, 8, 1)
+FLASH_BWD_DKV_INSTANTIATE(f32, float, 384, 32, 8, 2)
+FLASH_BWD_DKV_INSTANTIATE(f32, float, 512, 32, 8, 1)
+FLASH_BWD_DKV_INSTANTIATE(f32, float, 512, 32, 8, 2)
 FLASH_BWD_DKV_INSTANTIATE(f16, half, 32, 64, 32, 0)
 FLASH_BWD_DKV_INSTANTIATE(f16, half, 64, 64, 32, 0)
 FLASH_BWD_DKV_INSTANTIATE(f16, half, 80, 64, 32, 1)
@@ -657,6 +672,10 @@ FLASH_BWD_DKV_INSTANTIATE(f16, half, 192, 32, 16, 1)
 FLASH_BWD_DKV_INSTANTIATE(f16, half, 192, 32, 16, 2)
 FLASH_BWD_DKV_INSTANTIATE(f16, half, 256, 32, 16, 1)
 FLASH_BWD_DKV_INSTANTIATE(f16, half, 256, 32, 16, 2)
+FLASH_BWD_DKV_INSTANTIATE(f16, half, 384, 32, 8, 1)
+FLASH_BWD_DKV_INSTANTIATE(f16, half, 384, 32, 8, 2)
+FLASH_BWD_DKV_INSTANTIATE(f16, half, 512, 32, 8, 1)
+FLASH_BWD_DKV_INSTANTIATE(f16, half, 512, 32, 8, 2)
 FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 32, 64, 32, 0)
 FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 64, 64, 32, 0)
 FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 80, 64, 32, 1)
@@ -671,4 +690,8 @@ FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 192, 32, 16, 1)
 FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 192, 32, 16, 2)
 FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 256, 32, 16, 1)
 FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 256, 32, 16, 2)
+FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 384, 32, 8, 1)
+FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 384, 32, 8, 2)
+FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 512, 32, 8, 1)
+FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 512, 32, 8, 2)
 #endif  // FLASH_BWD_TEMPLATES_ONLY

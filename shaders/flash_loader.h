@@ -16,6 +16,19 @@ struct TilePad {
   static constant constexpr int value = 16 / sizeof(T);
 };
 
+// Threadgroup memory of every Apple GPU (maxThreadgroupMemoryLength).
+constant constexpr int kThreadgroupBytes = 32768;
+
+// The row stride of ROWS tile rows of BD elements: padded while the padded
+// rows fit in threadgroup memory, else unpadded (float32 at head dim 512:
+// two 8-row tiles fill the 32 KiB exactly).  planner/backward_tiles.py
+// mirrors this rule.
+template <typename T, int BD, int ROWS>
+struct TileLD {
+  static constant constexpr int value =
+      ROWS * (BD + TilePad<T>::value) * int(sizeof(T)) <= kThreadgroupBytes ? BD + TilePad<T>::value : BD;
+};
+
 // ---------------------------------------------------------------------------
 // Cooperative tile loader: ROWS x COLS elements from device (row stride
 // src_ld, contiguous columns) into a threadgroup tile (row stride dst_ld),

@@ -63,10 +63,21 @@ def test_awkward_lengths(i, case):
 @pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
 def test_every_head_dim_bucket(dtype):
     """Every tile width (and the dK/dV split above 64) once, with unaligned tails."""
-    for d in (32, 64, 80, 96, 128, 160, 192, 256, 5, 72):
+    for d in (32, 64, 80, 96, 128, 160, 192, 256, 384, 512, 5, 72, 300):
         case = dict(dtype=dtype, d=d, lq=9, lk=11, masking="none", hq=2, hkv=1, feature="none",
                     layout="bhld", batch=1)
         run_and_check(case, orders=("reverse",))
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
+def test_wide_head_dims_with_features(dtype):
+    """Head dims above 256: unpadded tiles and unstaged row statistics where float32 at 512 needs them."""
+    cases = [dict(d=512, lq=29, lk=41, masking="causal_br", hq=4, hkv=1, feature="softcap", layout="blhd"),
+             dict(d=448, dv=384, lq=20, lk=37, masking="window_sym", hq=2, hkv=2, feature="alibi_h", layout="bhld",
+                  dlse=True),
+             dict(d=192, dv=512, lq=17, lk=19, masking="none", hq=2, hkv=1, feature="sinks", layout="bhld")]
+    for i, c in enumerate(cases):
+        run_and_check(dict(c, dtype=dtype, batch=1), orders=_orders(i))
 
 
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2), (4, 1), (8, 1), (8, 2)])
@@ -177,7 +188,21 @@ def test_band_skips_blocks():
 def test_threadgroup_memory_under_limit():
     from torch_metal_flash.planner.backward_tiles import backward_variants
     for t in backward_variants():
-        assert t.threadgroup_memory <= 20 * 1024, t
+        assert t.threadgroup_memory <= (20 if t.bd <= 256 else 32) * 1024, t
+
+
+def test_emulator_threadgroup_memory_of_the_wide_tiles():
+    """The wide tiles' threadgroup bytes as the emulator counts them equal the table's, float32 at 512
+    exactly the 32 KiB (unpadded rows; the dK/dV kernel's statistics read from device memory)."""
+    from torch_metal_flash.backends.emulator import EmulatorBackend
+    from torch_metal_flash.planner.backward_tiles import backward_tiles
+    backend = EmulatorBackend()
+    for dtype, d in ((torch.float32, 512), (torch.float32, 384), (torch.float16, 512)):
+        tiles = backward_tiles(dtype, d)
+        for t in (tiles.dq, *tiles.dkv):
+            info = backend.pipeline_info(t.source, t.kernel, {})
+            assert info["static_threadgroup_memory_length"] == t.threadgroup_memory, (t, info)
+    assert backward_tiles(torch.float32, 512).dq.threadgroup_memory == 32768
 
 
 def test_every_table_entry_is_instantiated():
@@ -223,7 +248,7 @@ def test_unsupported_reasons():
     out, aux = torch.empty_like(q), torch.empty(1, 2, 5, 2, dtype=torch.float64)
     r = plan_backward(spec, q, out, aux, None, q, q, q, None, None)
     assert isinstance(r, Unsupported) and "float64" in str(r)
-    q = torch.randn(1, 2, 5, 300)
+    q = torch.randn(1, 2, 5, 513)
     spec = make_spec(q, q, q, scale=0.3)
     r = plan_backward(spec, q, q, torch.empty(1, 2, 5, 2), None, q, q, q, None, None)
     assert isinstance(r, Unsupported) and "head dim" in str(r)

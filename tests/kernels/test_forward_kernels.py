@@ -54,10 +54,21 @@ def test_bigger_shapes(i, case):
 @pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
 def test_every_head_dim_bucket_and_tail(dtype):
     """Every instantiation (tile width) once, with an unaligned tail too."""
-    for d in (32, 64, 80, 96, 128, 160, 192, 256, 5, 77, 250):
+    for d in (32, 64, 80, 96, 128, 160, 192, 256, 384, 512, 5, 77, 250, 300, 500):
         case = dict(dtype=dtype, d=d, lq=9, lk=11, masking="none", hq=1, hkv=1, feature="none",
                     layout="bhld", batch=1)
         fc.run_and_check(case, orders=("reverse", "random"), checked=True)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
+def test_wide_head_dims_with_features(dtype):
+    """Head dims above 256 (up to 512; v's may differ) take every feature the smaller buckets have."""
+    cases = [dict(d=512, lq=37, lk=70, masking="causal_br", hq=4, hkv=1, feature="softcap", layout="blhd"),
+             dict(d=448, dv=384, lq=20, lk=45, masking="window", hq=2, hkv=2, feature="alibi_bh", layout="bhld"),
+             dict(d=192, dv=512, lq=17, lk=33, masking="none", hq=2, hkv=1, feature="bias_bcast", layout="bhld"),
+             dict(d=320, lq=9, lk=40, masking="causal_tl", hq=3, hkv=1, feature="sinks", layout="blhd")]
+    for i, c in enumerate(cases):
+        fc.run_and_check(dict(c, dtype=dtype, batch=2), orders=_orders(i), checked=True)
 
 
 def test_dv_differs_from_d():
@@ -185,7 +196,7 @@ def test_threadgroup_memory_budget():
 
 def test_emulator_threadgroup_memory_matches_table():
     """The emulator's count of threadgroup bytes equals the table's figure."""
-    for d, dt in ((64, "f16"), (256, "f32"), (96, "bf16")):
+    for d, dt in ((64, "f16"), (256, "f32"), (96, "bf16"), (512, "f32"), (384, "bf16")):
         case = dict(dtype=dt, d=d, lq=8, lk=8, masking="none", hq=1, hkv=1, feature="none", layout="bhld", batch=1)
         spec = fc.build_spec(case)
         stats = fc.build_stats_for(spec, checked=True)
@@ -214,7 +225,7 @@ def _spec(dtype=torch.float16, D=64, Dv=None, Hq=4, Hkv=2, **kw):
 
 
 @pytest.mark.parametrize("make,reason", [
-    (lambda: _spec(D=257), "head dim 257"),
+    (lambda: _spec(D=513), "head dim 513"),
     (lambda: _spec(dtype=torch.float64), "dtype"),
     (lambda: _spec(Hq=3, Hkv=2), "multiple"),
     (lambda: make_spec(torch.randn(1, 2, 5, 8)[..., ::2], torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4),

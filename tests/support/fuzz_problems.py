@@ -46,7 +46,8 @@ from support import kvcache_oracle
 
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "f64": torch.float64}
 KERNEL_DTYPES = ("f32", "f16", "bf16")
-MAX_KERNEL_HEAD_DIM = 256
+MAX_KERNEL_HEAD_DIM = 512
+MAX_DECODE_HEAD_DIM = 256  # the split-K decode and kv-cache append kernels
 ORDER_PAIRS = (("forward", "reverse"), ("reverse", "random"), ("random", "forward"))
 SATURATED = -1e37  # spec.py: rows whose scores are all below this pass no gradient
 
@@ -62,9 +63,10 @@ def _length(draw, big: bool = False) -> int:
 
 
 def _head_dim(draw) -> int:
-    """Mostly small and awkward (not a multiple of 8); sparsely 129..256 and beyond the kernels."""
+    """Mostly small and awkward (not a multiple of 8); sparsely 129..512 and beyond the kernels."""
     return draw(st.one_of(st.sampled_from((1, 3, 8, 13, 16, 32, 40, 64)), st.integers(1, 72),
-                          st.integers(129, 256), st.just(MAX_KERNEL_HEAD_DIM + 8)))
+                          st.integers(129, 256), st.integers(257, MAX_KERNEL_HEAD_DIM),
+                          st.just(MAX_KERNEL_HEAD_DIM + 8)))
 
 
 def _heads(draw) -> tuple[int, int]:
@@ -1007,10 +1009,13 @@ def runs_on_kernels(p: dict) -> bool:
         return False
     if max(p["d"], p["dv"]) > MAX_KERNEL_HEAD_DIM:
         return False
+    dequantized = "lens_q" in p or p.get("dropout_p", 0.0) > 0  # varlen and dropout dequantize K/V first
+    if max(p["d"], p["dv"]) > MAX_DECODE_HEAD_DIM and (
+            p.get("face") == "flash_attn_with_kvcache" or (_quantized(p) and not dequantized)):
+        return False  # those take the decode and append kernels only
     mask = p.get("mask")
     if mask is not None and mask["kind"] == "float" and mask["dtype"] not in KERNEL_DTYPES:
         return False
-    dequantized = "lens_q" in p or p.get("dropout_p", 0.0) > 0  # varlen and dropout dequantize K/V first
     if _quantized(p) and p["kv"]["mode"] == "symmetric" and p["d"] % 4 and not dequantized:
         return False  # the decode kernels read int8 rows as 4-byte words (docs/kvcache.md)
     return True

@@ -19,8 +19,11 @@ Plus two fixed kernels: ``flash_bwd_pre_<dt>`` (8 rows per threadgroup of
 1 KiB of threadgroup memory).
 
 The table's values (the default of every family, not measured; sources:
-docs/tuning.md) keep every tile at or under ~17.5 KiB of threadgroup memory
-(``threads`` = 4 x the owned block: 256 for 64-row blocks).  The tuner
+docs/tuning.md) keep every tile at or under ~17.5 KiB of threadgroup memory up to
+head dim 256 (``threads`` = 4 x the owned block: 256 for 64-row blocks); the wide
+buckets 384 and 512 take 8-row streamed tiles, which float32 at 512 fills to the
+32 KiB with unpadded rows (its dK/dV kernel then reads the row statistics from
+device memory instead of staging them).  The tuner
 (:mod:`torch_metal_flash.tuning`) chooses the dQ and the dK/dV tile among
 :func:`dq_variants` / :func:`dkv_variants`: the table's plus half-height owned
 blocks (:data:`EXTRA_BUCKETS`), instantiated in
@@ -41,12 +44,20 @@ PRE_ROWS_PER_GROUP = 8
 DSINKS_THREADS = 256
 DSINKS_KERNEL = "flash_bwd_dsinks"
 FUSED_MAX_BD = 64
+THREADGROUP_BYTES = 32768  # every Apple GPU's maxThreadgroupMemoryLength
 SOURCE = "flash_bwd.metal"
 VARIANTS_SOURCE = "flash_bwd_variants.metal"
 # Buckets with a second dQ and dK/dV tile for the tuner: the owned block halved (half the
 # threads, twice the threadgroups: better for short problems and small GPUs; the same
 # threadgroup memory, as the streamed tiles do not depend on the owned block).
-EXTRA_BUCKETS = (64, 128)
+EXTRA_BUCKETS = (64, 128, 384, 512)
+
+
+def tile_ld(dtype: str, bd: int, rows: int) -> int:
+    """The row stride of ``rows`` threadgroup tile rows (``flash::TileLD`` of flash_loader.h): padded by
+    16 bytes against bank conflicts while the padded rows fit in threadgroup memory."""
+    padded = bd + 16 // _ELEM_SIZE[dtype]
+    return padded if rows * padded * _ELEM_SIZE[dtype] <= THREADGROUP_BYTES else bd
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,8 +81,7 @@ class DQTile:
 
     @property
     def threadgroup_memory(self) -> int:
-        pad = 16 // _ELEM_SIZE[self.dtype]
-        return 2 * self.bk * (self.bd + pad) * _ELEM_SIZE[self.dtype]
+        return 2 * self.bk * tile_ld(self.dtype, self.bd, 2 * self.bk) * _ELEM_SIZE[self.dtype]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,8 +106,9 @@ class DKVTile:
 
     @property
     def threadgroup_memory(self) -> int:
-        pad = 16 // _ELEM_SIZE[self.dtype]
-        return 2 * self.bq * (self.bd + pad) * _ELEM_SIZE[self.dtype] + 3 * self.bq * 4
+        tiles = 2 * self.bq * tile_ld(self.dtype, self.bd, 2 * self.bq) * _ELEM_SIZE[self.dtype]
+        stats = 3 * self.bq * 4
+        return tiles + stats if tiles + stats <= THREADGROUP_BYTES else tiles  # else read from device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,16 +127,16 @@ class BackwardTiles:
 # memory (the streamed tiles do not depend on the owned block).
 _DQ = {
     "f32": {32: (64, 32), 64: (64, 32), 80: (64, 16), 96: (64, 16), 128: (64, 16),
-            160: (32, 8), 192: (32, 8), 256: (32, 8)},
+            160: (32, 8), 192: (32, 8), 256: (32, 8), 384: (32, 8), 512: (32, 8)},
     "f16": {32: (64, 32), 64: (64, 32), 80: (64, 32), 96: (64, 32), 128: (64, 32),
-            160: (32, 16), 192: (32, 16), 256: (32, 16)},
+            160: (32, 16), 192: (32, 16), 256: (32, 16), 384: (32, 8), 512: (32, 8)},
 }
 _DQ["bf16"] = dict(_DQ["f16"])
 _DKV = {
     "f32": {32: (64, 32), 64: (64, 32), 80: (64, 16), 96: (64, 16), 128: (64, 16),
-            160: (32, 8), 192: (32, 8), 256: (32, 8)},
+            160: (32, 8), 192: (32, 8), 256: (32, 8), 384: (32, 8), 512: (32, 8)},
     "f16": {32: (64, 32), 64: (64, 32), 80: (64, 32), 96: (64, 32), 128: (64, 32),
-            160: (32, 16), 192: (32, 16), 256: (32, 16)},
+            160: (32, 16), 192: (32, 16), 256: (32, 16), 384: (32, 8), 512: (32, 8)},
 }
 _DKV["bf16"] = dict(_DKV["f16"])
 

@@ -29,7 +29,7 @@ import dataclasses
 
 import torch
 
-HEAD_DIM_BUCKETS = (32, 64, 80, 96, 128, 160, 192, 256)
+HEAD_DIM_BUCKETS = (32, 64, 80, 96, 128, 160, 192, 256, 384, 512)
 MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
 FAMILIES = ("apple7", "apple8", "apple9", "apple10")  # M1, M2, M3/M4, M5
 SOURCE = "flash_fwd.metal"
@@ -79,9 +79,11 @@ class ForwardTile:
 # (dtype, bucket) -> (BQ, BK, shared_kv): the package's starting point (not measured).
 _BASE = {
     "f32": {32: (32, 32, False), 64: (32, 32, False), 80: (32, 32, True), 96: (32, 32, True),
-            128: (32, 32, True), 160: (32, 16, True), 192: (32, 16, True), 256: (32, 16, True)},
+            128: (32, 32, True), 160: (32, 16, True), 192: (32, 16, True), 256: (32, 16, True),
+            384: (32, 8, True), 512: (32, 8, True)},
     "f16": {32: (32, 64, False), 64: (32, 64, False), 80: (32, 32, False), 96: (32, 32, False),
-            128: (32, 32, False), 160: (32, 32, True), 192: (32, 32, True), 256: (32, 32, True)},
+            128: (32, 32, False), 160: (32, 32, True), 192: (32, 32, True), 256: (32, 32, True),
+            384: (32, 16, True), 512: (32, 16, True)},
 }
 _BASE["bf16"] = dict(_BASE["f16"])
 # MLX's steel attention block choice for half/bfloat (32 query rows, 32 keys per step below
@@ -105,11 +107,15 @@ _PRIMARY = {ForwardTile(dt, bd, *row).kernel for dt, rows in _BASE.items() for b
 # Further tiles the tuner times, per (dtype, bucket >= 64): 64 query rows per threadgroup (each
 # K/V tile feeds 8 simdgroups: half the K/V reads per query row), 16 (more threadgroups for
 # short problems), or another key-block size.  Each stays within 32 KiB of threadgroup memory.
+# The wide buckets (384, 512) keep the head-dim-wide accumulators per simdgroup as every bucket
+# does; their variants trade query rows per K/V tile against threadgroups.
 EXTRA_TILES: dict[str, dict[int, list[tuple[int, int, bool]]]] = {
     "f32": {64: [(64, 32, False)], 80: [(64, 32, True)], 96: [(64, 32, True)], 128: [(64, 32, True)],
-            160: [(64, 16, True)], 192: [(64, 16, True)], 256: [(64, 16, True)]},
+            160: [(64, 16, True)], 192: [(64, 16, True)], 256: [(64, 16, True)],
+            384: [(64, 8, True), (16, 8, True)], 512: [(64, 8, True), (16, 8, True)]},
     "f16": {64: [(64, 32, False)], 80: [(64, 32, False), (16, 32, False)], 96: [(64, 32, False), (16, 32, False)],
-            128: [(64, 32, False)], 160: [(64, 32, True)], 192: [(64, 32, True)], 256: [(64, 32, True)]},
+            128: [(64, 32, False)], 160: [(64, 32, True)], 192: [(64, 32, True)], 256: [(64, 32, True)],
+            384: [(64, 16, True), (16, 16, True)], 512: [(64, 16, True), (16, 16, True)]},
 }
 EXTRA_TILES["bf16"] = {bd: list(rows) for bd, rows in EXTRA_TILES["f16"].items()}
 
