@@ -1,6 +1,6 @@
 // Split-K flash-decoding: a few query rows against a long (optionally paged) KV cache.
 //
-// flash_decode_<dtype>[_kv<kv dtype>]_d<BD>_k<BK>  (the partial / single-pass kernel)
+// flash_decode_<dtype>[_kv<kv dtype>]_d<BD>[_v<BDV>]_k<BK>[_s]  (the partial / single-pass kernel)
 //   Grid: (num_splits, kv_heads * row_blocks, batch) threadgroups.  A threadgroup
 //   owns ONE KV head of one batch row and the query rows of its whole GQA group:
 //   rows r = g * seqlen_q + i (g = head within the group, i = query row), up to
@@ -106,17 +106,52 @@ inline void copy_params(threadgroup long* dst, constant DecodeParams& p, ushort 
   for (int w = int(tid); w < kParamWords; w += 32) dst[w] = src[w];
 }
 
+// One K or V tile: BK rows of `cols` values (a plain cache row read as TK, or a
+// quantized row dequantized as it is loaded), zero outside the keys and, for a
+// plain cache, past `cols` up to the bucket W.  Every thread calls it.
+template <typename TK, int W>
+inline void load_rows(threadgroup TK* tile, int ld, const threadgroup long* row, int rows, int cols,
+                      const device TK* cache, bool quantized, bool symmetric, const threadgroup DecodeParams& P,
+                      const device TK* scales, const device TK* biases, const device half* sym_scales,
+                      int nthreads, ushort tid, ushort sg, ushort lane) {
+  if (quantized) {
+    const kvq::Format fmt = kvq::Format::make(symmetric, P.kv_bits, P.kv_group_size, cols);
+    const device uint* words = reinterpret_cast<const device uint*>(cache);
+    // Each format's scale buffers are referenced only under its own constant.
+    if (symmetric) {
+      kvq::load_quantized_rows<TK>(tile, ld, row, rows, fmt, words, nullptr, nullptr, sym_scales, nthreads, sg, lane);
+    } else {
+      kvq::load_quantized_rows<TK>(tile, ld, row, rows, fmt, words, scales, biases, nullptr, nthreads, sg, lane);
+    }
+    return;
+  }
+  for (int idx = int(tid); idx < rows * W; idx += nthreads) {
+    const int r = idx / W;
+    const int c = idx - r * W;
+    const long at = row[r];
+    tile[r * ld + c] = at >= 0 && c < cols ? cache[at + c] : TK(0);
+  }
+}
+
 // At most 16 simdgroups (planner/decode.py: MAX_ROWS_PER_TG); the attribute makes the
 // compiler keep the pipeline's maxTotalThreadsPerThreadgroup at 512.
-template <typename TQ, typename TK, int BD, int BK>
+// BD: the bucket of q's and K's head dim; BDV: of V's and out's (BD for most
+// models; 512 under BD 576 for multi-head latent attention).  SHARED_KV: the K
+// and V tiles take turns in one buffer (V loaded after the scores: two more
+// barriers per tile), where two would not fit in threadgroup memory.
+template <typename TQ, typename TK, int BD, int BDV, int BK, bool SHARED_KV>
 [[kernel, max_total_threads_per_threadgroup(512)]] void flash_decode(FLASH_DECODE_ARGS(TQ, TK)) {
   constexpr int LD = BD + flash::TilePad<TK>::value;
-  constexpr int NF = BD / 8;  // fragments along the head dim
-  constexpr int NK = BK / 8;  // fragments along the keys
-  static_assert(BD % 8 == 0 && BK % 8 == 0, "tile sizes");
+  constexpr int LDV = BDV + flash::TilePad<TK>::value;
+  constexpr int NF = BD / 8;    // fragments along q's / K's head dim
+  constexpr int NFV = BDV / 8;  // fragments along V's / out's head dim
+  constexpr int NK = BK / 8;    // fragments along the keys
+  static_assert(BD % 8 == 0 && BDV % 8 == 0 && BK % 8 == 0, "tile sizes");
 
-  threadgroup TK k_tile[BK * LD];
-  threadgroup TK v_tile[BK * LD];
+  constexpr int LD_MAX = LD > LDV ? LD : LDV;
+  threadgroup TK kv_tiles[SHARED_KV ? BK * LD_MAX : BK * (LD + LDV)];
+  threadgroup TK* k_tile = kv_tiles;
+  threadgroup TK* v_tile = SHARED_KV ? kv_tiles : kv_tiles + BK * LD;
   threadgroup long k_row[BK];  // element (quantized: row) offset of each tile row in kc (-1: not a key)
   threadgroup long v_row[BK];
   threadgroup long params_words[kParamWords];
@@ -145,6 +180,7 @@ template <typename TQ, typename TK, int BD, int BK>
   const int rblock = int(tgid.y) / P.kv_heads;
   const int Lq = P.seqlen_q;
   const int D = P.head_dim;
+  const int Dv = P.head_dim_v;
   const int row0 = rblock * P.rows_per_tg;
   const int rows_here = min(P.rows_per_tg, P.gqa * Lq - row0);
 
@@ -197,9 +233,11 @@ template <typename TQ, typename TK, int BD, int BK>
   // Q fragments of this simdgroup's 8 rows, pre-scaled (zero past the rows / head dim).
   const long q_off = long(b) * P.q_stride_b + long(h) * P.q_stride_h + long(i) * P.q_stride_l;
   simdgroup_float8x8 Qf[NF];
-  simdgroup_float8x8 Of[NF];
+  simdgroup_float8x8 Of[NFV];
   for (int dd = 0; dd < NF; ++dd) {
     flash::load_frag_rows(Qf[dd], q + q_off + dd * 8, row_ok, D - dd * 8, fc, P.qk_scale);
+  }
+  for (int dd = 0; dd < NFV; ++dd) {
     Of[dd] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
   }
   float m_i = kNeg;
@@ -214,12 +252,20 @@ template <typename TQ, typename TK, int BD, int BK>
   if (has_mask && row_ok) mask_row = long(b) * P.m_stride_b + long(h) * P.m_stride_h + long(i) * P.m_stride_q;
 
   const bool quantized = kv_affine || kv_symmetric;
-  if (quantized) {  // the dequantizing loads fill columns < D only: zero the rest once
-    for (int idx = int(tid); idx < BK * (BD - D); idx += nthreads) {
-      const int r = idx / (BD - D);
-      const int c = D + idx - r * (BD - D);
-      k_tile[r * LD + c] = TK(0.0f);
-      v_tile[r * LD + c] = TK(0.0f);
+  if (quantized && SHARED_KV) {  // the dequantizing loads fill columns < D (K) and < Dv (V) only:
+    // zero the buffer once; past those columns it then holds zeros or finite values of the other
+    // tile, which multiply zeros of q or land in out's columns past Dv (never stored)
+    for (int idx = int(tid); idx < BK * LD_MAX; idx += nthreads) kv_tiles[idx] = TK(0.0f);
+  } else if (quantized) {  // the same, once per tile
+    for (int idx = int(tid); idx < BK * BD; idx += nthreads) {
+      const int r = idx / BD;
+      const int c = idx - r * BD;
+      if (c >= D) k_tile[r * LD + c] = TK(0.0f);
+    }
+    for (int idx = int(tid); idx < BK * BDV; idx += nthreads) {
+      const int r = idx / BDV;
+      const int c = idx - r * BDV;
+      if (c >= Dv) v_tile[r * LDV + c] = TK(0.0f);
     }
   }
 
@@ -248,42 +294,19 @@ template <typename TQ, typename TK, int BD, int BK>
       v_row[r] = vo;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    // K and V tiles: every element (packed word) read once, zero outside the keys / head dim.
-    if (quantized) {
-      const kvq::Format fmt = kvq::Format::make(kv_symmetric, P.kv_bits, P.kv_group_size, D);
-      const device uint* kw = reinterpret_cast<const device uint*>(kc);
-      const device uint* vw = reinterpret_cast<const device uint*>(vc);
-      // Each format's scale buffers are referenced only under its own constant.
-      if (kv_symmetric) {
-        kvq::load_quantized_rows<TK>(k_tile, LD, k_row, BK, fmt, kw, nullptr, nullptr, k_scales_sym, nthreads, sg,
-                                     lane);
-        kvq::load_quantized_rows<TK>(v_tile, LD, v_row, BK, fmt, vw, nullptr, nullptr, v_scales_sym, nthreads, sg,
-                                     lane);
-      } else {
-        kvq::load_quantized_rows<TK>(k_tile, LD, k_row, BK, fmt, kw, k_scales, k_biases, nullptr, nthreads, sg,
-                                     lane);
-        kvq::load_quantized_rows<TK>(v_tile, LD, v_row, BK, fmt, vw, v_scales, v_biases, nullptr, nthreads, sg,
-                                     lane);
-      }
-    } else {
-      for (int idx = int(tid); idx < BK * BD; idx += nthreads) {
-        const int r = idx / BD;
-        const int c = idx - r * BD;
-        const long ko = k_row[r];
-        const long vo = v_row[r];
-        TK kx = TK(0);
-        TK vx = TK(0);
-        if (ko >= 0 && c < D) kx = kc[ko + c];
-        if (vo >= 0 && c < D) vx = vc[vo + c];
-        k_tile[r * LD + c] = kx;
-        v_tile[r * LD + c] = vx;
-      }
+    // K and V tiles: every element (packed word) read once, zero outside the keys / head dims.
+    load_rows<TK, BD>(k_tile, LD, k_row, BK, D, kc, quantized, kv_symmetric, P, k_scales, k_biases, k_scales_sym,
+                      nthreads, tid, sg, lane);
+    if (!SHARED_KV) {
+      load_rows<TK, BDV>(v_tile, LDV, v_row, BK, Dv, vc, quantized, kv_symmetric, P, v_scales, v_biases,
+                         v_scales_sym, nthreads, tid, sg, lane);
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
     // Simdgroup-uniform: rows whose band misses this tile do no multiplies.
-    if (sg_active && kb < sg_key_hi && kb + BK > sg_key_lo) {
-      simdgroup_float8x8 S[NK];
+    const bool sg_sees = sg_active && kb < sg_key_hi && kb + BK > sg_key_lo;
+    simdgroup_float8x8 S[NK];
+    if (sg_sees) {
       uint hidden = 0;  // bit 2 * kk + e: element e of S[kk] is invisible
       flash::qk_block<NF, NK, LD>(S, Qf, k_tile, fc);
       const bool need_bounds = paged || kb < key_lo || kb + BK > key_hi;
@@ -303,11 +326,19 @@ template <typename TQ, typename TK, int BD, int BK>
           }
         }
       }
-      flash::softmax_step<NK, NF>(S, hidden, m_i, l_i, Of);
+      flash::softmax_step<NK, NFV>(S, hidden, m_i, l_i, Of);
+    }
+    if (SHARED_KV) {  // every simdgroup is done with K: bring V into the same buffer
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      load_rows<TK, BDV>(v_tile, LDV, v_row, BK, Dv, vc, quantized, kv_symmetric, P, v_scales, v_biases,
+                         v_scales_sym, nthreads, tid, sg, lane);
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+    }
+    if (sg_sees) {
       for (int kk = 0; kk < NK; ++kk) {
-        for (int dd = 0; dd < NF; ++dd) {
+        for (int dd = 0; dd < NFV; ++dd) {
           simdgroup_float8x8 Vf;
-          flash::load_frag(Vf, v_tile + kk * 8 * LD + dd * 8, LD, fc);
+          flash::load_frag(Vf, v_tile + kk * 8 * LDV + dd * 8, LDV, fc);
           simdgroup_multiply_accumulate(Of[dd], S[kk], Vf, Of[dd]);
         }
       }
@@ -320,8 +351,8 @@ template <typename TQ, typename TK, int BD, int BK>
   if (!use_splits) {
     const float inv_l = flash::inv_row_sum(l_i);
     const long o_off = long(b) * P.o_stride_b + long(h) * P.o_stride_h + long(i) * P.o_stride_l;
-    for (int dd = 0; dd < NF; ++dd) {
-      flash::store_frag_rows(Of[dd], o + o_off + dd * 8, true, D - dd * 8, fc, inv_l);
+    for (int dd = 0; dd < NFV; ++dd) {
+      flash::store_frag_rows(Of[dd], o + o_off + dd * 8, true, Dv - dd * 8, fc, inv_l);
     }
     if (fc.col == 0) {
       flash::store_lse(lse + row_id, m_i, l_i);
@@ -329,10 +360,10 @@ template <typename TQ, typename TK, int BD, int BK>
   } else {
     const long prow = row_id * P.num_splits + split;
     if (flash::saw_keys(l_i)) {  // the combine reads O only of splits that saw a key
-      for (int dd = 0; dd < NF; ++dd) {
+      for (int dd = 0; dd < NFV; ++dd) {
         const int c = dd * 8 + fc.col;
-        if (c < D) part_o[prow * D + c] = Of[dd].thread_elements()[0];
-        if (c + 1 < D) part_o[prow * D + c + 1] = Of[dd].thread_elements()[1];
+        if (c < Dv) part_o[prow * Dv + c] = Of[dd].thread_elements()[0];
+        if (c + 1 < Dv) part_o[prow * Dv + c + 1] = Of[dd].thread_elements()[1];
       }
     }
     if (fc.col == 0) {
@@ -347,7 +378,7 @@ template <typename TQ, typename TK, int BD, int BK>
 // at most 32 * kMaxSplitChunks splits and 32 * kMaxDimChunks head-dim elements.
 // ---------------------------------------------------------------------------
 constant constexpr int kMaxSplitChunks = 4;  // 128 splits
-constant constexpr int kMaxDimChunks = 8;    // head dim 256
+constant constexpr int kMaxDimChunks = 16;   // head dim 512 (V's)
 constant constexpr int kCombineRows = 8;     // simdgroups per threadgroup
 
 template <typename T>
@@ -365,7 +396,7 @@ template <typename T>
   const threadgroup DecodeParams& P = *reinterpret_cast<const threadgroup DecodeParams*>(params_words);
 
   const int S = P.num_splits;
-  const int D = P.head_dim;
+  const int D = P.head_dim_v;  // out's
   const int Lq = P.seqlen_q;
   const long row_id = long(tgid.x) * kCombineRows + long(sg);
   if (row_id >= long(P.batch) * P.heads * Lq) return;  // whole simdgroups leave together
@@ -437,7 +468,7 @@ template <typename T>
   out_i[8] = p.diag_adjust; out_i[9] = p.window_left; out_i[10] = p.window_right; out_i[11] = p.rows_per_tg;
   out_i[12] = p.row_blocks; out_i[13] = p.num_threads;
   out_i[14] = p.seqlen_fixed; out_i[15] = p.seqlen_new; out_i[16] = p.capacity; out_i[17] = p.cache_rows;
-  out_i[18] = p.mask_kind; out_i[19] = p.kv_bits; out_i[20] = p.kv_group_size; out_i[21] = p.pad_i;
+  out_i[18] = p.mask_kind; out_i[19] = p.kv_bits; out_i[20] = p.kv_group_size; out_i[21] = p.head_dim_v;
   out_f[0] = p.qk_scale; out_f[1] = p.softcap;
 }
 
@@ -449,7 +480,15 @@ template <typename T>
 // the cache dtype's tiles).
 #define FLASH_DECODE_INSTANTIATE(name, TQ, TK, BD, BK)                            \
   template [[host_name("flash_decode_" #name "_d" #BD "_k" #BK)]] [[kernel]] void \
-  flash_decode<TQ, TK, BD, BK>(FLASH_DECODE_ARGS(TQ, TK));
+  flash_decode<TQ, TK, BD, BD, BK, false>(FLASH_DECODE_ARGS(TQ, TK));
+// K and V sharing one tile buffer: "_s"
+#define FLASH_DECODE_INSTANTIATE_SHARED(name, TQ, TK, BD, BK)                          \
+  template [[host_name("flash_decode_" #name "_d" #BD "_k" #BK "_s")]] [[kernel]] void \
+  flash_decode<TQ, TK, BD, BD, BK, true>(FLASH_DECODE_ARGS(TQ, TK));
+// V (and out) with their own bucket BDV: "_v<BDV>"
+#define FLASH_DECODE_INSTANTIATE_DV(name, TQ, TK, BD, BDV, BK, SHARED, suffix)                     \
+  template [[host_name("flash_decode_" #name "_d" #BD "_v" #BDV "_k" #BK suffix)]] [[kernel]] void \
+  flash_decode<TQ, TK, BD, BDV, BK, SHARED>(FLASH_DECODE_ARGS(TQ, TK));
 
 #ifndef FLASH_DECODE_TEMPLATES_ONLY  // the tuning variants' file includes this one for the templates only
 FLASH_DECODE_INSTANTIATE(f32, float, float, 32, 32)
@@ -458,30 +497,45 @@ FLASH_DECODE_INSTANTIATE(f32, float, float, 96, 16)
 FLASH_DECODE_INSTANTIATE(f32, float, float, 128, 16)
 FLASH_DECODE_INSTANTIATE(f32, float, float, 192, 8)
 FLASH_DECODE_INSTANTIATE(f32, float, float, 256, 8)
+FLASH_DECODE_INSTANTIATE_SHARED(f32, float, float, 384, 8)
+FLASH_DECODE_INSTANTIATE_SHARED(f32, float, float, 512, 8)
+FLASH_DECODE_INSTANTIATE_DV(f32, float, float, 576, 512, 8, true, "_s")
 FLASH_DECODE_INSTANTIATE(f16, half, half, 32, 64)
 FLASH_DECODE_INSTANTIATE(f16, half, half, 64, 64)
 FLASH_DECODE_INSTANTIATE(f16, half, half, 96, 32)
 FLASH_DECODE_INSTANTIATE(f16, half, half, 128, 32)
 FLASH_DECODE_INSTANTIATE(f16, half, half, 192, 16)
 FLASH_DECODE_INSTANTIATE(f16, half, half, 256, 16)
+FLASH_DECODE_INSTANTIATE(f16, half, half, 384, 8)
+FLASH_DECODE_INSTANTIATE(f16, half, half, 512, 8)
+FLASH_DECODE_INSTANTIATE_DV(f16, half, half, 576, 512, 8, false, "")
 FLASH_DECODE_INSTANTIATE(bf16, bfloat, bfloat, 32, 64)
 FLASH_DECODE_INSTANTIATE(bf16, bfloat, bfloat, 64, 64)
 FLASH_DECODE_INSTANTIATE(bf16, bfloat, bfloat, 96, 32)
 FLASH_DECODE_INSTANTIATE(bf16, bfloat, bfloat, 128, 32)
 FLASH_DECODE_INSTANTIATE(bf16, bfloat, bfloat, 192, 16)
 FLASH_DECODE_INSTANTIATE(bf16, bfloat, bfloat, 256, 16)
+FLASH_DECODE_INSTANTIATE(bf16, bfloat, bfloat, 384, 8)
+FLASH_DECODE_INSTANTIATE(bf16, bfloat, bfloat, 512, 8)
+FLASH_DECODE_INSTANTIATE_DV(bf16, bfloat, bfloat, 576, 512, 8, false, "")
 FLASH_DECODE_INSTANTIATE(f32_kvf16, float, half, 32, 64)
 FLASH_DECODE_INSTANTIATE(f32_kvf16, float, half, 64, 64)
 FLASH_DECODE_INSTANTIATE(f32_kvf16, float, half, 96, 32)
 FLASH_DECODE_INSTANTIATE(f32_kvf16, float, half, 128, 32)
 FLASH_DECODE_INSTANTIATE(f32_kvf16, float, half, 192, 16)
 FLASH_DECODE_INSTANTIATE(f32_kvf16, float, half, 256, 16)
+FLASH_DECODE_INSTANTIATE(f32_kvf16, float, half, 384, 8)
+FLASH_DECODE_INSTANTIATE(f32_kvf16, float, half, 512, 8)
+FLASH_DECODE_INSTANTIATE_DV(f32_kvf16, float, half, 576, 512, 8, false, "")
 FLASH_DECODE_INSTANTIATE(f32_kvbf16, float, bfloat, 32, 64)
 FLASH_DECODE_INSTANTIATE(f32_kvbf16, float, bfloat, 64, 64)
 FLASH_DECODE_INSTANTIATE(f32_kvbf16, float, bfloat, 96, 32)
 FLASH_DECODE_INSTANTIATE(f32_kvbf16, float, bfloat, 128, 32)
 FLASH_DECODE_INSTANTIATE(f32_kvbf16, float, bfloat, 192, 16)
 FLASH_DECODE_INSTANTIATE(f32_kvbf16, float, bfloat, 256, 16)
+FLASH_DECODE_INSTANTIATE(f32_kvbf16, float, bfloat, 384, 8)
+FLASH_DECODE_INSTANTIATE(f32_kvbf16, float, bfloat, 512, 8)
+FLASH_DECODE_INSTANTIATE_DV(f32_kvbf16, float, bfloat, 576, 512, 8, false, "")
 
 #define FLASH_DECODE_COMBINE_INSTANTIATE(tname, T)                                     \
   template [[host_name("flash_decode_combine_" #tname)]] [[kernel]] void                \

@@ -6,9 +6,9 @@
 #pragma once
 
 struct DecodeParams {
-  // q and out viewed as (B, Hq, Lq, D)
+  // q and out viewed as (B, Hq, Lq, D) and (B, Hq, Lq, Dv)
   long q_stride_b, q_stride_h, q_stride_l;
-  // caches: (B_cache | num_blocks, L_max | page_size, Hkv, D)
+  // caches: (B_cache | num_blocks, L_max | page_size, Hkv, D | Dv)
   long k_stride_b, k_stride_l, k_stride_h;
   long v_stride_b, v_stride_l, v_stride_h;
   long o_stride_b, o_stride_h, o_stride_l;
@@ -24,7 +24,7 @@ struct DecodeParams {
   int seqlen_fixed, seqlen_new, capacity, cache_rows;
   int mask_kind;                // flash::MaskKind of buffer 13
   int kv_bits, kv_group_size;   // quantized caches (kv_quant.h)
-  int pad_i;
+  int head_dim_v;               // v's and out's (head_dim is q's and k's)
   // q is multiplied by qk_scale when loaded: scale without softcap, scale /
   // softcap with softcap (then the score is softcap * tanh(q.k)).
   float qk_scale, softcap;

@@ -139,8 +139,8 @@ inline void load_quantized_rows(threadgroup T* tile, int ld, const threadgroup l
 
 // ---------------------------------------------------------------------------
 // Append: quantize one row, thread c holding element c (x, valid = c < D),
-// 32 * ceil(D / 32) threads, and write its words, scales (and biases) at row
-// index `row`.  red: 32 floats of threadgroup memory (two per simdgroup).
+// at least 32 * ceil(D / 32) threads (whole simdgroups), and write its words, scales (and biases) at row
+// index `row`.  red: 64 floats of threadgroup memory (two per simdgroup, up to 32).
 // Contains a threadgroup barrier: every thread calls it.
 // ---------------------------------------------------------------------------
 template <typename T>
@@ -157,7 +157,7 @@ inline void quantize_row(float x, int c, Format f, long row, device uint* words,
     const float hi = simd_max(valid ? x : -big);
     if (lane == 0) {
       red[sg] = lo;
-      red[16 + sg] = hi;
+      red[32 + sg] = hi;
     }
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -178,7 +178,7 @@ inline void quantize_row(float x, int c, Format f, long row, device uint* words,
     float hi = -big;
     for (int k = sg0; k < sg1; ++k) {
       lo = min(lo, red[k]);
-      hi = max(hi, red[16 + k]);
+      hi = max(hi, red[32 + k]);
     }
     const float n = float((1 << f.bits) - 1);
     bias = lo;

@@ -3,7 +3,8 @@
 // paged, at the positions read on the GPU (kvcache_index.h).
 //
 // kvcache_append_<dtype>_r<rotary dtype>[_q<q dtype>]
-//   One threadgroup per row, 32 * ceil(head_dim / 32) threads (head_dim <= 256):
+//   One threadgroup per row, 32 * ceil(max(head_dim, head_dim_v) / 32) threads
+//   (head dims <= kMaxRow; v's may differ from k's and q's):
 //   rows [0, kv_rows) are the (b, t, h) rows of the new k/v (b-major), written
 //   to cache position base_b + t; the rest, when rotary is on, are the
 //   (b, i, h) rows of q, rotated into a scratch q at position base_b + i
@@ -114,13 +115,16 @@ inline void locate_row(const threadgroup AppendParams& P, long row, const device
   meta[4] = pos;
 }
 
+// The longest row: latent attention's 576-wide keys (one thread per element).
+constant constexpr int kMaxRow = 576;
+
 template <typename T, typename R, typename TQ>
-[[kernel, max_total_threads_per_threadgroup(256)]] void kvcache_append(KVCACHE_APPEND_ARGS(T, R, TQ)) {
+[[kernel, max_total_threads_per_threadgroup(576)]] void kvcache_append(KVCACHE_APPEND_ARGS(T, R, TQ)) {
   threadgroup long params_words[kAppendParamWords];
   threadgroup long meta[5];
-  threadgroup float k_stage[256];  // quantized caches: the rotated k row
-  threadgroup float red_k[32];     // and the group reductions of k and v
-  threadgroup float red_v[32];
+  threadgroup float k_stage[kMaxRow];  // quantized caches: the rotated k row
+  threadgroup float red_k[64];         // and the group reductions of k and v
+  threadgroup float red_v[64];
   if (tid < kAppendParamWords) params_words[tid] = reinterpret_cast<const constant long*>(&p)[tid];
   threadgroup_barrier(mem_flags::mem_threadgroup);
   const threadgroup AppendParams& P = *reinterpret_cast<const threadgroup AppendParams*>(params_words);
@@ -132,8 +136,9 @@ template <typename T, typename R, typename TQ>
   const bool is_kv = !has_rotary || long(tgid) < long(P.kv_rows);
   const bool quantized = kv_affine || kv_symmetric;
   const int D = P.head_dim;
+  const int Dv = P.head_dim_v;
   const int c = int(tid);
-  if (is_kv && !quantized && c < D) vc[meta[3] + c] = v[meta[2] + c];
+  if (is_kv && !quantized && c < Dv) vc[meta[3] + c] = v[meta[2] + c];
   // Work item c: the rotary pair c (each element, cos and sin read once), then
   // the features past rotary_dim, copied: up to two outputs (index e, value y).
   const int rd = has_rotary ? P.rotary_dim : 0;
@@ -169,18 +174,19 @@ template <typename T, typename R, typename TQ>
   if (e1 >= 0) k_stage[e1] = float(T(y1));
   threadgroup_barrier(mem_flags::mem_threadgroup);
   const kvq::Format f = kvq::Format::make(kv_symmetric, P.kv_bits, P.kv_group_size, D);
+  const kvq::Format fv = kvq::Format::make(kv_symmetric, P.kv_bits, P.kv_group_size, Dv);
   const int nsg = (int(nthreads) + 31) / 32;
   const float kx = c < D ? k_stage[c] : 0.0f;
-  const float vx = c < D ? float(v[meta[2] + c]) : 0.0f;
+  const float vx = c < Dv ? float(v[meta[2] + c]) : 0.0f;
   device uint* kw = reinterpret_cast<device uint*>(kc);
   device uint* vw = reinterpret_cast<device uint*>(vc);
   // Each format's scale buffers are referenced only under its own constant.
   if (kv_symmetric) {
     kvq::quantize_row<T>(kx, c, f, dst, kw, nullptr, nullptr, k_scales_sym, red_k, sg, lane, nsg);
-    kvq::quantize_row<T>(vx, c, f, meta[3], vw, nullptr, nullptr, v_scales_sym, red_v, sg, lane, nsg);
+    kvq::quantize_row<T>(vx, c, fv, meta[3], vw, nullptr, nullptr, v_scales_sym, red_v, sg, lane, nsg);
   } else {
     kvq::quantize_row<T>(kx, c, f, dst, kw, k_scales, k_biases, nullptr, red_k, sg, lane, nsg);
-    kvq::quantize_row<T>(vx, c, f, meta[3], vw, v_scales, v_biases, nullptr, red_v, sg, lane, nsg);
+    kvq::quantize_row<T>(vx, c, fv, meta[3], vw, v_scales, v_biases, nullptr, red_v, sg, lane, nsg);
   }
 }
 
@@ -196,6 +202,7 @@ template <typename T, typename R, typename TQ>
   out_i[4] = p.kv_heads; out_i[5] = p.head_dim; out_i[6] = p.rotary_dim; out_i[7] = p.seqlen_ro;
   out_i[8] = p.page_size; out_i[9] = p.capacity; out_i[10] = p.cache_rows; out_i[11] = p.seqlen_fixed;
   out_i[12] = p.kv_rows; out_i[13] = p.q_local; out_i[14] = p.kv_bits; out_i[15] = p.kv_group_size;
+  out_i[16] = p.head_dim_v; out_i[17] = p.pad_i;
 }
 
 // ---------------------------------------------------------------------------

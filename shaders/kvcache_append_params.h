@@ -5,9 +5,9 @@
 #pragma once
 
 struct AppendParams {
-  long k_stride_b, k_stride_l, k_stride_h;     // new k, v: (B, Lnew, Hkv, D)
+  long k_stride_b, k_stride_l, k_stride_h;     // new k, v: (B, Lnew, Hkv, D | Dv)
   long v_stride_b, v_stride_l, v_stride_h;
-  long kc_stride_b, kc_stride_l, kc_stride_h;  // caches: (B_cache | num_blocks, L_max | page_size, Hkv, D)
+  long kc_stride_b, kc_stride_l, kc_stride_h;  // caches: (B_cache | num_blocks, L_max | page_size, Hkv, D | Dv)
   long vc_stride_b, vc_stride_l, vc_stride_h;
   long q_stride_b, q_stride_l, q_stride_h;     // q: (B, Lq, Hq, D)
   long qr_stride_b, qr_stride_l, qr_stride_h;  // rotated q
@@ -18,4 +18,5 @@ struct AppendParams {
   int page_size, capacity, cache_rows, seqlen_fixed;  // seqlen_fixed: cache_seqlens when no tensor is given
   int kv_rows, q_local;                        // kv_rows = B * Lnew * Hkv
   int kv_bits, kv_group_size;                  // quantized caches
+  int head_dim_v, pad_i;                       // v's head dim (head_dim: k's and q's)
 };

@@ -82,6 +82,20 @@ CASES = [
     # paged (page 7) + leftpad + append + ALiBi per (b, h) + softcap
     dict(kw=dict(dtype="f16", B=2, Hq=4, Hkv=2, D=32, cap=35, paged=7, leftpad=True, Lq=2, lnew=3, alibi="bh",
                  softcap=5.0, causal=True), splits=2),
+    # v with its own head dim (the bucket of the larger one)
+    dict(kw=dict(dtype="f16", B=2, Hq=8, Hkv=2, D=64, Dv=32, cap=40, Lq=3, lnew=2, causal=True, rotary=(32, False)),
+         splits=2),
+    dict(kw=dict(dtype="bf16", B=2, Hq=4, Hkv=1, D=40, Dv=100, cap=30, paged=5, Lq=1, lnew=1, softcap=4.0)),
+    # the wide buckets: float32 K and V sharing one tile buffer at 384 and 512
+    dict(kw=dict(dtype="f32", B=1, Hq=4, Hkv=1, D=512, cap=30, Lq=2, lnew=1, causal=True), splits=3),
+    dict(kw=dict(dtype="f16", B=2, Hq=2, Hkv=2, D=300, cap=21, Lq=1, alibi="h")),
+    # multi-head latent attention: K 576 / V 512, GQA 16:1 (MQA) and 32:2, 1-8 query rows, paged, splits
+    dict(kw=dict(dtype="f16", B=2, Hq=16, Hkv=1, D=576, Dv=512, cap=40, Lq=1, lnew=1)),
+    dict(kw=dict(dtype="bf16", B=2, Hq=16, Hkv=1, D=576, Dv=512, cap=48, paged=8, Lq=4, lnew=4, causal=True,
+                 rotary=(64, False)), splits=3),
+    dict(kw=dict(dtype="f32", B=1, Hq=16, Hkv=1, D=576, Dv=512, cap=40, Lq=8, lnew=8, causal=True), splits=2),
+    dict(kw=dict(dtype="f16", B=1, Hq=32, Hkv=2, D=576, Dv=512, cap=24, paged=4, Lq=2, causal=True,
+                 seqlens="int")),
 ]
 
 
@@ -136,11 +150,12 @@ def test_empty_and_full_rows():
     assert torch.isfinite(out[1:]).all() and torch.isfinite(lse[1:]).all()
 
 
-@pytest.mark.parametrize("lq", [1, 5])
-def test_long_cache_forced_splits_agree(lq):
-    """A multi-split long case: splits 1, 3, 16 and the heuristic all pass the rule and agree."""
-    kw = make_case(seed=42 + lq, dtype="f16", B=1, Hq=8, Hkv=2, D=64, cap=1000, Lq=lq, lnew=lq, causal=True,
-                   seqlens="int")
+@pytest.mark.parametrize("lq,latent", [(1, False), (5, False), (2, True)])
+def test_long_cache_forced_splits_agree(lq, latent):
+    """A multi-split long case: splits 1, 3, 16 and the heuristic all pass the rule and agree
+    (latent attention: the combine merges 512-wide partials)."""
+    shape = dict(Hq=16, Hkv=1, D=576, Dv=512) if latent else dict(Hq=8, Hkv=2, D=64)
+    kw = make_case(seed=42 + lq, dtype="f16", B=1, cap=1000, Lq=lq, lnew=lq, causal=True, seqlens="int", **shape)
     results = {}
     for n, order in ((1, "forward"), (3, "reverse"), (16, "random"), (0, "forward")):
         with emulator.settings(order=order, checked=True):
@@ -150,8 +165,9 @@ def test_long_cache_forced_splits_agree(lq):
         torch.testing.assert_close(results[n][1], results[1][1], rtol=0, atol=1e-5)
 
 
-def _problem(B=1, Hq=8, Hkv=2, D=64, L=512, Lq=1, dtype=torch.float16, paged=None, seed=0):
+def _problem(B=1, Hq=8, Hkv=2, D=64, L=512, Lq=1, dtype=torch.float16, paged=None, seed=0, Dv=None):
     g = torch.Generator().manual_seed(seed)
+    Dv = Dv or D
     q = torch.randn(B, Lq, Hq, D, generator=g).to(dtype)
     if paged:
         nblk = B * (-(-L // paged))
@@ -159,26 +175,30 @@ def _problem(B=1, Hq=8, Hkv=2, D=64, L=512, Lq=1, dtype=torch.float16, paged=Non
         bt = torch.randperm(nblk, generator=g).reshape(B, -1).to(torch.int32)
     else:
         kc, bt = torch.randn(B, L, Hkv, D, generator=g).to(dtype), None
-    vc = torch.randn_like(kc)
-    out = torch.empty_like(q)
+    vc = torch.randn(*kc.shape[:3], Dv, generator=g).to(dtype)
+    out = torch.empty(B, Lq, Hq, Dv, dtype=dtype)
     return DecodeProblem(q=q.transpose(1, 2), k_cache=kc, v_cache=vc, out=out.transpose(1, 2),
                          lse=torch.empty(B, Hq, Lq), seqlens=torch.full((B,), L, dtype=torch.int32), seqlen_fixed=0,
                          leftpad=None, batch_idx=None, block_table=bt, alibi_slopes=None, scale=D ** -0.5,
                          window_left=-1, window_right=0, softcap=0.0)
 
 
-@pytest.mark.parametrize("paged", [None, 64])
-def test_each_kv_row_read_once_per_group(paged):
+@pytest.mark.parametrize("paged,latent", [(None, False), (64, False), (None, True), (16, True)])
+def test_each_kv_row_read_once_per_group(paged, latent):
     """Exact byte counters: every K/V row is read once per GQA group (not per query
-    head), and the whole call moves <= 1.1x the compulsory bytes."""
-    pb = _problem(paged=paged, L=512)
-    plan = plan_decode(pb, num_splits=2)
+    head), and the whole call moves <= 1.1x the compulsory bytes -- for latent attention
+    too (K 576 / V 512, 16 query heads x 8 rows on one KV head: one threadgroup per group)."""
+    shape = dict(Hq=16, Hkv=1, D=576, Dv=512, Lq=8) if latent else dict(Hq=8, Hkv=2, D=64)
+    pb = _problem(paged=paged, L=512, **shape)
+    # (latent: one split; two would write and read 128 rows' 512-wide partials, ~K/V's bytes again)
+    plan = plan_decode(pb, num_splits=1 if latent else 2)
+    assert plan.launches[0].threadgroups[1] == shape["Hkv"]  # one row block per KV head
     backend = EmulatorBackend()
     with emulator.settings(checked=True, order="reverse"):
         backend.run(plan)
     partial = backend.last_stats[0]
-    kv_bytes = 512 * 2 * 64 * 2  # L x Hkv x D x fp16, per cache
-    assert partial.bytes_read[1] == kv_bytes and partial.bytes_read[2] == kv_bytes
+    hkv, d, dv = shape["Hkv"], shape["D"], shape.get("Dv", shape["D"])
+    assert partial.bytes_read[1] == 512 * hkv * d * 2 and partial.bytes_read[2] == 512 * hkv * dv * 2  # fp16
     moved = sum(s.device_bytes for s in backend.last_stats)
     assert moved / compulsory_bytes(pb) <= 1.1, (moved, compulsory_bytes(pb))
 
@@ -236,7 +256,7 @@ def test_planner_choices_and_reasons():
     assert plan_decode(_problem(), num_splits=1000).launches[0].threadgroups[0] == 128
     pb = _problem(dtype=torch.float64)
     assert isinstance(plan_decode(pb), Unsupported) and "float64" in plan_decode(pb).reason
-    assert "head dim" in plan_decode(_problem(D=264)).reason
+    assert "head dim" in plan_decode(_problem(D=520)).reason
 
 
 def test_unsupported_falls_back_with_warning():

@@ -88,6 +88,12 @@ KV_CASES = [
     (dict(dtype="f16", B=2, Hq=4, Hkv=2, D=64, cap=30, Lq=2, lnew=2, causal=True, rotary=(32, True)), None, "f32", 2),
     # plain bfloat16 paged cache under float32 q, no append, window both sides
     (dict(dtype="bf16", B=2, Hq=4, Hkv=1, D=96, cap=24, paged=6, Lq=3, window=(4, 1)), None, "f32", 0),
+    # multi-head latent attention (K 576 / V 512, 16 query heads on one KV head): 4-bit groups of 64,
+    # paged, speculative rows; int8; a float16 cache under float32 q
+    (dict(dtype="f16", B=2, Hq=16, Hkv=1, D=576, Dv=512, cap=24, paged=8, Lq=4, lnew=4, causal=True,
+          rotary=(64, False)), A4, None, 2),
+    (dict(dtype="bf16", B=1, Hq=16, Hkv=1, D=576, Dv=512, cap=20, Lq=1, lnew=1), S8, None, 0),
+    (dict(dtype="f16", B=1, Hq=16, Hkv=1, D=576, Dv=512, cap=20, Lq=2, lnew=2, causal=True), None, "f32", 2),
 ]
 
 
@@ -312,8 +318,8 @@ def test_compiled_decode_step_over_a_quantized_static_cache():
 
 
 def test_what_the_kernels_do_not_cover_falls_back():
-    """Head dim 512 (beyond the kernels): the reference path, with the warning (strict raises)."""
-    kw = make_case(seed=1902, dtype="f16", B=1, Hq=2, Hkv=1, D=512, cap=8, Lq=1, lnew=1)
+    """Head dim 640 (beyond the kernels): the reference path, with the warning (strict raises)."""
+    kw = make_case(seed=1902, dtype="f16", B=1, Hq=2, Hkv=1, D=640, cap=8, Lq=1, lnew=1)
     k_cache, v_cache = _caches(kw, A4)
     call = dict(kw, k_cache=k_cache, v_cache=v_cache)
     with backends.backend("emulator", strict=True), pytest.raises(backends.UnsupportedError, match="head dim"):
@@ -368,7 +374,7 @@ def test_planned_launches_are_listed_for_the_doctor():
                                        kw.get("cache_leftpad"), kw.get("block_table"), None, spec.get("causal", False),
                                        spec.get("window", (-1, -1)), spec.get("softcap", 0.0),
                                        spec.get("rotary", (0, True))[1], kw.get("alibi_slopes"), splits)
-        plan = kv_planner.plan_kvcache(problem, torch.empty(q.shape, dtype=q.dtype),
+        plan = kv_planner.plan_kvcache(problem, torch.empty(q.shape[:-1] + v_cache.shape[-1:], dtype=q.dtype),
                                        torch.empty(q.shape[0], q.shape[2], q.shape[1]))
         assert not isinstance(plan, Unsupported), plan
         for launch in plan.launches:

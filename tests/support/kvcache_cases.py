@@ -18,8 +18,10 @@ DT = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "f64":
 
 def make_case(seed=0, dtype="f16", B=3, Lq=1, Hq=4, Hkv=2, D=32, cap=40, lnew=0, seqlens="ragged", paged=None,
               batch_idx=False, leftpad=False, rotary=None, causal=False, window=(-1, -1), softcap=0.0,
-              alibi=None, scale=None):
-    """Keyword arguments for flash_attn_with_kvcache (tensors drawn from ``seed``)."""
+              alibi=None, scale=None, Dv=None):
+    """Keyword arguments for flash_attn_with_kvcache (tensors drawn from ``seed``); ``Dv``: v's head
+    dim when it differs from q's and k's ``D``."""
+    Dv = D if Dv is None else Dv
     g = torch.Generator().manual_seed(seed)
     dt = DT[dtype]
     rnd = lambda *s: torch.randn(*s, generator=g).to(dt)  # noqa: E731
@@ -39,18 +41,18 @@ def make_case(seed=0, dtype="f16", B=3, Lq=1, Hq=4, Hkv=2, D=32, cap=40, lnew=0,
         npages = cap // paged
         nblocks = B * npages + 3
         kw["k_cache"] = rnd(nblocks, paged, Hkv, D)
-        kw["v_cache"] = rnd(nblocks, paged, Hkv, D)
+        kw["v_cache"] = rnd(nblocks, paged, Hkv, Dv)
         perm = torch.randperm(nblocks, generator=g)[:B * npages]
         kw["block_table"] = perm.reshape(B, npages).to(torch.int32)
     else:
         bc = B + 2 if batch_idx else B
         kw["k_cache"] = rnd(bc, cap, Hkv, D)
-        kw["v_cache"] = rnd(bc, cap, Hkv, D)
+        kw["v_cache"] = rnd(bc, cap, Hkv, Dv)
         if batch_idx:
             kw["cache_batch_idx"] = torch.randperm(bc, generator=g)[:B].to(torch.int32)
     if lnew:
         kw["k"] = rnd(B, lnew, Hkv, D)
-        kw["v"] = rnd(B, lnew, Hkv, D)
+        kw["v"] = rnd(B, lnew, Hkv, Dv)
     if leftpad:
         sl = kw["cache_seqlens"]
         sl = torch.full((B,), sl, dtype=torch.int32) if isinstance(sl, int) else sl
@@ -98,7 +100,7 @@ def check_call(kw, backend="reference", **extra):
     with backends.backend(backend):
         out, lse = flash_attn_with_kvcache(**mine, return_softmax_lse=True, **extra)
     ref = check_against_oracle(kw, out, lse)
-    assert out.shape == kw["q"].shape and out.dtype == dtype
+    assert out.shape == kw["q"].shape[:-1] + kw["v_cache"].shape[-1:] and out.dtype == dtype
     assert lse.shape == (kw["q"].shape[0], kw["q"].shape[2], kw["q"].shape[1]) and lse.dtype == (
         torch.float64 if dtype == torch.float64 else torch.float32)
     # The cache was updated in place exactly where the oracle writes.

@@ -109,11 +109,11 @@ def _rows(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
             start = end  # no keys
         Lk = end - start
         present = torch.tensor([slot(b, p) is not None for p in range(start, end)], dtype=torch.bool)
-        zero = torch.zeros(Hkv, D, dtype=dtype)
-        keys = torch.stack([kc[slot(b, p)] if slot(b, p) else zero for p in range(start, end)]) if Lk \
-            else kc.new_empty(0, Hkv, D)  # (Lk, Hkv, D)
-        vals = torch.stack([vc[slot(b, p)] if slot(b, p) else zero for p in range(start, end)]) if Lk \
-            else vc.new_empty(0, Hkv, D)
+        Dv = vc.shape[-1]  # v's head dim may differ from q's and k's
+        keys = torch.stack([kc[slot(b, p)] if slot(b, p) else kc.new_zeros(Hkv, D) for p in range(start, end)]) \
+            if Lk else kc.new_empty(0, Hkv, D)  # (Lk, Hkv, D)
+        vals = torch.stack([vc[slot(b, p)] if slot(b, p) else vc.new_zeros(Hkv, Dv) for p in range(start, end)]) \
+            if Lk else vc.new_empty(0, Hkv, Dv)
         i = torch.arange(Lq)[:, None]
         j = torch.arange(Lk)[None, :]
         vis = present[None, :].expand(Lq, Lk).clone()
@@ -133,10 +133,10 @@ def _scale(q, softmax_scale=None, **_):
 
 
 def kvcache_attention(q, k_cache, v_cache, dtype=torch.float64, **kw):
-    """Returns (out (B, Lq, Hq, D), lse (B, Hq, Lq), new k_cache, new v_cache), all in ``dtype``."""
+    """Returns (out (B, Lq, Hq, Dv), lse (B, Hq, Lq), new k_cache, new v_cache), all in ``dtype``."""
     B, Lq, Hq, D = q.shape
     scale, softcap = _scale(q, **kw), kw.get("softcap", 0.0)
-    out = torch.zeros(B, Lq, Hq, D, dtype=dtype)
+    out = torch.zeros(B, Lq, Hq, v_cache.shape[-1], dtype=dtype)
     lse = torch.full((B, Hq, Lq), math.inf, dtype=dtype)
     rows, kc, vc = _rows(q, k_cache, v_cache, dtype=dtype, **kw)
     for b, qb, keys, vals, vis, slopes in rows:

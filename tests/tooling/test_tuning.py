@@ -78,8 +78,8 @@ def test_variant_space_sizes_and_limits():
                 names = tuning.variants("bwd", dtype=dtype, head_dim=bd, family=family)
                 assert sum(n.startswith("flash_bwd_dq") for n in names) >= 2
                 assert sum(n.startswith("flash_bwd_dkv") for n in names) >= 2
-                if bd <= decode.MAX_HEAD_DIM:
-                    assert len(tuning.variants("decode", dtype=dtype, head_dim=bd, family=family)) >= 2
+            for bd in decode.DECODE_EXTRA[tiles.DTYPE_NAMES[dtype]]:
+                assert len(tuning.variants("decode", dtype=dtype, head_dim=bd, family=family)) >= 2
     # every variant within 32 KiB and the threads its pipeline allows (the limits the planner checks)
     for t in [*tiles.forward_variants(), *backward_tiles.backward_variants()]:
         info = backend.pipeline_info(t.source, t.kernel, {})

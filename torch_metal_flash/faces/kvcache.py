@@ -113,9 +113,11 @@ def _checked_op_args(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
             raise ValueError(f"{name}: expected a contiguous last dimension (stride 1), got strides "
                              f"{t.stride()}; the cache is updated in place, so it cannot be copied")
     checks.kv_dtypes("q", q, ("k_cache", "v_cache"), k_cache, v_cache)
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"v_cache: expected the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    if k_cache.shape[:-1] != v_cache.shape[:-1]:
+        raise ValueError(f"v_cache: expected the shape of k_cache {tuple(k_cache.shape)} but for the head dim, "
+                         f"got {tuple(v_cache.shape)}")
     B, Lq, Hq, D = q.shape
+    Dv = v_cache.shape[-1]
     dev = q.device
     nb, blen, Hkv, Dc = k_cache.shape
     checks.dim_equal("k_cache", Dc, D, "head dim (last dim) equal to q's")
@@ -136,24 +138,24 @@ def _checked_op_args(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
     if (k is None) != (v is None):
         raise ValueError("k, v: pass both new keys and new values, or neither")
     if k is not None:
-        for name, t in (("k", k), ("v", v)):
+        for name, t, width in (("k", k, D), ("v", v, Dv)):
             checks.tensor(name, t, ndim=(4,))
             checks.float_dtype(name, t)
             if t.dtype not in (k_cache.dtype, q.dtype):
                 raise TypeError(f"{name}: expected dtype {k_cache.dtype} (the cache's) or q's, got {t.dtype}")
             if t.device != dev:
                 raise ValueError(f"{name}: expected device {dev}, got {t.device}")
-            if tuple(t.shape[:1]) != (B,) or tuple(t.shape[2:]) != (Hkv, D):
-                raise ValueError(f"{name}: expected shape ({B}, seqlen_new, {Hkv}, {D}), got {tuple(t.shape)}")
-        if k.shape != v.shape:
-            raise ValueError(f"v: expected the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
+            if tuple(t.shape[:1]) != (B,) or tuple(t.shape[2:]) != (Hkv, width):
+                raise ValueError(f"{name}: expected shape ({B}, seqlen_new, {Hkv}, {width}), got {tuple(t.shape)}")
+        if k.shape[:-1] != v.shape[:-1]:
+            raise ValueError(f"v: expected the shape of k {tuple(k.shape)} but for the head dim, got {tuple(v.shape)}")
         if cache_seqlens is None:
             raise ValueError("cache_seqlens: required when new k/v are given (where to append them)")
         # The new rows only (small): in the cache's dtype, last dim contiguous.
         k, v = k.to(k_cache.dtype), v.to(k_cache.dtype)
         if D > 1 and k.stride(-1) != 1:
             k = k.contiguous()
-        if D > 1 and v.stride(-1) != 1:
+        if Dv > 1 and v.stride(-1) != 1:
             v = v.contiguous()
     g = Geometry.of(q, k_cache, k, block_table, -1, -1)
 

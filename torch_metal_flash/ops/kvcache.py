@@ -13,13 +13,17 @@ from ..problem.spec import stats_dtype
 from ..reference import kvcache as kvcache_reference
 
 
-def _kvcache_buffers(q: Tensor):
+def _kvcache_buffers(q: Tensor, head_dim_v: int):
     B, Lq, Hq, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((B, Hq, Lq), dtype=stats_dtype(q.dtype))
+    return q.new_empty((B, Lq, Hq, head_dim_v)), q.new_empty((B, Hq, Lq), dtype=stats_dtype(q.dtype))
 
 
-def _kvcache_outputs(q, *args):
-    return _kvcache_buffers(q)
+def _kvcache_outputs(q, k_cache, v_cache, *args):
+    return _kvcache_buffers(q, v_cache.shape[-1])
+
+
+def _kvcache_quantized_outputs(*args):
+    return _kvcache_buffers(args[0], _kvcache_quantized_problem(*args).v_cache.shape[-1])
 
 
 def _kvcache_plan(backend, args: tuple, outputs: tuple):
@@ -42,7 +46,7 @@ def _kvcache_reference(*args):
 
 
 def _kvcache_problem_reference(problem: KvCacheProblem):
-    out, lse = _kvcache_buffers(problem.q)
+    out, lse = _kvcache_buffers(problem.q, problem.v_cache.shape[-1])
     ref_out, ref_lse = kvcache_reference.forward(*problem[:-1])  # all but num_splits
     out.copy_(ref_out)
     lse.copy_(ref_lse)
@@ -64,7 +68,8 @@ def fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor]
     on the kernel path they are read on the GPU only, and out-of-range values are
     clamped or ignored (shaders/kvcache_index.h); the reference path, and the
     kernel path in debug mode (``TORCH_METAL_FLASH_DEBUG=1``), validate them on the
-    host.  Returns ``out`` (B, Lq, Hq, D) and ``lse`` (B, Hq, Lq)."""
+    host.  Returns ``out`` (B, Lq, Hq, Dv) and ``lse`` (B, Hq, Lq) (Dv: v_cache's head dim, which may
+    differ from q's and k_cache's D)."""
     return core.python_body(FWD_KVCACHE, (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                         cache_batch_idx, cache_leftpad, block_table, alibi_slopes, seqlen, scale,
                                         window_left, window_right, softcap, rotary_interleaved, num_splits))
@@ -104,7 +109,7 @@ def fwd_kvcache_quantized(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Option
         k_cache_scales, k_cache_biases, v_cache_scales, v_cache_biases, kv_bits, kv_group_size, kv_dtype))
 
 
-fwd_kvcache_quantized.register_fake(_kvcache_outputs)
+fwd_kvcache_quantized.register_fake(_kvcache_quantized_outputs)
 
 
 FWD_KVCACHE = core.register(core.CoreOp("metal_flash::fwd_kvcache", outputs=_kvcache_outputs, plan=_kvcache_plan,
@@ -112,7 +117,7 @@ FWD_KVCACHE = core.register(core.CoreOp("metal_flash::fwd_kvcache", outputs=_kvc
 
 
 FWD_KVCACHE_QUANTIZED = core.register(core.CoreOp(
-    "metal_flash::fwd_kvcache_quantized", outputs=_kvcache_outputs,
+    "metal_flash::fwd_kvcache_quantized", outputs=_kvcache_quantized_outputs,
     plan=lambda backend, args, outputs: _kvcache_problem_plan(_kvcache_quantized_problem(*args), backend, outputs),
     reference=lambda *args: _kvcache_problem_reference(_kvcache_quantized_problem(*args)),
     debug_check=lambda *args: _kvcache_debug_check(*args[:len(KvCacheProblem._fields)])))

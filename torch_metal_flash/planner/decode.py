@@ -11,7 +11,7 @@ parameters, preallocated out/lse) into one or two launches:
    from device memory once per group (and once per row block).
 2. when ``splits > 1``, ``flash_decode_combine_<dtype>``: one simdgroup per
    (b, h, i), 8 per threadgroup, merges the partials (float32 scratch of
-   ``B * Hq * Lq * splits * (D + 2)`` floats, allocated here) with log-sum-exp.
+   ``B * Hq * Lq * splits * (Dv + 2)`` floats, allocated here) with log-sum-exp.
 
 ``num_splits=0`` picks the split count from the KV length and the GPU size
 (:func:`choose_splits`); ``num_splits > 0`` forces it (capped at
@@ -54,14 +54,18 @@ VARIANTS_SOURCE = "flash_decode_variants.metal"  # the tuner's further tiles (th
 DTYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 # flash::MaskKind of flash_transforms.h
 MASK_KINDS = {torch.bool: 1, torch.float32: 2, torch.float16: 3, torch.bfloat16: 4}
-HEAD_DIM_BUCKETS = (32, 64, 96, 128, 192, 256)
+HEAD_DIM_BUCKETS = (32, 64, 96, 128, 192, 256, 384, 512)  # q's, K's and V's head dims in one bucket
 MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
-# (dtype, bucket) -> BK (key rows per tile); K+V tiles stay under ~17.5 KiB of threadgroup memory.
+# Multi-head latent attention (DeepSeek): 576-wide q and K (512 latent + 64 rotary), 512-wide V.
+LATENT_BUCKET, LATENT_V_BUCKET = 576, 512
+# (cache dtype, bucket) -> BK (key rows per tile); K+V tiles stay under ~18.5 KiB of threadgroup memory.
 DECODE_TILES = {
-    "f32": {32: 32, 64: 32, 96: 16, 128: 16, 192: 8, 256: 8},
-    "f16": {32: 64, 64: 64, 96: 32, 128: 32, 192: 16, 256: 16},
-    "bf16": {32: 64, 64: 64, 96: 32, 128: 32, 192: 16, 256: 16},
+    "f32": {32: 32, 64: 32, 96: 16, 128: 16, 192: 8, 256: 8, 384: 8, 512: 8, LATENT_BUCKET: 8},
+    "f16": {32: 64, 64: 64, 96: 32, 128: 32, 192: 16, 256: 16, 384: 8, 512: 8, LATENT_BUCKET: 8},
+    "bf16": {32: 64, 64: 64, 96: 32, 128: 32, 192: 16, 256: 16, 384: 8, 512: 8, LATENT_BUCKET: 8},
 }
+# Buckets whose float32 K and V tiles take turns in one buffer (two would exceed 32 KiB or the budget).
+SHARED_KV_BUCKETS = {"f32": (384, 512, LATENT_BUCKET), "f16": (), "bf16": ()}
 # The tuner's second tile for q and caches of one dtype (docs/tuning.md): half the keys per
 # tile (twice the steps, half the threadgroup memory, so more threadgroups per core).
 DECODE_EXTRA = {dt: {bd: rows[bd] // 2 for bd in (64, 128)} for dt, rows in DECODE_TILES.items()}
@@ -94,7 +98,7 @@ class DecodeParams(ctypes.Structure):
             "batch", "heads", "kv_heads", "gqa", "seqlen_q", "head_dim", "page_size", "num_splits",
             "diag_adjust", "window_left", "window_right", "rows_per_tg", "row_blocks", "num_threads",
             "seqlen_fixed", "seqlen_new", "capacity", "cache_rows", "mask_kind", "kv_bits", "kv_group_size",
-            "pad_i")] + [
+            "head_dim_v")] + [
         ("qk_scale", ctypes.c_float), ("softcap", ctypes.c_float)]
 
     def to_bytes(self) -> bytes:
@@ -145,14 +149,31 @@ class DecodeProblem:
 @dataclasses.dataclass(frozen=True)
 class DecodeTile:
     dtype: str  # q's (and out's)
-    bd: int
+    bd: int     # q's and K's head-dim bucket
     bk: int
     kv_dtype: str = ""  # the caches' (logical) dtype when it differs from q's
+    bdv: int = 0        # V's and out's bucket when it differs from bd (latent attention)
+
+    @property
+    def v_bucket(self) -> int:
+        return self.bdv or self.bd
+
+    @property
+    def shared_kv(self) -> bool:
+        return self.bd in SHARED_KV_BUCKETS[self.kv_dtype or self.dtype]
 
     @property
     def kernel(self) -> str:
         kv = f"_kv{self.kv_dtype}" if self.kv_dtype else ""
-        return f"flash_decode_{self.dtype}{kv}_d{self.bd}_k{self.bk}"
+        v = f"_v{self.bdv}" if self.bdv else ""
+        return f"flash_decode_{self.dtype}{kv}_d{self.bd}{v}_k{self.bk}{'_s' if self.shared_kv else ''}"
+
+    @property
+    def threadgroup_memory(self) -> int:
+        """Bytes of the K and V tiles (rows padded by 16 bytes)."""
+        size = 4 if (self.kv_dtype or self.dtype) == "f32" else 2
+        ld, ldv = (w + 16 // size for w in (self.bd, self.v_bucket))
+        return self.bk * (max(ld, ldv) if self.shared_kv else ld + ldv) * size
 
     @property
     def source(self) -> str:
@@ -165,19 +186,26 @@ def combine_kernel(dtype: str) -> str:
 
 
 def decode_tile(dtype: torch.dtype, head_dim: int, kv_dtype: Optional[torch.dtype] = None,
-                variant: Optional[str] = None) -> DecodeTile:
+                variant: Optional[str] = None, head_dim_v: Optional[int] = None) -> DecodeTile:
     """The tile for q of ``dtype`` over caches of (logical) ``kv_dtype`` (default: the same);
-    the K/V tiles are in the cache dtype, so its table sets BK.  ``variant``: a kernel
-    name of :func:`tile_variants` instead of the table's."""
+    the K/V tiles are in the cache dtype, so its table sets BK.  q/K and V share the
+    bucket of the larger head dim, except latent attention's (q/K up to 576, V up to
+    512).  ``variant``: a kernel name of :func:`tile_variants` instead of the table's."""
     dt = DTYPE_NAMES[dtype]
     kv = DTYPE_NAMES[kv_dtype or dtype]
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    if MAX_HEAD_DIM < head_dim <= LATENT_BUCKET and head_dim_v <= LATENT_V_BUCKET:
+        return DecodeTile(dt, LATENT_BUCKET, DECODE_TILES[kv][LATENT_BUCKET], "" if kv == dt else kv,
+                          LATENT_V_BUCKET)
+    width = max(head_dim, head_dim_v)
     for bd in HEAD_DIM_BUCKETS:
-        if head_dim <= bd:
+        if width <= bd:
             tile = DecodeTile(dt, bd, DECODE_TILES[kv][bd], "" if kv == dt else kv)
             if variant is not None and not tile.kv_dtype:
-                tile = next(t for t in tile_variants(dtype, head_dim) if t.kernel == variant)
+                tile = next(t for t in tile_variants(dtype, width) if t.kernel == variant)
             return tile
-    raise ValueError(f"head dim {head_dim} > {MAX_HEAD_DIM}")
+    raise ValueError(f"head dims {head_dim} / {head_dim_v} (q and k / v) beyond the decode kernels' "
+                     f"{MAX_HEAD_DIM} / {MAX_HEAD_DIM}, or {LATENT_BUCKET} / {LATENT_V_BUCKET}")
 
 
 def tile_variants(dtype: torch.dtype, head_dim: int) -> list[DecodeTile]:
@@ -188,15 +216,22 @@ def tile_variants(dtype: torch.dtype, head_dim: int) -> list[DecodeTile]:
 
 
 def decode_variants() -> list[DecodeTile]:
-    same = [DecodeTile(dt, bd, bk) for dt, rows in DECODE_TILES.items() for bd, bk in rows.items()]
+    def latent(bd: int) -> int:
+        return LATENT_V_BUCKET if bd == LATENT_BUCKET else 0
+
+    same = [DecodeTile(dt, bd, bk, bdv=latent(bd)) for dt, rows in DECODE_TILES.items() for bd, bk in rows.items()]
     same += [DecodeTile(dt, bd, bk) for dt, rows in DECODE_EXTRA.items() for bd, bk in rows.items()]
-    mixed = [decode_tile(torch.float32, bd, kv) for kv in MIXED_KV_DTYPES for bd in HEAD_DIM_BUCKETS]
+    mixed = [decode_tile(torch.float32, bd, kv, head_dim_v=latent(bd) or bd)
+             for kv in MIXED_KV_DTYPES for bd in (*HEAD_DIM_BUCKETS, LATENT_BUCKET)]
     return same + mixed
 
 
 def row_cap(bd: int) -> int:
-    """Query rows per threadgroup at most, for head-dim bucket ``bd``."""
-    return MAX_ROWS_PER_TG if bd <= 128 else MAX_ROWS_PER_TG_WIDE
+    """Query rows per threadgroup at most, for head-dim bucket ``bd``.  Latent attention keeps
+    the whole group of a KV head (16 query heads x up to 8 rows) in one threadgroup, so that
+    each 576-wide K row is read once; a pipeline that allows fewer threads gets fewer rows
+    (plan_decode's fitting)."""
+    return MAX_ROWS_PER_TG if bd <= 128 or bd == LATENT_BUCKET else MAX_ROWS_PER_TG_WIDE
 
 
 def row_blocking(rows: int, cap: int = MAX_ROWS_PER_TG) -> tuple[int, int]:
@@ -241,13 +276,17 @@ def _check(pb: DecodeProblem) -> Optional[str]:
     if q.dim() != 4 or kc.dim() != 4 or vc.dim() != 4:
         return "q and the caches must be 4-D"
     B, Hq, Lq, D = q.shape
-    Hkv = kc.shape[2]
-    if kc.shape != vc.shape or kc.shape[3] != D:
-        return f"cache shapes {tuple(kc.shape)} / {tuple(vc.shape)} do not match head dim {D}"
+    Hkv, Dv = kc.shape[2], vc.shape[3]
+    if kc.shape[:3] != vc.shape[:3] or kc.shape[3] != D:
+        return f"cache shapes {tuple(kc.shape)} / {tuple(vc.shape)} do not match q's head dim {D}"
     if Hkv == 0 or Hq % Hkv:
         return f"query heads {Hq} not a multiple of KV heads {Hkv}"
-    if D < 1 or D > MAX_HEAD_DIM:
-        return f"head dim {D} outside 1..{MAX_HEAD_DIM}"
+    if D < 1 or Dv < 1:
+        return f"head dims {D} / {Dv} must be >= 1"
+    try:
+        decode_tile(q.dtype, D, head_dim_v=Dv)
+    except ValueError as e:
+        return str(e)
     for name, t in (("q", q), ("out", pb.out)):
         if t.shape[-1] > 1 and t.stride(-1) != 1:
             return f"{name} last dim is not contiguous"
@@ -255,8 +294,8 @@ def _check(pb: DecodeProblem) -> Optional[str]:
         reason = kvformat.layout_reason(name, t)
         if reason is not None:
             return reason
-    if tuple(pb.out.shape) != (B, Hq, Lq, D) or pb.out.dtype != q.dtype:
-        return "out must match q"
+    if tuple(pb.out.shape) != (B, Hq, Lq, Dv) or pb.out.dtype != q.dtype:
+        return f"out must be {q.dtype} of shape {(B, Hq, Lq, Dv)}"
     if tuple(pb.lse.shape) != (B, Hq, Lq) or pb.lse.dtype != torch.float32 or not pb.lse.is_contiguous():
         return "lse must be contiguous float32 (B, Hq, Lq)"
     if max(B, Hq, Lq, kc.shape[0], kc.shape[1], pb.capacity, pb.seqlen_new) > _POS_LIMIT:
@@ -301,13 +340,14 @@ def plan_decode(pb: DecodeProblem, num_splits: int = 0, gpu_cores: int = DEFAULT
     if reason is not None:
         return Unsupported(reason)
     B, Hq, Lq, D = pb.q.shape
+    Dv = pb.v_cache.shape[3]
     if B == 0 or Hq == 0 or Lq == 0:
         return Plan(launches=())
     variant = None
     if pb.k_cache.dtype == pb.q.dtype:
-        variant = choice.planned("decode", "decode", pb.q.dtype, D, D, seqlen_q=Lq, seqlen_k=pb.capacity,
+        variant = choice.planned("decode", "decode", pb.q.dtype, D, Dv, seqlen_q=Lq, seqlen_k=pb.capacity,
                                  causal=pb.window_right == 0, features={"mask": pb.mask is not None})
-    tile = decode_tile(pb.q.dtype, D, pb.k_cache.dtype, variant)
+    tile = decode_tile(pb.q.dtype, D, pb.k_cache.dtype, variant, head_dim_v=Dv)
     widest = row_cap(tile.bd)
     caps = [widest >> i for i in range(widest.bit_length()) if widest >> i >= 8]  # halved down to one simdgroup
     return first_fitting((_plan_rows(pb, tile, cap, num_splits, gpu_cores) for cap in caps), pipeline_info)
@@ -317,14 +357,14 @@ def _plan_rows(pb: DecodeProblem, tile: DecodeTile, cap: int, num_splits: int, g
     """The launches with at most ``cap`` query rows (``cap / 8`` simdgroups) per threadgroup."""
     q, kc, vc = pb.q, pb.k_cache, pb.v_cache
     B, Hq, Lq, D = q.shape
-    Hkv = kc.shape[2]
+    Hkv, Dv = kc.shape[2], vc.shape[3]
     G = Hq // Hkv
     rows_per_tg, row_blocks = row_blocking(G * Lq, cap)
     if num_splits and num_splits > 0:
         splits = min(int(num_splits), MAX_SPLITS)
     else:
         # The capacity bounds the keys without reading the lengths from the device (as flash-attn).
-        splits = choose_splits(B, Hkv, row_blocks, pb.capacity, tile.bk, gpu_cores, head_dim=D,
+        splits = choose_splits(B, Hkv, row_blocks, pb.capacity, tile.bk, gpu_cores, head_dim=(D + Dv) // 2,
                                elem_size=kvformat.value_bytes(kc), group_rows=G * Lq)
 
     paged = pb.block_table is not None
@@ -343,7 +383,7 @@ def _plan_rows(pb: DecodeProblem, tile: DecodeTile, cap: int, num_splits: int, g
     out = pb.out
     p.o_stride_b, p.o_stride_h, p.o_stride_l = out.stride(0), out.stride(1), out.stride(2)
     p.batch, p.heads, p.kv_heads, p.gqa = B, Hq, Hkv, G
-    p.seqlen_q, p.head_dim, p.num_splits = Lq, D, splits
+    p.seqlen_q, p.head_dim, p.head_dim_v, p.num_splits = Lq, D, Dv, splits
     p.page_size = kc.shape[1] if paged else 0
     p.diag_adjust, p.window_left, p.window_right = pb.diag_adjust, wl, wr
     p.rows_per_tg, p.row_blocks = rows_per_tg, row_blocks
@@ -384,7 +424,7 @@ def _plan_rows(pb: DecodeProblem, tile: DecodeTile, cap: int, num_splits: int, g
     scratch: tuple = ()
     if use_splits:
         dev = q.device
-        buffers[BUF_PART_O] = torch.empty(B * Hq * Lq * splits * D, dtype=torch.float32, device=dev)
+        buffers[BUF_PART_O] = torch.empty(B * Hq * Lq * splits * Dv, dtype=torch.float32, device=dev)
         buffers[BUF_PART_ML] = torch.empty(B * Hq * Lq * splits * 2, dtype=torch.float32, device=dev)
         scratch = (buffers[BUF_PART_O], buffers[BUF_PART_ML])
     params = p.to_bytes()
@@ -429,14 +469,14 @@ def compulsory_bytes(pb: DecodeProblem) -> int:
     the host)."""
     q = pb.q
     B, Hq, Lq, D = q.shape
-    Hkv = pb.k_cache.shape[2]
+    Hkv, Dv = pb.k_cache.shape[2], pb.v_cache.shape[3]
     es = q.element_size()
     seqlens = pb.seqlens.long() if pb.seqlens is not None else torch.full((B,), pb.seqlen_fixed)
     ends = (seqlens.clamp(0, pb.capacity) + pb.seqlen_new).clamp(max=pb.capacity)
     starts = torch.minimum(pb.leftpad.long().clamp(min=0), ends) if pb.leftpad is not None else 0
     keys = int((ends - starts).sum())
     kv = keys * Hkv * (kvformat.row_bytes(pb.k_cache) + kvformat.row_bytes(pb.v_cache))
-    return kv + 2 * B * Hq * Lq * D * es + B * Hq * Lq * 4
+    return kv + B * Hq * Lq * (D + Dv) * es + B * Hq * Lq * 4
 
 
 # ---------------------------------------------------------------------------
@@ -466,8 +506,6 @@ def route_reason(spec: AttentionSpec) -> Optional[str]:
         return f"{(Hq // Hkv) * Lq} query rows per KV head (decode takes <= {DECODE_MAX_GROUP_ROWS})"
     if Lk < DECODE_MIN_SEQLEN_K:
         return f"key length {Lk} < {DECODE_MIN_SEQLEN_K} (the prefill kernel is as good)"
-    if spec.head_dim_v != spec.head_dim:
-        return "head_dim_v != head_dim"
     return None
 
 

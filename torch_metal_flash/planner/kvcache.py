@@ -25,7 +25,7 @@ import torch
 
 from ..problem.quant import QuantizedTensor, flat_format
 from . import kvformat
-from .decode import DTYPE_NAMES, MAX_HEAD_DIM, DecodeProblem, plan_decode
+from .decode import DTYPE_NAMES, DecodeProblem, plan_decode
 from .limits import PipelineInfo, first_fitting
 from .plan import Launch, Plan, Unsupported
 from .shader_constants import APPEND as FC
@@ -36,7 +36,7 @@ SOURCE = "kvcache_append.metal"
  BUF_Q, BUF_Q_ROT, BUF_K_SCALES, BUF_K_BIASES, BUF_V_SCALES, BUF_V_BIASES, BUF_K_SCALES_SYM,
  BUF_V_SCALES_SYM) = range(18)
 _INT32_MAX = 2**31 - 1
-MAX_THREADS = 256  # [[max_total_threads_per_threadgroup]] of kvcache_append: head dim 256
+MAX_THREADS = 576  # [[max_total_threads_per_threadgroup]] of kvcache_append: one thread per element of a row
 
 
 def append_kernel(dtype: str, rotary_dtype: str, q_dtype: str = "") -> str:
@@ -74,7 +74,8 @@ class AppendParams(ctypes.Structure):
         "q_stride_b", "q_stride_l", "q_stride_h", "qr_stride_b", "qr_stride_l", "qr_stride_h",
         "bt_stride_b", "cos_stride", "sin_stride")] + [(n, ctypes.c_int32) for n in (
             "batch", "seqlen_new", "seqlen_q", "heads", "kv_heads", "head_dim", "rotary_dim", "seqlen_ro",
-            "page_size", "capacity", "cache_rows", "seqlen_fixed", "kv_rows", "q_local", "kv_bits", "kv_group_size")]
+            "page_size", "capacity", "cache_rows", "seqlen_fixed", "kv_rows", "q_local", "kv_bits", "kv_group_size",
+            "head_dim_v", "pad_i")]
 
 
 class KvCacheProblem(NamedTuple):
@@ -84,7 +85,8 @@ class KvCacheProblem(NamedTuple):
     ``op, args = problem.op_call()``."""
 
     q: torch.Tensor  # (B, Lq, Hq, D)
-    # (B_cache, L_max, Hkv, D) or paged (num_blocks, page_size, Hkv, D); tensors or QuantizedTensors
+    # (B_cache, L_max, Hkv, D) or paged (num_blocks, page_size, Hkv, D); tensors or QuantizedTensors;
+    # v_cache (and v) with their own head dim Dv
     k_cache: Union[torch.Tensor, QuantizedTensor]
     v_cache: Union[torch.Tensor, QuantizedTensor]
     k: Optional[torch.Tensor]  # (B, Lnew, Hkv, D)
@@ -125,16 +127,18 @@ def _check(pb: KvCacheProblem) -> Optional[str]:
     if q.dim() != 4 or kc.dim() != 4:
         return "q and the caches must be 4-D"
     B, Lq, Hq, D = q.shape
-    if D > MAX_HEAD_DIM:
-        return f"head dim {D} outside 1..{MAX_HEAD_DIM}"
+    Dv = pb.v_cache.shape[-1]
+    if max(D, Dv) > MAX_THREADS:
+        return f"head dims {D} / {Dv} (k / v) beyond the append kernel's {MAX_THREADS}"
     if (pb.k is None) != (pb.v is None) or (pb.rotary_cos is None) != (pb.rotary_sin is None):
         return "k and v (and rotary_cos and rotary_sin) come in pairs"
     if pb.rotary_cos is not None and pb.k is None:
         return "rotary needs k and v"
-    for name, t in (("k", pb.k), ("v", pb.v)):
-        if t is not None and (t.dtype != kc.dtype or t.shape != (B, t.shape[1], kc.shape[2], D)
-                              or (D > 1 and t.stride(-1) != 1)):
-            return f"{name} must be (B, seqlen_new, Hkv, D) in the caches' dtype with a contiguous last dim"
+    for name, t, width in (("k", pb.k, D), ("v", pb.v, Dv)):
+        if t is not None and (t.dtype != kc.dtype or t.shape != (B, pb.k.shape[1], kc.shape[2], width)
+                              or (width > 1 and t.stride(-1) != 1)):
+            return (f"{name} must be (B, seqlen_new, Hkv, {width}) in the caches' dtype with a contiguous "
+                    f"last dim")
     cos = pb.rotary_cos
     if cos is not None:
         # The table in the caches' dtype or float32; float32 when q is float32.
@@ -156,7 +160,7 @@ def _check(pb: KvCacheProblem) -> Optional[str]:
 
 def plan_kvcache(pb: KvCacheProblem, out: torch.Tensor, lse: torch.Tensor, family: str = "apple8",
                  pipeline_info: Optional[PipelineInfo] = None) -> Union[Plan, Unsupported]:
-    """The append (when needed) and decode launches of one call; ``out`` (B, Lq, Hq, D),
+    """The append (when needed) and decode launches of one call; ``out`` (B, Lq, Hq, Dv),
     ``lse`` (B, Hq, Lq) float32.  ``family`` is unused (one tile table for every GPU);
     ``pipeline_info``: the backend's pipeline limits (:mod:`.limits`)."""
     reason = _check(pb)
@@ -164,7 +168,7 @@ def plan_kvcache(pb: KvCacheProblem, out: torch.Tensor, lse: torch.Tensor, famil
         return Unsupported(reason)
     q, kc, vc = pb.q, pb.k_cache, pb.v_cache
     B, Lq, Hq, D = q.shape
-    Hkv = kc.shape[2]
+    Hkv, Dv = kc.shape[2], vc.shape[-1]
     Lnew = 0 if pb.k is None else pb.k.shape[1]
     rotary = pb.rotary_cos is not None
     paged = pb.block_table is not None
@@ -193,6 +197,7 @@ def plan_kvcache(pb: KvCacheProblem, out: torch.Tensor, lse: torch.Tensor, famil
     p.vc_stride_b, p.vc_stride_l, p.vc_stride_h = kvformat.row_strides(vc)
     p.kv_bits, p.kv_group_size = kvformat.format_params(kc)
     p.batch, p.seqlen_new, p.seqlen_q, p.heads, p.kv_heads, p.head_dim = B, Lnew, Lq, Hq, Hkv, D
+    p.head_dim_v = Dv
     p.page_size = kc.shape[1] if paged else 0
     p.capacity, p.cache_rows = decode.capacity, kc.shape[0]
     p.seqlen_fixed = min(max(pb.seqlen, 0), decode.capacity)  # clamped as the kernel clamps
@@ -222,7 +227,7 @@ def plan_kvcache(pb: KvCacheProblem, out: torch.Tensor, lse: torch.Tensor, famil
     rdt = DTYPE_NAMES[pb.rotary_cos.dtype] if rotary else DTYPE_NAMES[q.dtype]
     append = Launch(
         source=SOURCE, kernel=append_kernel(dt, rdt, DTYPE_NAMES[q.dtype]), threadgroups=(rows, 1, 1),
-        threadgroup=(32 * -(-D // 32), 1, 1), buffers=buffers,
+        threadgroup=(32 * -(-max(D, Dv) // 32), 1, 1), buffers=buffers,
         function_constants=function_constants(paged, pb.cache_seqlens is not None,
                                               pb.cache_batch_idx is not None and not paged, rotary,
                                               rotary and bool(pb.rotary_interleaved), kvformat.kv_format(kc)))
