@@ -319,7 +319,7 @@ def test_emulator_declined_call_reaches_original_without_warning(grad):
     import warnings
     from torch_metal_flash import backends
     torch.manual_seed(9)
-    q, k, v = _qkv(lq=5, lk=6, d=300)
+    q, k, v = _qkv(lq=5, lk=6, d=600)
     q.requires_grad_(grad)
     want = F.scaled_dot_product_attention(q, k, v)
     before = backends.run_counts()
