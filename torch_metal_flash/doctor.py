@@ -80,13 +80,13 @@ def probe_grid(full: bool) -> list[Probe]:
                 Probe("decode", torch.float16, (2, 8, 2, 1, 300, 64), causal=True)]
     grid = []
     for dtype in DTYPES:
-        for D in (32, 64, 96, 128, 256):
+        for D in (32, 64, 96, 128, 256, 512):
             grid += [Probe("forward", dtype, (2, 8, 8, 257, 257, D), causal=True),
                      Probe("forward", dtype, (1, 8, 2, 113, 203, D), causal=True),
                      Probe("forward", dtype, (1, 4, 4, 255, 1000, D), window=(64, 0), softcap=30.0),
                      Probe("forward", dtype, (2, 4, 4, 127, 129, D), mask="float"),
                      Probe("forward", dtype, (1, 4, 1, 129, 127, D), mask="bool")]
-        for D in (64, 128, 256):
+        for D in (64, 128, 256, 512):
             grid += [Probe("backward", dtype, (1, 8, 2, 113, 203, D), causal=True),
                      Probe("backward", dtype, (2, 4, 4, 127, 129, D), mask="float", window=(32, 32))]
         for D in (64, 128):

@@ -197,7 +197,7 @@ def test_probe_is_answered_from_the_cache():
     with tmf.backend("emulator"):
         assert ops.unsupported_reason(*_args(q, k, v)[:11]) is None
         assert ops.unsupported_reason(*_args(q, k, v)[:11]) is None
-        assert "head dim" in ops.unsupported_reason(*_args(*_qkv(D=300))[:11])
+        assert "head dim" in ops.unsupported_reason(*_args(*_qkv(D=600))[:11])
     info = core.plan_cache_info()
     assert (info["misses"], info["hits"]) == (2, 1)
 
