@@ -5,7 +5,7 @@ script runs the forward issue's whole matrix for the backward (dtype x head
 dim x (Lq, Lk) x masking, with GQA ratio -- including 8:1 and MQA --, feature,
 layout, dlse and dbias rotated through their values), each case in checked
 mode and two schedule orders (bitwise equal), against float64 autograd with
-the acceptance rule (torch_metal_flash/testing.py) on dq, dk, dv, dbias, dsinks.
+the acceptance rule (torch_metal_flash/testing/oracle.py) on dq, dk, dv, dbias, dsinks.
 
     python bench/sweep_backward.py                       # 1,728 cases
     python bench/sweep_backward.py --every-combination   # x GQA x features x layouts
