@@ -16,32 +16,27 @@ Writes a markdown table to stdout and to bench/results/precision.md (or --out).
 """
 from __future__ import annotations
 
-import argparse
-import importlib.util
+import importlib
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+import harness
 
 
 def _load(package: str | None):
-    """(torch_metal_flash of ``package`` or this checkout, this checkout's testing module)."""
-    sys.path.insert(0, str(Path(package).resolve() if package else ROOT))
-    sys.path.insert(1, str(ROOT / "tests"))  # for tests/support: the case matrices and oracles the tests use
+    """(torch_metal_flash of ``package`` or this checkout, this checkout's testing package)."""
+    harness.use_checkout(Path(package) if package else harness.ROOT)
     import torch_metal_flash as tmf
-    # The rule of this checkout, bound to whichever package is imported (it only
-    # reads AttentionSpec fields, which every version has).
-    spec = importlib.util.spec_from_file_location("torch_metal_flash._rule", ROOT / "torch_metal_flash" / "testing.py")
-    rule = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = rule
-    spec.loader.exec_module(rule)
+    # The rule and oracles of this checkout, bound to whichever package is imported
+    # (the rule only reads AttentionSpec fields, which every version has).
+    rule = harness.load_source("torch_metal_flash._rule", harness.ROOT / "torch_metal_flash" / "testing")
     return tmf, rule
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__)
     ap.add_argument("--package", help="checkout whose torch_metal_flash to measure (default: this one)")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "precision.md"))
+    ap.add_argument("--out", default=str(harness.RESULTS / "precision.md"))
     args = ap.parse_args()
     tmf, rule = _load(args.package)
     import torch
@@ -112,7 +107,7 @@ def main() -> int:
         record("fp16/bf16 backward", f"{str(dt)[6:]} Lq={Lq} Lk={Lk} mask {mask_shape}", ratios)
 
     # 3. The decode kernels at large scores (flash_attn_with_kvcache).
-    from support import kvcache_oracle
+    kvcache_oracle = importlib.import_module("torch_metal_flash._rule.kvcache_oracle")
     for amp, splits, seed in [(1.0, 1, 0), (2.0, 1, 1), (2.0, 3, 1), (2.0, 3, 3), (4.0, 1, 2), (4.0, 3, 2)]:
         g = torch.Generator().manual_seed(seed)
         B, Hq, Hkv, D, L = 2, 4, 2, 64, 300

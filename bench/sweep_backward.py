@@ -14,19 +14,15 @@ the acceptance rule (torch_metal_flash/testing/oracle.py) on dq, dk, dv, dbias, 
 """
 from __future__ import annotations
 
-import argparse
 import itertools
 import sys
 import time
 import traceback
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))  # for tests/support: the case matrices and oracles the tests use
+import harness
 
-from support import backward_cases as bk  # noqa: E402
-from support import forward_cases as fc  # noqa: E402
+from torch_metal_flash.testing import backward_cases as bk
+from torch_metal_flash.testing import forward_cases as fc
 
 
 def full_matrix(every_combination: bool = False):
@@ -42,7 +38,7 @@ def full_matrix(every_combination: bool = False):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__)
     ap.add_argument("--sample", type=int, default=0, help="run N sampled cases instead of the full matrix")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--every-combination", action="store_true")

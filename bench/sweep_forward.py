@@ -1,4 +1,4 @@
-"""Full forward kernel sweep in the emulator (the matrix of tests/support/forward_cases.py).
+"""Full forward kernel sweep in the emulator (the matrix of torch_metal_flash/testing/forward_cases.py).
 
 The CI test (tests/kernels/test_forward_kernels.py) runs a fixed-seed sample of this
 matrix; this script runs all of it (or a slice), each case in checked mode and
@@ -11,21 +11,17 @@ two schedule orders, and prints one line per case plus a summary.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 import traceback
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))  # for tests/support: the case matrices and oracles the tests use
+import harness
 
-from support import forward_cases as fc  # noqa: E402
+from torch_metal_flash.testing import forward_cases as fc
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__)
     ap.add_argument("--sample", type=int, default=0, help="run N sampled cases instead of the full matrix")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--every-combination", action="store_true")
