@@ -3,13 +3,13 @@
     python bench/precision.py                        # this checkout's kernels (emulator)
     python bench/precision.py --package DIR          # the kernels of another checkout, same rule
 
-``--package`` measures another checkout's kernels (e.g. the commit before the
-exact-P-rebuild fixes: ``git worktree add /tmp/tmf-before e27a3b9``) with *this*
+``--package`` measures another checkout's kernels (e.g. one without the exact
+rebuild of P: ``git worktree add /tmp/tmf-before e27a3b9``) with *this*
 checkout's acceptance rule, through the public faces only (SDPA, flash-attn,
 kv-cache), which both versions share.  A ratio above 1 fails the rule.
 
 Sections: float32 gradients at score magnitudes up to 30 (where P rebuilt
-from a float32 lse failed); float16/bfloat16 gradients of short rows and of
+from a float32 lse fails); float16/bfloat16 gradients of short rows and of
 float masks broadcast over the keys (delta from the output rounded to the
 input dtype); the decode kernels (split-K and single pass) at large scores.
 Writes a markdown table to stdout and to bench/results/precision.md (or --out).

@@ -1,7 +1,7 @@
 """Full backward kernel sweep in the emulator (every axis of the backward matrix).
 
 The CI test (tests/kernels/test_backward_kernels.py) runs a fixed-seed sample; this
-script runs the forward issue's whole matrix for the backward (dtype x head
+script runs the forward kernels' whole matrix for the backward (dtype x head
 dim x (Lq, Lk) x masking, with GQA ratio -- including 8:1 and MQA --, feature,
 layout, dlse and dbias rotated through their values), each case in checked
 mode and two schedule orders (bitwise equal), against float64 autograd with

@@ -219,8 +219,8 @@ def test_paged_shared_blocks_sum_deterministically(page):
 
 def test_quantized_and_mixed_precision_kv_are_converted():
     """Quantized or fp16 K/V under fp32 q (inference caches) run the varlen kernels on K/V
-    converted to q's dtype: the same result as passing the converted K/V (a regression: a
-    quantized cache once took the padded quantized op and attended across sequences)."""
+    converted to q's dtype: the same result as passing the converted K/V (the padded quantized
+    op, which knows no sequence boundaries, would attend across sequences)."""
     g = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(23, 2, 64, generator=g) for _ in range(3))
     cu = torch.tensor([0, 4, 4, 23], dtype=torch.int32)

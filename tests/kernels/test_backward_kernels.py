@@ -5,7 +5,7 @@ dv, dbias, dsinks), from the forward kernel's saved state, through
 (poisoned threadgroup memory, bounds and race checks) and in two schedule
 orders per case; the two runs must agree bit for bit (determinism).
 
-The forward issue's matrix (torch_metal_flash/testing/forward_cases.py) is sampled with a fixed
+The forward matrix (torch_metal_flash/testing/forward_cases.py) is sampled with a fixed
 seed, plus GQA ratios 1/2/4/8 and MQA, dlse, fully-masked rows, both layouts.
 ``bench/sweep_backward.py`` runs the full sweep.  These tests need the
 emulator: they fail (not skip) when it or its compiler is missing.

@@ -725,7 +725,7 @@ def _draw_kvcache(draw):
     p["softcap"] = draw(st.sampled_from((0.0, 0.0, 5.0)))
     p["alibi"] = draw(st.sampled_from(("none", "none", "h", "bh")))
     p["scale"] = None
-    p["q_layout"] = draw_layout(draw, 4)  # any memory order, rotary too (the strides bug is fixed)
+    p["q_layout"] = draw_layout(draw, 4)  # any memory order, rotary too (a rotated view must keep working)
     p["rotary"] = draw(st.sampled_from((None, None, "interleaved", "neox"))) if p["new"] and p["d"] >= 2 else None
     if p["rotary"]:
         p["rotary_dim"] = 2 * draw(st.integers(1, p["d"] // 2))
@@ -1287,17 +1287,18 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 FLAT4 = {"order": [0, 1, 2, 3], "pad": [0, 0, 0, 0], "offset": 0}
 FLAT5 = {"order": [0, 1, 2, 3, 4], "pad": [0, 0, 0, 0, 0], "offset": 0}
 
-# Found by the long profile at 6a6a140 (bench/results/fuzz.md): precision misses that were
-# gaps in the rule's error model, not in the code (torch_metal_flash.testing, the floor):
-# - out 26x over: scores ~1300 carry ~1 float32 ulp (1.2e-4) of rounding that exp turns
-#   into a relative error of P; the kernels and plain float32 both make it, plain float32
-#   rounded the two top scores alike by luck.  The floor now holds the scores' rounding.
-# - dv 1.08x over, float64 on the reference path: the float64 oracle is itself 2 ulps off
-#   the exact dV there, and plain float64 equals it bit for bit.  The floor now holds the
-#   oracle's own rounding.
-# - dquery 1.04x over, nn.MultiheadAttention in float16: the module rounds the attention's
-#   dq to float16 before dquery = dq W (so does torch's); 1.3 ulps where the final-rounding
-#   term allowed one.  The rule now carries a composite's rounded intermediates.
+# Found by the long profile (bench/results/fuzz.md): problems that a rule without these
+# terms fails although the code is right, each the reason for a term of the floor
+# (torch_metal_flash.testing):
+# - out 26x over without the scores' rounding: scores ~1300 carry ~1 float32 ulp (1.2e-4)
+#   of rounding that exp turns into a relative error of P; the kernels and plain float32
+#   both make it, plain float32 rounds the two top scores alike by luck.
+# - dv 1.08x over without the oracle's own rounding, float64 on the reference path: the
+#   float64 oracle is itself 2 ulps off the exact dV there, and plain float64 equals it bit
+#   for bit.
+# - dquery 1.04x over without a composite's rounded intermediates, nn.MultiheadAttention in
+#   float16: the module rounds the attention's dq to float16 before dquery = dq W (so does
+#   torch's); 1.3 ulps where the final-rounding term allows one.
 RULE_GAP_CASES = {
     "kvpacked_f32_decode_route_big_scores_out": dict(
         dtype="f32", batch=1, hq=1, hkv=1, lq=1, lk=256, d=14, dv=14, decode=True, packing="kv",
@@ -1308,8 +1309,8 @@ RULE_GAP_CASES = {
         dtype="f64", batch=1, hq=2, hkv=2, lq=2, lk=2, d=8, dv=8, decode=False, rank=4, layouts=[FLAT4] * 3,
         causal=False, mask=None, scale=None, extreme="none", kv=None, face="sdpa", seed=1,
         orders=("forward", "reverse")),
-    # sdpa_override, scale 1.0 with D = 64 (|s| up to 26): out 1.24x over before the score term,
-    # 0.10x after; the same score rounding at a smaller size (bench/score_rounding.py: the
+    # sdpa_override, scale 1.0 with D = 64 (|s| up to 26): out 1.24x over without the score
+    # term, 0.10x with it; the same score rounding at a smaller size (bench/score_rounding.py: the
     # kernels' error is the median of random float32 summation orders; the decode kernel,
     # forward only, gives the same out bit for bit).
     "override_f32_decode_route_out": dict(
