@@ -1,5 +1,5 @@
-"""What the bench scripts share: the checkout they measure, where results go, a timing
-loop, allocator peaks and markdown rows.
+"""What the bench scripts share: the checkout they measure, where results go, the kernel
+sweeps' flags and loop, a timing loop, allocator peaks and markdown rows.
 
 Scripts run as ``python bench/<name>.py`` (so bench/ is on sys.path) and ``import harness``
 first: that makes this checkout's torch_metal_flash the one they import.
@@ -12,6 +12,7 @@ import importlib.util
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,6 +39,54 @@ def parser(doc: str, *, results: bool = False, json_summary: bool = False) -> ar
     if json_summary:
         ap.add_argument("--json", action="store_true", help="print the JSON summary as the last line")
     return ap
+
+
+def sweep_parser(doc: str) -> argparse.ArgumentParser:
+    """The flags of a kernel sweep (bench/sweep_forward.py, bench/sweep_backward.py)."""
+    ap = parser(doc)
+    ap.add_argument("--sample", type=int, default=0, help="run N sampled cases instead of the full matrix")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--every-combination", action="store_true")
+    ap.add_argument("--shard", default="0/1", help="i/n: run every n-th case starting at i")
+    ap.add_argument("--max-elems", type=int, default=0,
+                    help="skip cases with B*Hq*Lq*Lk above this (0 = no limit)")
+    ap.add_argument("--orders", default="forward,reverse")
+    ap.add_argument("--unchecked", action="store_true", help="run without the race/bounds checks")
+    ap.add_argument("--stop-on-fail", action="store_true")
+    return ap
+
+
+def sweep(cases, run_and_check, case_id, args) -> int:
+    """``run_and_check(case, orders=..., checked=...)`` on the shard's cases of ``args``
+    (:func:`sweep_parser`): a line per case, a summary and the failed cases; 1 if any failed."""
+    shard_i, shard_n = (int(x) for x in args.shard.split("/"))
+    orders = tuple(args.orders.split(","))
+    n_ok = n_skip = 0
+    failures = []
+    t_start = time.time()
+    for idx, case in enumerate(cases):
+        if idx % shard_n != shard_i:
+            continue
+        if args.max_elems and case.get("batch", 1) * case["hq"] * case["lq"] * case["lk"] > args.max_elems:
+            n_skip += 1
+            continue
+        t0 = time.time()
+        try:
+            run_and_check(case, orders=orders, checked=not args.unchecked)
+            status = "ok"
+            n_ok += 1
+        except Exception as e:  # noqa: BLE001 - report every failure and go on
+            status = f"FAIL {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            failures.append(case_id(case))
+            if args.stop_on_fail:
+                traceback.print_exc()
+        print(f"{idx:6d} {case_id(case):70s} {time.time() - t0:7.2f}s {status}", flush=True)
+        if status != "ok" and args.stop_on_fail:
+            break
+    print(f"\n{n_ok} ok, {len(failures)} failed, {n_skip} skipped (size) in {time.time() - t_start:.0f}s")
+    for f in failures:
+        print("failed:", f)
+    return 1 if failures else 0
 
 
 def write_result(name: str, text: str, folder=None) -> Path:
