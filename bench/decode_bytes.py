@@ -181,16 +181,15 @@ def main() -> None:
                                     dict(L=4096, quant=FORMATS["affine4 g64"], Lq=5),
                                     dict(L=4096, quant=FORMATS["affine4 g64"], append=True),
                                     dict(L=4096, quant=FORMATS["int8 g32"], append=True, paged=256)]
-    header = ("| B | H | H_kv | D | L | q rows | dtype | K/V | bytes/token (vs fp16) | paged | append | splits | "
-              "launches | device bytes | compulsory | ratio | emulator s |")
-    lines = [header, "|" + "---|" * 17]
-    print(header)
+    lines = harness.table_head("B", "H", "H_kv", "D", "L", "q rows", "dtype", "K/V", "bytes/token (vs fp16)", "paged",
+                               "append", "splits", "launches", "device bytes", "compulsory", "ratio", "emulator s")
+    print(lines[0])
     for cfg in configs:
         r = measure(**cfg)
         rows.append(r)
-        line = (f"| {r['B']} | {r['H']} | {r['Hkv']} | {r['D']} | {r['L']} | {r['Lq']} | {r['dtype']} | {r['kv']} | "
-                f"{r['token']} | {r['paged']} | {r['append']} | {r['splits']} | {r['launches']} | {r['moved']:,} | "
-                f"{r['compulsory']:,} | **{r['ratio']:.4f}** | {r['seconds']:.1f} |")
+        line = harness.row(*(r[k] for k in ("B", "H", "Hkv", "D", "L", "Lq", "dtype", "kv", "token", "paged", "append",
+                                             "splits", "launches")),
+                           f"{r['moved']:,}", f"{r['compulsory']:,}", f"**{r['ratio']:.4f}**", f"{r['seconds']:.1f}")
         lines.append(line)
         print(line, flush=True)
     text = ("# Decode kernels: device bytes / compulsory bytes\n\n"

@@ -117,11 +117,9 @@ def main() -> None:
     lines = [f"# Long run: {args.calls} calls", "",
              f"Command: `python bench/long_run.py --calls {args.calls}` (seed {args.seed}); "
              f"{snaps[-1]['seconds']:.0f} s.", "",
-             "| calls | RSS MiB | " + " | ".join(snaps[-1]["caches"]) + " |",
-             "|---|---|" + "---|" * len(snaps[-1]["caches"])]
+             *harness.table_head("calls", "RSS MiB", *snaps[-1]["caches"])]
     for s in snaps:
-        sizes = " | ".join(str(v) for v in s["caches"].values())
-        lines.append(f"| {s['calls']} | {s['rss_mib']:.0f} | {sizes} |")
+        lines.append(harness.row(s["calls"], f"{s['rss_mib']:.0f}", *s["caches"].values()))
     lines += ["", "Cache sizes (max): " + ", ".join(f"{k} {v}" for k, v in snaps[-1]["maxsizes"].items()), "",
               "Verdict: " + ("bounded" if not problems else "NOT bounded: " + "; ".join(problems))]
     Path(args.out).write_text("\n".join(lines) + "\n")

@@ -181,13 +181,12 @@ def main() -> None:
              f"1/{s['shrink']} of their lengths (the host path depends on the number of sequences, not their "
              "lengths; at full lengths this CPU would itself run the loop's zero-fills, sums and copies, GPU work "
              "on a Mac). Bytes: the full shape.\n",
-             "| path | host µs per fwd+bwd | op calls (fwd+bwd) | host syncs | allocated in total MiB "
-             "| peak beyond inputs MiB |", "|---|---:|---:|---:|---:|---:|"]
+             *harness.table_head("path", "host µs per fwd+bwd", "op calls (fwd+bwd)", "host syncs",
+                                 "allocated in total MiB", "peak beyond inputs MiB", right=(1, 2, 3, 4, 5))]
     for name, label in (("varlen", "`flash_attn_varlen_func` (kernels read cu_seqlens)"),
                         ("loop", "per-sequence loop")):
         r = step[name]
-        lines.append(f"| {label} | {r['us']:.0f} | {r['launches']} | {r['syncs']} | {mib(r['total'])} | "
-                     f"{mib(r['peak'])} |")
+        lines.append(harness.row(label, f"{r['us']:.0f}", r["launches"], r["syncs"], mib(r["total"]), mib(r["peak"])))
     lines += ["", f"Host time: the loop takes {step['loop']['us'] / step['varlen']['us']:.1f}× the varlen call's; "
               f"bytes allocated: {step['loop']['total'] / step['varlen']['total']:.1f}× (the loop's backward "
               "builds a full-size zero gradient per sequence slice and sums them, and its forward copies the "
@@ -195,8 +194,8 @@ def main() -> None:
               "state, dq/dk/dv) and nothing else.", "",
               "## Dropout: extra memory vs L (forward + backward, emulator, B=1, H=2, D=32, bf16, causal)\n",
               "Allocator peak beyond the inputs, minus out/dq/dk/dv.\n",
-              "| L | ours p=0: bytes | ours p=0.1: bytes | p=0.1 / (B·H·L) | torch SDPA MATH p=0.1: bytes "
-              "| MATH / (B·H·L²) |", "|---:|---:|---:|---:|---:|---:|"]
+              *harness.table_head("L", "ours p=0: bytes", "ours p=0.1: bytes", "p=0.1 / (B·H·L)",
+                                  "torch SDPA MATH p=0.1: bytes", "MATH / (B·H·L²)", right=range(6))]
     for r in drop:
         L = r["L"]
         lines.append(f"| {L} | {r['p0']} | {r['p0.1']} | {r['p0.1'] / (2 * L):.1f} | {r['torch_math_p0.1']} "

@@ -412,8 +412,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, help="append each problem's raw counters to this file (JSON lines)")
     ap.add_argument("--render", type=Path, nargs="+", metavar="JSON",
                     help="run nothing: write the report of the problems in these --json files")
-    ap.add_argument("--out", type=Path, help=f"markdown output (default: {RESULTS.relative_to(harness.ROOT)} for a full run "
-                                              "with both peers, none otherwise)")
+    ap.add_argument("--out", type=Path, help=f"markdown output (default: {RESULTS.relative_to(harness.ROOT)} for a "
+                                              "full run with both peers, none otherwise)")
     args = ap.parse_args(argv)
     if args.render:
         return render_saved(args.render, args.out or RESULTS)
