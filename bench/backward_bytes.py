@@ -32,22 +32,18 @@ Writes markdown tables to stdout and to bench/results/backward.md.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))  # for tests/support: the case matrices and oracles the tests use
+import harness
 
-from support import backward_cases as bk  # noqa: E402
-from torch_metal_flash import backends, emulator  # noqa: E402
-from torch_metal_flash.planner.backward_tiles import (DSINKS_THREADS, backward_variants)  # noqa: E402
-from torch_metal_flash.problem.spec import make_spec  # noqa: E402
+from torch_metal_flash import backends, emulator
+from torch_metal_flash.planner.backward_tiles import (DSINKS_THREADS, backward_variants)
+from torch_metal_flash.problem.spec import make_spec
+from torch_metal_flash.testing import backward_cases as bk
 
 PARAMS_INDEX = {"pre": 6, "dq": 6, "dkv": 6, "dsinks": 6}
 DT = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
@@ -124,21 +120,6 @@ def tgmem_table(peaks: dict) -> str:
     return head + "\n" + "\n".join(rows)
 
 
-def _peak_alloc(fn) -> int:
-    """Peak of (bytes allocated - bytes freed) by torch's CPU allocator during
-    fn(): the profiler's memory events (signed sizes), replayed in time order."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    events.sort(key=lambda e: e.start_ns())
-    cur = peak = 0
-    for e in events:
-        cur += e.nbytes()
-        peak = max(peak, cur)
-    return peak
-
-
 def memory_table(quick: bool) -> str:
     import torch_metal_flash as tmf
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -165,10 +146,10 @@ def memory_table(quick: bool) -> str:
             return run
 
         t0 = time.time()
-        ours_b = _peak_alloc(ours) - results
+        ours_b = harness.allocations(ours)[0] - results
         t_ours = time.time() - t0
-        math_b = _peak_alloc(sdpa(SDPBackend.MATH)) - results
-        flash_b = _peak_alloc(sdpa(SDPBackend.FLASH_ATTENTION)) - results
+        math_b = harness.allocations(sdpa(SDPBackend.MATH))[0] - results
+        flash_b = harness.allocations(sdpa(SDPBackend.FLASH_ATTENTION))[0] - results
         bhl = B * H * L
         rows.append(f"| {L} | {str(dtype)[6:]} | {ours_b} | {ours_b / bhl:.1f} | {math_b} ({_mib(math_b)} MiB) | "
                     f"{math_b / (B * H * L * L):.1f} | {flash_b} | {t_ours:.1f} |")
@@ -181,7 +162,7 @@ def memory_table(quick: bool) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-memory", action="store_true")
     args = ap.parse_args()
@@ -199,9 +180,7 @@ def main() -> int:
                   memory_table(args.quick), ""]
     text = "\n".join(parts)
     print(text)
-    out = ROOT / "bench" / "results" / "backward.md"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text + "\n")
+    harness.write_result("backward.md", text + "\n")
     return 0
 
 

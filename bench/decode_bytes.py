@@ -27,22 +27,19 @@ Writes the table to stdout and to bench/results/decode_bytes.md.
 """
 from __future__ import annotations
 
-import argparse
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import harness
 
-from torch_metal_flash import emulator  # noqa: E402
-from torch_metal_flash.backends.emulator import EmulatorBackend  # noqa: E402
-from torch_metal_flash.planner.decode import DecodeProblem, compulsory_bytes, plan_decode  # noqa: E402
-from torch_metal_flash.planner.kvcache import KvCacheProblem, plan_kvcache  # noqa: E402
-from torch_metal_flash.planner.kvformat import row_bytes  # noqa: E402
-from torch_metal_flash.problem.quant import quantize  # noqa: E402
+from torch_metal_flash import emulator
+from torch_metal_flash.backends.emulator import EmulatorBackend
+from torch_metal_flash.planner.decode import DecodeProblem, compulsory_bytes, plan_decode
+from torch_metal_flash.planner.kvcache import KvCacheProblem, plan_kvcache
+from torch_metal_flash.planner.kvformat import row_bytes
+from torch_metal_flash.problem.quant import quantize
 
 FORMATS = {"affine4 g64": dict(bits=4, group_size=64), "affine8 g64": dict(bits=8, group_size=64),
            "int8 g32": dict(bits=8, group_size=32, mode="symmetric"), "affine4 g32": dict(bits=4, group_size=32)}
@@ -158,10 +155,10 @@ def time_mps(lengths, B=1, H=32, Hkv=8, D=128, dtype=torch.float16, iters=200) -
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__)
     ap.add_argument("--lengths", default="512,1024,2048,4096,8192")
     ap.add_argument("--quick", action="store_true", help="only the target configuration (L=4096)")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "decode_bytes.md"))
+    ap.add_argument("--out", default=str(harness.RESULTS / "decode_bytes.md"))
     ap.add_argument("--mps", action="store_true", help="macOS: time decode steps against torch's SDPA")
     args = ap.parse_args()
     if args.mps:
@@ -184,16 +181,15 @@ def main() -> None:
                                     dict(L=4096, quant=FORMATS["affine4 g64"], Lq=5),
                                     dict(L=4096, quant=FORMATS["affine4 g64"], append=True),
                                     dict(L=4096, quant=FORMATS["int8 g32"], append=True, paged=256)]
-    header = ("| B | H | H_kv | D | L | q rows | dtype | K/V | bytes/token (vs fp16) | paged | append | splits | "
-              "launches | device bytes | compulsory | ratio | emulator s |")
-    lines = [header, "|" + "---|" * 17]
-    print(header)
+    lines = harness.table_head("B", "H", "H_kv", "D", "L", "q rows", "dtype", "K/V", "bytes/token (vs fp16)", "paged",
+                               "append", "splits", "launches", "device bytes", "compulsory", "ratio", "emulator s")
+    print(lines[0])
     for cfg in configs:
         r = measure(**cfg)
         rows.append(r)
-        line = (f"| {r['B']} | {r['H']} | {r['Hkv']} | {r['D']} | {r['L']} | {r['Lq']} | {r['dtype']} | {r['kv']} | "
-                f"{r['token']} | {r['paged']} | {r['append']} | {r['splits']} | {r['launches']} | {r['moved']:,} | "
-                f"{r['compulsory']:,} | **{r['ratio']:.4f}** | {r['seconds']:.1f} |")
+        line = harness.row(*(r[k] for k in ("B", "H", "Hkv", "D", "L", "Lq", "dtype", "kv", "token", "paged", "append",
+                                             "splits", "launches")),
+                           f"{r['moved']:,}", f"{r['compulsory']:,}", f"**{r['ratio']:.4f}**", f"{r['seconds']:.1f}")
         lines.append(line)
         print(line, flush=True)
     text = ("# Decode kernels: device bytes / compulsory bytes\n\n"

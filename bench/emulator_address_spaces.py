@@ -21,14 +21,13 @@ docs/emulator.md quotes its result.
 from __future__ import annotations
 
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import harness  # noqa: F401  (this checkout's torch_metal_flash)
 
-from torch_metal_flash import emulator  # noqa: E402
-from torch_metal_flash.emulator.compiler import find_compiler  # noqa: E402
+from torch_metal_flash import emulator
+from torch_metal_flash.emulator.compiler import find_compiler
 
 COMMON = """
 struct S {

@@ -37,9 +37,9 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import harness  # noqa: F401  (this checkout's torch_metal_flash)
 
-import torch_metal_flash as tmf  # noqa: E402
+import torch_metal_flash as tmf
 
 DEVICE = "cpu"  # the emulator backend runs on CPU tensors
 

@@ -23,20 +23,17 @@ Per configuration:
 """
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))  # for tests/support: the case matrices and oracles the tests use
+import harness
 
-from support import forward_cases as fc  # noqa: E402
-import torch_metal_flash as tmf  # noqa: E402
-from torch_metal_flash.planner import forward_variants  # noqa: E402
-from torch_metal_flash.problem.spec import make_spec  # noqa: E402
+import torch_metal_flash as tmf
+from torch_metal_flash.planner import forward_variants
+from torch_metal_flash.problem.spec import make_spec
+from torch_metal_flash.testing import forward_cases as fc
 
 DT = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
@@ -171,9 +168,7 @@ def main() -> None:
     lines += ["", f"Total emulator time: {time.time() - t_start:.0f} s.", ""]
     text = "\n".join(lines)
     print(text)
-    out = ROOT / "bench" / "results" / "forward_bytes.md"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
+    out = harness.write_result("forward_bytes.md", text)
     write_svg(measured, out.with_suffix(".svg"))
 
 

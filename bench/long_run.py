@@ -12,7 +12,6 @@ registry is exercised).  Memory is the resident set size (/proc/self/status).
 """
 from __future__ import annotations
 
-import argparse
 import random
 import sys
 import time
@@ -21,12 +20,10 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import harness
 
-import torch_metal_flash as tmf  # noqa: E402
-from torch_metal_flash import emulator  # noqa: E402
+import torch_metal_flash as tmf
+from torch_metal_flash import emulator
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -110,21 +107,19 @@ def bounded(snaps: list[dict], rss_growth_mib: float) -> list[str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--calls", type=int, default=100_000)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "long_run.md"))
+    ap.add_argument("--out", default=str(harness.RESULTS / "long_run.md"))
     args = ap.parse_args()
     snaps = run(args.calls, args.seed)
     problems = bounded(snaps, rss_growth_mib=64)
     lines = [f"# Long run: {args.calls} calls", "",
              f"Command: `python bench/long_run.py --calls {args.calls}` (seed {args.seed}); "
              f"{snaps[-1]['seconds']:.0f} s.", "",
-             "| calls | RSS MiB | " + " | ".join(snaps[-1]["caches"]) + " |",
-             "|---|---|" + "---|" * len(snaps[-1]["caches"])]
+             *harness.table_head("calls", "RSS MiB", *snaps[-1]["caches"])]
     for s in snaps:
-        sizes = " | ".join(str(v) for v in s["caches"].values())
-        lines.append(f"| {s['calls']} | {s['rss_mib']:.0f} | {sizes} |")
+        lines.append(harness.row(s["calls"], f"{s['rss_mib']:.0f}", *s["caches"].values()))
     lines += ["", "Cache sizes (max): " + ", ".join(f"{k} {v}" for k, v in snaps[-1]["maxsizes"].items()), "",
               "Verdict: " + ("bounded" if not problems else "NOT bounded: " + "; ".join(problems))]
     Path(args.out).write_text("\n".join(lines) + "\n")

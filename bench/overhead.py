@@ -20,51 +20,15 @@ Timings are medians of 7 interleaved rounds (load shifts all rows alike); read t
 """
 from __future__ import annotations
 
-import argparse
-import contextlib
 import json
-import pathlib
-import statistics
-import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout
+import harness
 
-import torch_metal_flash as tmf  # noqa: E402
-from torch_metal_flash import backends, core  # noqa: E402
-
-
-def per_call_us(calls: dict, iters: int, rounds: int = 7) -> dict:
-    """Median µs per call of each ``name: (fn, before, context)``: ``before`` (or None) runs
-    untimed before each call, ``context`` (or None) makes the context the calls run in.
-    Rounds interleave the rows, so load on a shared machine shifts every row alike and
-    the ratios hold."""
-    def timed(fn, before, context, n):
-        with context() if context else contextlib.nullcontext():
-            if before is None:
-                start = time.perf_counter()
-                for _ in range(n):
-                    fn()
-                return time.perf_counter() - start
-            total = 0.0
-            for _ in range(n):
-                before()
-                start = time.perf_counter()
-                fn()
-                total += time.perf_counter() - start
-            return total
-
-    samples = {name: [] for name in calls}
-    for fn, before, context in calls.values():
-        timed(fn, before, context, max(20, iters // 10))  # warm up
-    for _ in range(rounds):
-        for name, (fn, before, context) in calls.items():
-            n = iters if before is None else max(1, iters // 10)
-            samples[name].append(timed(fn, before, context, n) / n * 1e6)
-    return {name: statistics.median(s) for name, s in samples.items()}
+import torch_metal_flash as tmf
+from torch_metal_flash import backends, core
 
 
 def measure(iters: int) -> tuple[float, dict]:
@@ -105,7 +69,7 @@ def measure(iters: int) -> tuple[float, dict]:
                 "decode": (lambda: tmf.flash_attn_with_kvcache(q1, k_cache, v_cache, k=k1, v=v1, cache_seqlens=lens,
                                                                 causal=True), None, None),
             }
-            results = per_call_us(calls, iters)
+            results = harness.per_call_us(calls, iters)
             runs = tmf.run_counts(reset=True)
     finally:
         core.use_stub_encoder(False)
@@ -126,27 +90,24 @@ ROWS = (
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__doc__, results=True, json_summary=True)
     parser.add_argument("--iters", type=int, default=2000)
-    parser.add_argument("--json", action="store_true", help="print the JSON summary as the last line")
-    parser.add_argument("--results", default=str(pathlib.Path(__file__).parent / "results"),
-                        help="folder of overhead.md (default: bench/results)")
     args = parser.parse_args()
 
     base, r = measure(args.iters)
     hit = r["op_hit"]
-    lines = ["| call | µs per call | × torch SDPA call | × the op on a plan-cache hit |", "|---|---:|---:|---:|",
-             f"| torch `F.scaled_dot_product_attention` (whole call, CPU) | {base:.1f} | 1.00 | {base / hit:.2f} |"]
-    lines += [f"| {label} | {r[key]:.1f} | {r[key] / base:.2f} | {r[key] / hit:.2f} |" for key, label in ROWS]
+    lines = harness.table_head("call", "µs per call", "× torch SDPA call", "× the op on a plan-cache hit",
+                               right=(1, 2, 3))
+    lines.append(harness.row("torch `F.scaled_dot_product_attention` (whole call, CPU)", f"{base:.1f}", "1.00",
+                             f"{base / hit:.2f}"))
+    lines += [harness.row(label, f"{r[key]:.1f}", f"{r[key] / base:.2f}", f"{r[key] / hit:.2f}") for key, label in ROWS]
     table = "\n".join(lines)
     print(table)
-    out_dir = pathlib.Path(args.results)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "overhead.md").write_text(
+    harness.write_result("overhead.md", (
         "# Host overhead per call (kernel launches stubbed)\n\n"
         f"`python bench/overhead.py --iters {args.iters}`: q, k, v (1, 2, 8, 64) fp16 causal on the CPU, "
         "emulator backend with the C++ core's stub encoder (everything but the kernels runs); decode: one token "
-        f"against a 64-row cache, GQA 2:1. {torch.get_num_threads()} torch threads.\n\n{table}\n")
+        f"against a 64-row cache, GQA 2:1. {torch.get_num_threads()} torch threads.\n\n{table}\n"), args.results)
     if args.json:
         summary = {
             "torch_sdpa_us": round(base, 2),

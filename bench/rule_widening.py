@@ -9,31 +9,30 @@ elements (median and max).
 """
 from __future__ import annotations
 
-import argparse
-import importlib.util
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))  # for tests/support: the case matrices and oracles the tests use
+import harness
+
+# Where the rule lives, newest layout first: (file at a revision, the package its relative imports name).
+RULE_FILES = (("torch_metal_flash/testing/oracle.py", "torch_metal_flash.testing"),
+              ("torch_metal_flash/testing.py", "torch_metal_flash"))
 
 
 def _rule_at(rev: str):
-    text = subprocess.run(["git", "show", f"{rev}:torch_metal_flash/testing.py"], cwd=ROOT, check=True,
-                          capture_output=True, text=True).stdout
-    path = Path(tempfile.mkdtemp()) / "testing.py"
-    path.write_text(text)
-    spec = importlib.util.spec_from_file_location("torch_metal_flash._rule_before", path)
-    mod = importlib.util.module_from_spec(spec)
-    mod.__package__ = "torch_metal_flash"  # its relative imports resolve against this checkout
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    """The rule module of revision ``rev``; its relative imports resolve against this checkout."""
+    for path, package in RULE_FILES:
+        got = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=harness.ROOT, capture_output=True, text=True)
+        if got.returncode == 0:
+            break
+    else:
+        raise SystemExit(f"{rev}: no acceptance rule at {' or '.join(p for p, _ in RULE_FILES)}:\n{got.stderr}")
+    file = Path(tempfile.mkdtemp()) / Path(path).name
+    file.write_text(got.stdout)
+    return harness.load_source("torch_metal_flash._rule_before", file, package)
 
 
 def _allowed(rule, name, ref, plain, mag, dtype):
@@ -48,14 +47,14 @@ def _allowed(rule, name, ref, plain, mag, dtype):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = harness.parser(__doc__)
     ap.add_argument("--against", default="26829dd")
     args = ap.parse_args()
     from torch_metal_flash import testing as now
     before = _rule_at(args.against)
-    from support import backward_cases as bk
-    from support import forward_cases as fc
-    from support import precision_cases as tp
+    from torch_metal_flash.testing import backward_cases as bk
+    from torch_metal_flash.testing import forward_cases as fc
+    from torch_metal_flash.testing import precision_cases as tp
     from torch_metal_flash.testing import randn
     torch.randn = randn  # the suite's portable inputs (tests/conftest.py)
 

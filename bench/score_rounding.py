@@ -11,23 +11,17 @@ float32 dot-product order gives.  bench/results/fuzz.md quotes these figures.
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # tests/support: the problems the tests draw
+import harness  # noqa: F401  (this checkout's torch_metal_flash)
 
-from support import portable  # noqa: E402
-from torch_metal_flash.testing import randn  # noqa: E402
+import torch_metal_flash as tmf
+from torch_metal_flash import emulator
+from torch_metal_flash.testing import fuzz_problems as fp
+from torch_metal_flash.testing import portable, randn
+from torch_metal_flash.testing.fuzz_problems import RULE_GAP_CASES
 
 torch.randn, torch.randn_like = randn, portable.randn_like  # the portable inputs the tests draw
-
-from support import fuzz_problems as fp  # noqa: E402
-import torch_metal_flash as tmf  # noqa: E402
-from support.fuzz_problems import RULE_GAP_CASES  # noqa: E402
-from torch_metal_flash import emulator  # noqa: E402
 
 U = 2.0 ** -24
 CASES = ("override_f32_decode_route_out", "kvpacked_f32_decode_route_big_scores_out")

@@ -1,11 +1,11 @@
 """Full backward kernel sweep in the emulator (every axis of the backward matrix).
 
 The CI test (tests/kernels/test_backward_kernels.py) runs a fixed-seed sample; this
-script runs the forward issue's whole matrix for the backward (dtype x head
+script runs the forward kernels' whole matrix for the backward (dtype x head
 dim x (Lq, Lk) x masking, with GQA ratio -- including 8:1 and MQA --, feature,
 layout, dlse and dbias rotated through their values), each case in checked
 mode and two schedule orders (bitwise equal), against float64 autograd with
-the acceptance rule (torch_metal_flash/testing.py) on dq, dk, dv, dbias, dsinks.
+the acceptance rule (torch_metal_flash/testing/oracle.py) on dq, dk, dv, dbias, dsinks.
 
     python bench/sweep_backward.py                       # 1,728 cases
     python bench/sweep_backward.py --every-combination   # x GQA x features x layouts
@@ -14,19 +14,13 @@ the acceptance rule (torch_metal_flash/testing.py) on dq, dk, dv, dbias, dsinks.
 """
 from __future__ import annotations
 
-import argparse
 import itertools
 import sys
-import time
-import traceback
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))  # for tests/support: the case matrices and oracles the tests use
+import harness
 
-from support import backward_cases as bk  # noqa: E402
-from support import forward_cases as fc  # noqa: E402
+from torch_metal_flash.testing import backward_cases as bk
+from torch_metal_flash.testing import forward_cases as fc
 
 
 def full_matrix(every_combination: bool = False):
@@ -42,18 +36,7 @@ def full_matrix(every_combination: bool = False):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sample", type=int, default=0, help="run N sampled cases instead of the full matrix")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--every-combination", action="store_true")
-    ap.add_argument("--shard", default="0/1", help="i/n: run every n-th case starting at i")
-    ap.add_argument("--max-elems", type=int, default=0,
-                    help="skip cases with B*Hq*Lq*Lk above this (0 = no limit)")
-    ap.add_argument("--orders", default="forward,reverse")
-    ap.add_argument("--unchecked", action="store_true", help="run without the race/bounds checks")
-    ap.add_argument("--stop-on-fail", action="store_true")
-    args = ap.parse_args()
-
+    args = harness.sweep_parser(__doc__).parse_args()
     if args.sample:
         cases = fc.sample_cases(args.sample, args.seed, seq_pairs=fc.SEQ_PAIRS)
         for i, c in enumerate(cases):
@@ -62,36 +45,7 @@ def main() -> int:
             c["dbias"] = c["feature"].startswith("bias")
     else:
         cases = full_matrix(args.every_combination)
-    shard_i, shard_n = (int(x) for x in args.shard.split("/"))
-    orders = tuple(args.orders.split(","))
-    n_ok = n_fail = n_skip = 0
-    t_start = time.time()
-    failures = []
-    for idx, case in enumerate(cases):
-        if idx % shard_n != shard_i:
-            continue
-        size = case.get("batch", 1) * case["hq"] * case["lq"] * case["lk"]
-        if args.max_elems and size > args.max_elems:
-            n_skip += 1
-            continue
-        t0 = time.time()
-        try:
-            bk.run_and_check(case, orders=orders, checked=not args.unchecked)
-            status = "ok"
-            n_ok += 1
-        except Exception as e:  # noqa: BLE001 - report every failure and go on
-            status = f"FAIL {type(e).__name__}: {str(e).splitlines()[0][:200]}"
-            n_fail += 1
-            failures.append(bk.case_id(case))
-            if args.stop_on_fail:
-                traceback.print_exc()
-        print(f"{idx:5d} {bk.case_id(case):70s} {time.time() - t0:7.2f}s {status}", flush=True)
-        if status != "ok" and args.stop_on_fail:
-            break
-    print(f"\n{n_ok} ok, {n_fail} failed, {n_skip} skipped in {time.time() - t_start:.0f}s")
-    for f in failures:
-        print("failed:", f)
-    return 1 if n_fail else 0
+    return harness.sweep(cases, bk.run_and_check, bk.case_id, args)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ tolerance of its dtype.  bench/results/third_party_kernels.md records a run.
 """
 from __future__ import annotations
 
-import argparse
 import ctypes as C
 import math
 import sys
@@ -32,13 +31,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness
 
-from torch_metal_flash import emulator  # noqa: E402
+from torch_metal_flash import emulator
 
-from peer_kernels import (MLX_TYPES, TOL, attention_reference, compile_source, max_error,  # noqa: E402
-                          run_mlx_steel)
+from peer_kernels import MLX_TYPES, TOL, attention_reference, compile_source, max_error, run_mlx_steel
 
 results = []  # (name, ok)
 
@@ -303,7 +300,7 @@ def run_pytorch(root, orders, quick):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--mlx", type=Path, help="MLX include folder (mlx/backend/metal/kernels inside)")
     ap.add_argument("--llama", type=Path, help="llama.cpp ggml/src folder")
     ap.add_argument("--pytorch", type=Path, help="PyTorch source root (aten/src/ATen/native/mps/kernels inside)")

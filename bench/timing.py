@@ -28,17 +28,14 @@ FLOPs counted as flash-attn does: 4·B·H·Lq·Lk·D forward (halved for causal)
 """
 from __future__ import annotations
 
-import argparse
-import pathlib
-import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout
+import harness
 
-import torch_metal_flash as tmf  # noqa: E402
+import torch_metal_flash as tmf
 
 CONFIGS = [  # (B, H, L, D, causal)
     (4, 16, 512, 64, False), (4, 16, 512, 64, True), (2, 16, 1024, 64, True), (1, 16, 2048, 64, True),
@@ -159,7 +156,7 @@ def commit_rows(B, H, L, D, causal, dtype, device, repeats) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--device", default="mps" if torch.backends.mps.is_available() else "cpu")
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     ap.add_argument("--repeats", type=int, default=10)
@@ -208,9 +205,7 @@ def main() -> None:
             lines.append(commit_rows(B, H, L, D, causal, dtype, device, args.repeats))
             print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
-    out_dir = pathlib.Path(__file__).parent / "results"
-    out_dir.mkdir(exist_ok=True)
-    (out_dir / f"timing_{device.type}.md").write_text(text)
+    out_dir = harness.write_result(f"timing_{device.type}.md", text).parent
     print(text)
     try:
         import matplotlib

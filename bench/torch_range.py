@@ -10,7 +10,6 @@ or are downloaded by pip once (cached with their extraction).
 """
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 import tempfile
@@ -18,8 +17,8 @@ import time
 import zipfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import macos_cross_build as xb  # noqa: E402
+import harness
+import macos_cross_build as xb
 
 VERSIONS = ["2.10.0", "2.11.0", "2.12.0", "2.13.0"]
 # The Python APIs the package calls that are not old torch staples (grep torch_metal_flash/), each with the
@@ -72,7 +71,7 @@ def _commit() -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--versions", nargs="+", default=VERSIONS)
     opts = parser.parse_args(argv)
     commit = _commit()  # before the builds: what they built
@@ -80,8 +79,7 @@ def main(argv=None) -> int:
     for version in opts.versions:
         rows.append(row(version))
         print(rows[-1], flush=True)
-    out = Path(__file__).resolve().parent / "results" / "torch_range.md"
-    out.write_text("\n".join([
+    out = harness.write_result("torch_range.md", "\n".join([
         "# torch versions `_C` builds against (macOS arm64, cross-compiled)", "",
         f"Command: `python bench/torch_range.py{' --versions ' + ' '.join(opts.versions) if opts.versions != VERSIONS else ''}`"
         f" at commit {commit} (SDK: {xb.sdk_path().name}, target {xb.TARGET}, clang/ld64.lld 19)", "",

@@ -28,22 +28,17 @@ Writes bench/results/varlen.md; ``--json`` prints one JSON object as the last li
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
-import pathlib
-import statistics
-import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout
+import harness
 
-import torch_metal_flash as tmf  # noqa: E402
-from torch_metal_flash import backends, core, emulator  # noqa: E402
+import torch_metal_flash as tmf
+from torch_metal_flash import backends, core, emulator
 
 H, D = 16, 128
 
@@ -83,21 +78,6 @@ def count_host_syncs():
             setattr(torch.Tensor, n, fn)
 
 
-def peak_and_total_alloc(fn) -> tuple[int, int]:
-    """(peak of allocated - freed, sum of all allocations) by torch's CPU allocator during fn()."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    cur = peak = total = 0
-    for e in events:
-        cur += e.nbytes()
-        peak = max(peak, cur)
-        total += max(e.nbytes(), 0)
-    return peak, total
-
-
 def _inputs(lens):
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     q, k, v = (torch.empty(sum(lens), H, D, dtype=torch.float16).requires_grad_() for _ in range(3))
@@ -134,22 +114,13 @@ def packed_step(n_seqs: int, lo: int, hi: int, iters: int, shrink: int) -> dict:
                 with count_host_syncs() as syncs:
                     fn()
                 res[name] = dict(launches=sum(tmf.run_counts(reset=True).values()), syncs=syncs["n"])
-                res[name]["peak"], res[name]["total"] = peak_and_total_alloc(fn)
+                res[name]["peak"], res[name]["total"] = harness.allocations(fn)
             # Host time on the same sequences at 1/shrink of their lengths: the host path depends
             # on the number of sequences, not on their lengths, and at full lengths this CPU would
             # itself do the loop's zero-fills, sums and copies (GPU work on a Mac).
-            steps = _steps([-(-n // shrink) for n in lens])
-            samples = {name: [] for name in steps}
-            for fn in steps.values():
-                fn()
-            for _ in range(7):
-                for name, fn in steps.items():
-                    start = time.perf_counter()
-                    for _ in range(iters):
-                        fn()
-                    samples[name].append((time.perf_counter() - start) / iters * 1e6)
+            us = harness.per_call_us(_steps([-(-n // shrink) for n in lens]), iters, warmup=1)
             for name in res:
-                res[name]["us"] = statistics.median(samples[name])
+                res[name]["us"] = us[name]
             runs = tmf.run_counts(reset=True)
     finally:
         core.use_stub_encoder(False)
@@ -185,7 +156,7 @@ def dropout_memory(lengths) -> list[dict]:
         row = dict(L=L)
         for name, fn in (("p0", ours(0.0)), ("p0.1", ours(0.1)), ("torch_math_p0.1", torch_math)):
             start = time.time()
-            row[name] = peak_and_total_alloc(fn)[0] - results
+            row[name] = harness.allocations(fn)[0] - results
             row[name + "_s"] = time.time() - start
             q.grad = k.grad = v.grad = None
         rows.append(row)
@@ -193,12 +164,10 @@ def dropout_memory(lengths) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__, results=True, json_summary=True)
     ap.add_argument("--quick", action="store_true", help="8 sequences of 16..256, dropout up to L=256")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--shrink", type=int, default=64, help="host time on lengths / SHRINK (default 64)")
-    ap.add_argument("--json", action="store_true", help="print the JSON summary as the last line")
-    ap.add_argument("--results", default=str(ROOT / "bench" / "results"), help="folder of varlen.md")
     args = ap.parse_args()
     n, lo, hi = (8, 16, 256) if args.quick else (32, 64, 2048)
     step = packed_step(n, lo, hi, args.iters, args.shrink)
@@ -212,13 +181,12 @@ def main() -> None:
              f"1/{s['shrink']} of their lengths (the host path depends on the number of sequences, not their "
              "lengths; at full lengths this CPU would itself run the loop's zero-fills, sums and copies, GPU work "
              "on a Mac). Bytes: the full shape.\n",
-             "| path | host µs per fwd+bwd | op calls (fwd+bwd) | host syncs | allocated in total MiB "
-             "| peak beyond inputs MiB |", "|---|---:|---:|---:|---:|---:|"]
+             *harness.table_head("path", "host µs per fwd+bwd", "op calls (fwd+bwd)", "host syncs",
+                                 "allocated in total MiB", "peak beyond inputs MiB", right=(1, 2, 3, 4, 5))]
     for name, label in (("varlen", "`flash_attn_varlen_func` (kernels read cu_seqlens)"),
                         ("loop", "per-sequence loop")):
         r = step[name]
-        lines.append(f"| {label} | {r['us']:.0f} | {r['launches']} | {r['syncs']} | {mib(r['total'])} | "
-                     f"{mib(r['peak'])} |")
+        lines.append(harness.row(label, f"{r['us']:.0f}", r["launches"], r["syncs"], mib(r["total"]), mib(r["peak"])))
     lines += ["", f"Host time: the loop takes {step['loop']['us'] / step['varlen']['us']:.1f}× the varlen call's; "
               f"bytes allocated: {step['loop']['total'] / step['varlen']['total']:.1f}× (the loop's backward "
               "builds a full-size zero gradient per sequence slice and sums them, and its forward copies the "
@@ -226,21 +194,19 @@ def main() -> None:
               "state, dq/dk/dv) and nothing else.", "",
               "## Dropout: extra memory vs L (forward + backward, emulator, B=1, H=2, D=32, bf16, causal)\n",
               "Allocator peak beyond the inputs, minus out/dq/dk/dv.\n",
-              "| L | ours p=0: bytes | ours p=0.1: bytes | p=0.1 / (B·H·L) | torch SDPA MATH p=0.1: bytes "
-              "| MATH / (B·H·L²) |", "|---:|---:|---:|---:|---:|---:|"]
+              *harness.table_head("L", "ours p=0: bytes", "ours p=0.1: bytes", "p=0.1 / (B·H·L)",
+                                  "torch SDPA MATH p=0.1: bytes", "MATH / (B·H·L²)", right=range(6))]
     for r in drop:
         L = r["L"]
         lines.append(f"| {L} | {r['p0']} | {r['p0.1']} | {r['p0.1'] / (2 * L):.1f} | {r['torch_math_p0.1']} "
                      f"({mib(r['torch_math_p0.1'])} MiB) | {r['torch_math_p0.1'] / (2 * L * L):.1f} |")
     table = "\n".join(lines)
     print(table)
-    out_dir = pathlib.Path(args.results)
-    out_dir.mkdir(parents=True, exist_ok=True)
     cmd = "python bench/varlen.py" + (" --quick" if args.quick else "") + f" --iters {args.iters}" + \
         (f" --shrink {args.shrink}" if args.shrink != 64 else "")
-    (out_dir / "varlen.md").write_text(f"# Packed sequences and dropout on the kernels\n\nGenerated by `{cmd}` "
-                                       f"({torch.get_num_threads()} torch thread(s), a shared 2-core machine).\n\n"
-                                       f"{table}\n")
+    harness.write_result("varlen.md", f"# Packed sequences and dropout on the kernels\n\nGenerated by `{cmd}` "
+                                      f"({torch.get_num_threads()} torch thread(s), a shared 2-core machine).\n\n"
+                                      f"{table}\n", args.results)
     if args.json:
         print(json.dumps({"varlen": step["varlen"], "loop": step["loop"], "shape": s, "dropout": drop}))
 

@@ -35,7 +35,6 @@ run with both peers writes bench/results/vs_peers.md (re-written after each prob
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import importlib
@@ -48,18 +47,16 @@ from typing import Callable, Optional
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+import harness
 
-import torch_metal_flash as tmf  # noqa: E402
-from torch_metal_flash import emulator  # noqa: E402
-from torch_metal_flash.planner.forward import BUF_LSE, BUF_PARAMS  # noqa: E402
-from torch_metal_flash.testing import randn  # noqa: E402
+import torch_metal_flash as tmf
+from torch_metal_flash import emulator
+from torch_metal_flash.planner.forward import BUF_LSE, BUF_PARAMS
+from torch_metal_flash.testing import randn
 
-import peer_kernels as pk  # noqa: E402
+import peer_kernels as pk
 
-RESULTS = ROOT / "bench" / "results" / "vs_peers.md"
+RESULTS = harness.RESULTS / "vs_peers.md"
 DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
 BATCH, HEADS = 1, 8
 TENSORS = {0: "Q", 1: "K", 2: "V", 3: "O"}  # every kernel here binds Q, K, V, O at buffers 0-3
@@ -404,7 +401,7 @@ def select(rows_arg: Optional[str], quick: bool) -> list[Problem]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--mlx", type=Path, help="mlx-metal wheel unpacked, or its mlx/include")
     ap.add_argument("--pytorch", type=Path, help="torch macOS wheel unpacked, or its torch/include")
     ap.add_argument("--rows", help="comma-separated problem names (e.g. 1K-d64-causal-f16)")
@@ -415,8 +412,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, help="append each problem's raw counters to this file (JSON lines)")
     ap.add_argument("--render", type=Path, nargs="+", metavar="JSON",
                     help="run nothing: write the report of the problems in these --json files")
-    ap.add_argument("--out", type=Path, help=f"markdown output (default: {RESULTS.relative_to(ROOT)} for a full run "
-                                              "with both peers, none otherwise)")
+    ap.add_argument("--out", type=Path, help=f"markdown output (default: {RESULTS.relative_to(harness.ROOT)} for a "
+                                              "full run with both peers, none otherwise)")
     args = ap.parse_args(argv)
     if args.render:
         return render_saved(args.render, args.out or RESULTS)

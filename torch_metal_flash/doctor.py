@@ -9,7 +9,7 @@ The first command to run after installing, and what to paste into a bug report:
    ``--all-variants`` for every combination), with the limits each reports;
 3. a probe grid -- forward, backward, decode; fp32/fp16/bf16; several head
    dims; masks, GQA, windows, softcap -- run in strict mode and held to the
-   float64 oracle by the acceptance rule (torch_metal_flash/testing.py);
+   float64 oracle by the acceptance rule (torch_metal_flash/testing/oracle.py);
 4. timing of forward, forward+backward and decode against
    ``F.scaled_dot_product_attention``;
 5. a markdown report; the exit status is 1 when anything failed.

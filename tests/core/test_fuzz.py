@@ -1,4 +1,4 @@
-"""Property-based tests: whole problems of every face (tests/support/fuzz_problems.py)
+"""Property-based tests: whole problems of every face (torch_metal_flash/testing/fuzz_problems.py)
 on the kernels (emulator, checked mode, strict) against the float64 oracle under
 the rule of torch_metal_flash.testing, forward and backward, results bit-identical
 across two schedule orders, inputs never modified (but documented in-place caches).
@@ -15,7 +15,7 @@ import time
 import pytest
 from hypothesis import given
 
-from support import fuzz_problems as fp
+from torch_metal_flash.testing import fuzz_problems as fp
 
 pytestmark = pytest.mark.fuzz
 
@@ -45,9 +45,9 @@ def test_face_matches_oracle(face):
     given(fp.problems(face))(prop)()
 
 
-# Minimal cases the fuzzing found about precision at large scores and the float32 rule,
-# fixed by (exact P rebuild from the row max and sum, delta from the float32
-# output, the rule of torch_metal_flash.testing); replayed as regression tests.
+# Minimal cases the fuzzing found at large scores and under the float32 rule, replayed on
+# every run: they pass with P rebuilt exactly from the row max and sum, delta from the
+# float32 output, and the rule of torch_metal_flash.testing.
 ISSUE10_CASES = {
     "backward_f32_single_key_dv_one_ulp": dict(
         dtype="f32", batch=1, hq=1, hkv=1, lq=1, lk=1, d=129, dv=129, decode=False, rank=4, layouts=[fp.FLAT4] * 3,
@@ -83,9 +83,9 @@ def test_issue10_precision_at_large_scores(name):
 
 
 def test_rotary_on_a_bhld_view_of_q_stays_on_the_kernels():
-    """Found by the fuzzing, fixed by 13decode: head dim 2, rotary_dim 2, GPT-NeoX rotary, two
-    query rows, q a view of (B, H, L, D) memory: apply_rotary returned q with a non-contiguous
-    last dim and the decode planner refused it (strict mode raised)."""
+    """A case the fuzzing found: head dim 2, rotary_dim 2, GPT-NeoX rotary, two query rows, q a
+    view of (B, H, L, D) memory.  The rotated q must reach the decode planner with a contiguous
+    last dim, or the planner refuses it (strict mode raises)."""
     import torch
     import torch_metal_flash as tmf
     g = torch.Generator().manual_seed(0)
@@ -98,12 +98,11 @@ def test_rotary_on_a_bhld_view_of_q_stays_on_the_kernels():
                                     cache_seqlens=torch.tensor([3], dtype=torch.int32), rotary_interleaved=False)
 
 
-# Found by the long fuzz profile: a float16 mask broadcasting over
-# every dim (shape (1,)) requiring grad.  Its gradient, exactly 0 (it sums every dS), came out
-# 4.2e-3 (allowed 1.1e-3): the SDPA face expanded the mask before the op, so each element of
-# dbias was rounded to float16 before autograd's expand backward summed them.  The face now
-# passes the mask with its broadcast dims at size 1 and the op reduces in float32
-# (functional.mask_as_4d).  d=520: the reference path; d=256: the kernels.
+# Found by the long fuzz profile: a float16 mask broadcasting over every dim (shape (1,))
+# requiring grad.  Its gradient is exactly 0 (it sums every dS); rounding each element of
+# dbias to float16 before autograd's expand backward sums them puts it 4.2e-3 off (allowed
+# 1.1e-3).  So the SDPA face passes the mask with its broadcast dims at size 1 and the op
+# reduces in float32 (functional.mask_as_4d).  d=520: the reference path; d=256: the kernels.
 BROADCAST_MASK_CASES = {
     f"f16_mask_of_shape_1_d{d}": dict(
         dtype="f16", batch=2, hq=2, hkv=2, lq=1, lk=5, d=d, dv=d, decode=False, rank=4, layouts=[fp.FLAT4] * 3,
@@ -122,12 +121,11 @@ def test_long_profile_rule_gap(name):
     fp.check_problem(dict(fp.RULE_GAP_CASES[name]))
 
 
-# Found by the long profile at 6a6a140 (was in LONG_PROFILE_OPEN: lse 4.97e-05 against an
-# allowed 1.19e-05, 4.2x).  Not a kernel bug: the oracle rotated q exactly (in float64) while
-# flash-attn's semantics, documented in docs/kvcache.md and followed by the append kernel,
-# store the rotated q and k in their dtype (computed in float32, rounded once to float16).
-# Rounding the rotated q to float16 moves this lse by 4.97e-05: the whole "error".
-# kvcache_oracle.rotate now rounds as documented: error 5.3e-08, allowed 8.9e-05.
+# Found by the long profile.  flash-attn's semantics, documented in docs/kvcache.md and
+# followed by the append kernel, store the rotated q and k in their dtype (computed in
+# float32, rounded once to float16); rounding the rotated q to float16 moves this lse by
+# 4.97e-05, 4.2x what the rule allows against an oracle that rotates q exactly in float64.
+# So kvcache_oracle.rotate rounds as documented: error 5.3e-08, allowed 8.9e-05.
 KVCACHE_ROTARY_CASES = {
     "kvcache_f16_rotary_window_lse": dict(
         dtype="f16", batch=1, hq=1, hkv=1, lq=1, lk=0, d=8, dv=8, decode=False, capacity=8, seqlens=[6], new=2,

@@ -1,4 +1,4 @@
-"""bench/overhead.py runs the C++ op core's host path and reports the JSON the issue asks for."""
+"""bench/overhead.py runs the C++ op core's host path and reports its JSON summary (the overhead ratios)."""
 import json
 import subprocess
 import sys

@@ -107,9 +107,9 @@ def test_backend_context_does_not_leak_across_threads(monkeypatch):
 
 
 def test_two_loads_of_one_library_share_its_function_constant_lock():
-    """Regression (found by the test above): two _Build objects of one shared object (two threads
-    building at once, or a reload after a cache eviction) had separate locks around the library's
-    function-constant globals, so concurrent launches could run with each other's constants."""
+    """Two _Build objects of one shared object (two threads building at once, or a reload after a
+    cache eviction) must share the lock around the library's function-constant globals: with
+    separate locks, concurrent launches could run with each other's constants."""
     emulator.library._build_cache.clear()
     lib = emulator.compile_shader(emulator.library.Path(__file__).parents[1] / "emulator" / "kernels" / "checks.metal")
     first = lib._build(checked=True)

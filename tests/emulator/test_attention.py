@@ -1,5 +1,5 @@
 """A small tiled attention kernel (kernels/attention.metal) in all three schedule
-orders, against a float64 reference (the acceptance rule of torch_metal_flash/testing.py)."""
+orders, against a float64 reference (the acceptance rule of torch_metal_flash/testing/oracle.py)."""
 from __future__ import annotations
 
 import ctypes

@@ -57,7 +57,7 @@ def test_constants_are_launch_time_values_as_call_arguments():
                                  "if constexpr (flag) return 2.0f * x; else return x;"])
 def test_constants_in_constant_expressions_are_rejected(use):
     # Metal specialises function constants when the pipeline is created: C++
-    # constant expressions cannot see them (the emulator used to rebuild per value).
+    # constant expressions cannot see them (and the emulator builds a kernel once, not per value).
     src = """
     #include <metal_stdlib>
     using namespace metal;

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from support.host_syncs import host_syncs_raise
-from support.kvcache_cases import check_against_oracle, check_call, make_case, rotated_rows_exact
+from torch_metal_flash.testing.kvcache_cases import check_against_oracle, check_call, make_case, rotated_rows_exact
 from torch_metal_flash import backends, core, emulator
 from torch_metal_flash.backends.emulator import EmulatorBackend
 from torch_metal_flash.faces.kvcache import apply_rotary, flash_attn_with_kvcache
@@ -239,13 +239,14 @@ def test_debug_mode_reports_out_of_range_indices(name, exc, match, monkeypatch):
 
 
 # ---------------------------------------------------------------------------
-# Regressions
+# A q view that the rotary leaves non-contiguous
 # ---------------------------------------------------------------------------
 
 def test_rotary_head_dim_2_non_interleaved_q_as_bhld_view_runs_on_the_kernels():
     """Head dim 2, rotary_dim 2, GPT-NeoX rotary, several query rows and q a
-    (B, H, L, D)-memory view: the rotated q used to come back with a
-    non-contiguous last dim (strides (16, 1, 8, 4)) and the call fell back."""
+    (B, H, L, D)-memory view: rotating such a view can give a non-contiguous last
+    dim (strides (16, 1, 8, 4)), which the kernels do not take; the call must still
+    run on them."""
     kw = make_case(seed=81, dtype="f32", B=2, Lq=3, Hq=4, Hkv=2, D=2, cap=10, lnew=3, rotary=(2, False),
                    causal=True)
     kw["q"] = kw["q"].transpose(1, 2).contiguous().transpose(1, 2)  # (B, L, H, D) view of (B, H, L, D) memory

@@ -4,7 +4,7 @@ One launch per kernel covers every sequence; the kernels read the boundaries on 
 GPU.  Each case runs forward and backward through the ops in the emulator, in checked
 mode and two schedule orders (bit-identical results), and every sequence is checked
 against its own float64 oracle call with the rule of ``torch_metal_flash.testing``
-(tests/support/varlen_cases.py).  Then the faces (flash-attn's varlen functions and their
+(torch_metal_flash/testing/varlen_cases.py).  Then the faces (flash-attn's varlen functions and their
 packed variants, differentiable, against per-sequence calls), no host synchronisation
 on the varlen path, ``torch.compile(fullgraph=True)`` of a packed training step, and
 transformers' packed-sequence path.
@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from support import varlen_cases as vc
+from torch_metal_flash.testing import varlen_cases as vc
 import torch_metal_flash as tmf
 from torch_metal_flash import backends, emulator
 from support.host_syncs import host_syncs_raise
@@ -219,8 +219,8 @@ def test_paged_shared_blocks_sum_deterministically(page):
 
 def test_quantized_and_mixed_precision_kv_are_converted():
     """Quantized or fp16 K/V under fp32 q (inference caches) run the varlen kernels on K/V
-    converted to q's dtype: the same result as passing the converted K/V (a regression: a
-    quantized cache once took the padded quantized op and attended across sequences)."""
+    converted to q's dtype: the same result as passing the converted K/V (the padded quantized
+    op, which knows no sequence boundaries, would attend across sequences)."""
     g = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(23, 2, 64, generator=g) for _ in range(3))
     cu = torch.tensor([0, 4, 4, 23], dtype=torch.int32)

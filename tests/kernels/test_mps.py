@@ -6,7 +6,7 @@ tests cover the same kernels there).  Every call runs in strict mode
 (``backend("metal", strict=True)``) so that a silent fallback to the reference
 path fails the test instead of passing it.
 
-Acceptance rule (torch_metal_flash/testing.py, in short): ``max|out - ref64| <= 2 * max|lowp - ref64|
+Acceptance rule (torch_metal_flash/testing/oracle.py, in short): ``max|out - ref64| <= 2 * max|lowp - ref64|
 + atol``, where ``ref64`` is plain PyTorch math in float64 on the CPU and
 ``lowp`` the same plain math in the inputs' dtype, computed by
 ``torch_metal_flash.testing.plain_attention`` (the same numbers on every

@@ -1,9 +1,8 @@
 """Precision of the kernels at their edges, and the acceptance rule itself.
 
-* The issue's minimal cases, as named regression tests (emulator backend,
-  strict: a fallback fails the test): P rebuilt exactly at large float32
-  scores, delta from the unrounded output for fp16/bf16, the decode kernels at
-  large scores.
+* Minimal cases at the precision edges (emulator backend, strict: a fallback
+  fails the test): P rebuilt exactly at large float32 scores, delta from the
+  unrounded output for fp16/bf16, the decode kernels at large scores.
 * float32 gradients at score magnitudes up to 30 (a sweep).
 * The rule of ``torch_metal_flash.testing``: its float64 oracle agrees with
   torch's autograd, small planted defects fail it, and the budget is the same
@@ -27,8 +26,8 @@ from torch_metal_flash.problem.spec import make_spec
 from torch_metal_flash.testing import (Arith, assert_matches_oracle, backward_reference, check_backward,
                                        grad_errors, plain_attention, randn)
 
-from support.kvcache_cases import check_against_oracle
-from support.precision_cases import DEFECT_CASES, SWEEP_SHAPES, kernel_grads, sweep_case
+from torch_metal_flash.testing.kvcache_cases import check_against_oracle
+from torch_metal_flash.testing.precision_cases import DEFECT_CASES, SWEEP_SHAPES, kernel_grads, sweep_case
 
 
 def _leaves(*tensors):
@@ -44,12 +43,12 @@ def _face_grads(fn, leaves, dout):
 
 
 # ---------------------------------------------------------------------------
-# The issue's minimal cases.
+# Minimal cases at the precision edges.
 # ---------------------------------------------------------------------------
 def test_issue10_one_key_float32_large_scores_rebuilds_p_exactly():
     """SDPA, fp32, B = H = 1, D = 8, Lq = Lk = 1, scale 1, q and k ~ 4 N(0, 1):
-    P is exactly 1, so out = v and dv = dO exactly (it was off by 1.6e-5 when P
-    was recomputed as exp(s - lse) from a float32 lse)."""
+    P is exactly 1, so out = v and dv = dO exactly (P recomputed as exp(s - lse)
+    from a float32 lse would put them 1.6e-5 off)."""
     g = torch.Generator().manual_seed(10)
     q, k = 4 * randn(1, 1, 1, 8, generator=g), 4 * randn(1, 1, 1, 8, generator=g)
     v, dout = randn(1, 1, 1, 8, generator=g), randn(1, 1, 1, 8, generator=g)
@@ -64,9 +63,9 @@ def test_issue10_one_key_float32_large_scores_rebuilds_p_exactly():
 @pytest.mark.parametrize("mask_shape", [(1, 1), (1, 1, 1, 1)])
 def test_issue10_key_broadcast_mask_gradient_is_zero_bf16(mask_shape):
     """SDPA, bf16, B = H = 1, D = 8, Lq = 1, Lk = 2, a float mask broadcast over
-    the keys: its gradient sum_j dS_ij is exactly 0.  With delta computed from
-    the bf16-rounded output it came out as 0.0156; from the forward's float32
-    output it is float32 rounding."""
+    the keys: its gradient sum_j dS_ij is exactly 0.  Delta computed from the
+    bf16-rounded output would make it 0.0156; from the forward's float32 output
+    only float32 rounding remains."""
     g = torch.Generator().manual_seed(11)
     q, k, v = (randn(1, 1, n, 8, generator=g).to(torch.bfloat16) for n in (1, 2, 2))
     mask = randn(*mask_shape, generator=g).to(torch.bfloat16)
@@ -85,7 +84,8 @@ def test_issue10_key_broadcast_mask_gradient_is_zero_bf16(mask_shape):
 
 
 def test_issue10_flash_attn_func_bf16_one_query_two_keys():
-    """flash_attn_func, bf16, Lq = 1, Lk = 2: dk was 5.9e-3 off (allowed 1.1e-3)."""
+    """flash_attn_func, bf16, Lq = 1, Lk = 2: with one query row and two keys no error
+    averages out (a dk 5.9e-3 off, against 1.1e-3 allowed, fails here)."""
     g = torch.Generator().manual_seed(12)
     q, k, v = (randn(1, n, 1, 8, generator=g).to(torch.bfloat16) for n in (1, 2, 2))
     dout = randn(1, 1, 1, 8, generator=g).to(torch.bfloat16)
@@ -98,7 +98,8 @@ def test_issue10_flash_attn_func_bf16_one_query_two_keys():
 @pytest.mark.parametrize("splits", [1, 3])
 def test_issue10_kvcache_float32_large_scores(splits):
     """flash_attn_with_kvcache, fp32, scores ~ 100 (|lse| ~ 120), single pass and
-    split-K + combine: out and lse within the rule (they were 1.5x / 1.1x over)."""
+    split-K + combine: out and lse within the rule, where a P rebuilt less exactly
+    puts them 1.5x / 1.1x over."""
     g = torch.Generator().manual_seed(13)
     B, Lq, Hq, Hkv, D, L = 2, 1, 4, 2, 64, 300
     kw = dict(q=8 * randn(B, Lq, Hq, D, generator=g), k_cache=4 * randn(B, L, Hkv, D, generator=g),
@@ -117,8 +118,8 @@ def test_issue10_kvcache_float32_large_scores(splits):
 def test_float32_gradients_at_large_scores(shape, target):
     """Forward and backward kernels of one problem (fast emulator mode: the
     checked runs are elsewhere) within the rule at max |score| = target."""
-    from support import forward_cases as fc
-    from support import backward_cases as bk
+    from torch_metal_flash.testing import forward_cases as fc
+    from torch_metal_flash.testing import backward_cases as bk
     from torch_metal_flash.testing import check_forward
 
     spec, dout, dlse = sweep_case(shape, target, seed=target)
@@ -208,7 +209,7 @@ def test_oracle_gradients_match_autograd():
 _DIGEST = r"""
 import hashlib, json, sys, torch
 sys.path.insert(0, sys.argv[1])
-from support import forward_cases as fc
+from torch_metal_flash.testing import forward_cases as fc
 from torch_metal_flash.testing import backward_reference, randn
 out = {}
 for c in (dict(dtype="f32", d=40, lq=9, lk=23, masking="causal_br", hq=4, hkv=2, feature="all", layout="blhd"),

@@ -7,7 +7,7 @@ float16 / bfloat16 under a float32 query: ``flash_attn_with_kvcache`` (contiguou
 paged caches, the new rows quantized by the append kernel), ``flash_attn_func``,
 ``scaled_dot_product_attention`` and the op with sinks.  Accuracy is judged against
 the float64 oracle on the *dequantized* K/V (what the kernels must compute), with the
-acceptance-rule budget (torch_metal_flash/testing.py) of the same math in the query's dtype on those tensors; the
+acceptance-rule budget (torch_metal_flash/testing/oracle.py) of the same math in the query's dtype on those tensors; the
 quantization error itself is bench/decode_bytes.py's to report.  These tests need the
 emulator: they fail (not skip) when its compiler is missing.
 """
@@ -21,7 +21,7 @@ import torch
 import torch_metal_flash as tmf
 
 from support.host_syncs import host_syncs_raise
-from support.kvcache_cases import check_against_oracle, make_case
+from torch_metal_flash.testing.kvcache_cases import check_against_oracle, make_case
 from torch_metal_flash import backends, emulator, testing
 from torch_metal_flash.backends.emulator import EmulatorBackend
 from torch_metal_flash.faces.kvcache import flash_attn_with_kvcache

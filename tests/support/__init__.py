@@ -1,3 +1,4 @@
-"""Helpers the tests share: case matrices, problem builders and the independent float64 oracles.
+"""Test-only helpers (``host_syncs``); the case matrices and oracles that the benches share
+live in torch_metal_flash.testing.
 
-Imported as ``from support import forward_cases`` (tests/conftest.py puts tests/ on sys.path)."""
+Imported as ``from support import host_syncs`` (tests/conftest.py puts tests/ on sys.path)."""

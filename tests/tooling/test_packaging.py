@@ -75,8 +75,8 @@ def test_sdist_and_wheel_build_with_default_isolation(built):
 
 def test_installed_wheel_runs_the_demo_in_the_emulator(built, tmp_path):
     """The installed layout (csrc/ ships as _csrc/) through the emulator's checks, outside the checkout: the
-    shim's own code must stay exempt from the rules for user code (a function pointer in the shim once
-    failed every kernel compile of an installed package, while the checkout's tests passed)."""
+    shim's own code must stay exempt from the rules for user code (a function pointer in the shim, judged
+    as user code, fails every kernel compile of an installed package while the checkout's tests pass)."""
     site = tmp_path / "site"
     zipfile.ZipFile(built[1]).extractall(site)  # a pure-Python wheel: unpacking it is installing it
     env = dict(os.environ, PYTHONPATH=str(site), TORCH_METAL_FLASH_CACHE_DIR=str(tmp_path / "cache"))

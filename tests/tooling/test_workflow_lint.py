@@ -32,7 +32,7 @@ def test_workflow_passes_actionlint(workflow):
 
 
 def test_actionlint_flags_a_node20_action(tmp_path):
-    """The check the Mac workflows once failed: an action on the retired node20 runtime."""
+    """An action on the retired node20 runtime, which GitHub's Mac runners no longer run, is flagged."""
     workflow = tmp_path / "old.yml"
     workflow.write_text("on: push\njobs:\n  j:\n    runs-on: macos-15\n    steps:\n      - uses: actions/checkout@v4\n")
     result = subprocess.run([_actionlint(), "-no-color", str(workflow)], capture_output=True, text=True)

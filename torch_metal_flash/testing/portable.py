@@ -1,11 +1,11 @@
-"""``torch.randn_like`` and ``Tensor.normal_`` drawing through torch_metal_flash.testing.randn,
+"""``torch.randn_like`` and ``Tensor.normal_`` drawing through oracle.randn,
 whose bits do not depend on the CPU (tests/conftest.py installs them for every test; benches
 that rebuild a test's inputs install them too)."""
 from __future__ import annotations
 
 import torch
 
-from torch_metal_flash.testing import randn
+from .oracle import randn
 
 
 def randn_like(t, *, generator=None, dtype=None, device=None, requires_grad=False, **_):

@@ -36,13 +36,17 @@ import torch
 import torch.nn.functional as F
 from hypothesis import strategies as st
 
-import torch_metal_flash as tmf
-from torch_metal_flash import backends, emulator, testing
+from torch_metal_flash import backends, emulator
+from torch_metal_flash import nn as tmf_nn
+from torch_metal_flash.faces.functional import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
+                                                flash_attn_varlen_func, scaled_dot_product_attention)
+from torch_metal_flash.faces.kvcache import flash_attn_with_kvcache
+from torch_metal_flash.faces.sdpa_override import sdpa_override, sdpa_stats
 from torch_metal_flash.problem import philox
-from torch_metal_flash.problem.quant import QuantizedTensor, flat_format
+from torch_metal_flash.problem.quant import QuantizedTensor, flat_format, quantize
 from torch_metal_flash.problem.spec import make_spec
 
-from support import kvcache_oracle
+from . import kvcache_oracle, oracle
 
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "f64": torch.float64}
 KERNEL_DTYPES = ("f32", "f16", "bf16")
@@ -167,7 +171,7 @@ def kv_storage(p: dict, values: torch.Tensor, layout: dict):
     stored = strided(values, layout, DTYPES[kv["dtype"]])
     if "bits" not in kv:
         return stored
-    return tmf.quantize(stored, bits=kv["bits"], group_size=kv["group_size"], mode=kv["mode"])
+    return quantize(stored, bits=kv["bits"], group_size=kv["group_size"], mode=kv["mode"])
 
 
 def randn(gen: torch.Generator, *shape) -> torch.Tensor:
@@ -236,7 +240,7 @@ def dropout_keep(p: dict, B: int, Hq: int, Lq: int, Lk: int, batch_entry: int = 
     return philox.keep_mask(state, drop_p, bh, torch.arange(Lq)[:, None], torch.arange(Lk)), drop_p
 
 
-# the spec testing.plain_attention reads dropout's p from (the mask comes as ``keep``)
+# the spec oracle.plain_attention reads dropout's p from (the mask comes as ``keep``)
 _NO_RNG = torch.zeros(2, dtype=torch.int64)
 
 
@@ -292,7 +296,7 @@ def _dense(q, k, v, scale, softcap, alibi, bias, visible, sinks, dropout=None):
 
 # The rule of torch_metal_flash.testing: |y - ref64| <= 2 max|plain_T - ref64| + 4 u M + u_T |ref64|.
 # ref64 is the face's math above in float64.  plain_T (the plain math in the inputs' dtype T,
-# the same on every machine) and the magnitudes M come from testing.plain_attention, handed
+# the same on every machine) and the magnitudes M come from oracle.plain_attention, handed
 # each dense problem exactly as the face's math states it (ALiBi as slopes, rounded as the
 # stated operations round; visibility and bias as one mask); the face's own layout maps
 # carry the results back and, through autograd, the
@@ -322,7 +326,7 @@ class _HandOver(torch.autograd.Function):
         ctx.magnitudes = magnitudes
         ctx.dbias = bias is not None and ctx.needs_input_grad[8]
         ctx.set_materialize_grads(True)
-        res = testing.plain_attention(ctx.spec, ctx.dtype, exact=magnitudes, keep=ctx.keep)
+        res = oracle.plain_attention(ctx.spec, ctx.dtype, exact=magnitudes, keep=ctx.keep)
         if magnitudes:
             # The hand-over states the face's problem: in float64 it gives the oracle's numbers.
             exact = _dense(q, k, v, scale, softcap, alibi, bias, visible, sinks, dropout)
@@ -335,7 +339,7 @@ class _HandOver(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        res = testing.plain_attention(ctx.spec, ctx.dtype, dout=dout.detach(), compute_dbias=ctx.dbias,
+        res = oracle.plain_attention(ctx.spec, ctx.dtype, dout=dout.detach(), compute_dbias=ctx.dbias,
                                       exact=ctx.magnitudes, keep=ctx.keep)
         g = res.magnitude if ctx.magnitudes else vars(res)
         return (None, None, None, None, None, g["dq"], g["dk"], g["dv"], g["dbias"] if ctx.dbias else None, None,
@@ -434,7 +438,7 @@ def _build_sdpa(p, gen):
 
 
 def _call_sdpa(p, x):
-    out = tmf.scaled_dot_product_attention(x["q"], x["k"], x["v"], attn_mask=x.get("attn_mask"),
+    out = scaled_dot_product_attention(x["q"], x["k"], x["v"], attn_mask=x.get("attn_mask"),
                                            dropout_p=p.get("dropout_p", 0.0), is_causal=p["causal"],
                                            scale=p["scale"], enable_gqa=p["hq"] != p["hkv"])
     return out, None
@@ -449,14 +453,14 @@ def _override_serves(p) -> bool:
 
 
 def _call_override(p, x):
-    before = tmf.sdpa_stats().get("routed", 0)
-    with tmf.sdpa_override():
+    before = sdpa_stats().get("routed", 0)
+    with sdpa_override():
         out = F.scaled_dot_product_attention(x["q"], x["k"], x["v"], attn_mask=x.get("attn_mask"),
                                              dropout_p=p.get("dropout_p", 0.0), is_causal=p["causal"],
                                              scale=p["scale"], enable_gqa=p["hq"] != p["hkv"])
-    routed = tmf.sdpa_stats().get("routed", 0) - before
+    routed = sdpa_stats().get("routed", 0) - before
     if backends.requested() == "emulator":
-        assert routed == 1, f"the override did not route the call: {tmf.sdpa_stats()}"
+        assert routed == 1, f"the override did not route the call: {sdpa_stats()}"
     return out, None
 
 
@@ -553,10 +557,10 @@ def _unpack_lse(res, p):
 def _call_flash(p, x):
     kw = _flash_kwargs(p, x)
     if p["packing"] == "qkv":
-        return _unpack_lse(tmf.flash_attn_qkvpacked_func(x["qkv"], **kw), p)
+        return _unpack_lse(flash_attn_qkvpacked_func(x["qkv"], **kw), p)
     if p["packing"] == "kv":
-        return _unpack_lse(tmf.flash_attn_kvpacked_func(x["q"], x["kv"], **kw), p)
-    return _unpack_lse(tmf.flash_attn_func(x["q"], x["k"], x["v"], **kw), p)
+        return _unpack_lse(flash_attn_kvpacked_func(x["q"], x["kv"], **kw), p)
+    return _unpack_lse(flash_attn_func(x["q"], x["k"], x["v"], **kw), p)
 
 
 def _flash_math_one(p, q, k, v, slopes, seqlen_k_clamp, batch_entry=0):
@@ -614,7 +618,7 @@ def _build_varlen(p, gen):
 
 def _call_varlen(p, x):
     mq, mk = max(p["lens_q"], default=0), max(p["lens_k"], default=0)
-    res = tmf.flash_attn_varlen_func(x["q"], x["k"], x["v"], _cu(p["lens_q"]), _cu(p["lens_k"]), mq, mk,
+    res = flash_attn_varlen_func(x["q"], x["k"], x["v"], _cu(p["lens_q"]), _cu(p["lens_k"]), mq, mk,
                                      **_flash_kwargs(p, x))
     return _unpack_lse(res, p)
 
@@ -722,7 +726,7 @@ def _draw_kvcache(draw):
     p["softcap"] = draw(st.sampled_from((0.0, 0.0, 5.0)))
     p["alibi"] = draw(st.sampled_from(("none", "none", "h", "bh")))
     p["scale"] = None
-    p["q_layout"] = draw_layout(draw, 4)  # any memory order, rotary too (the strides bug is fixed)
+    p["q_layout"] = draw_layout(draw, 4)  # any memory order, rotary too (a rotated view must keep working)
     p["rotary"] = draw(st.sampled_from((None, None, "interleaved", "neox"))) if p["new"] and p["d"] >= 2 else None
     if p["rotary"]:
         p["rotary_dim"] = 2 * draw(st.integers(1, p["d"] // 2))
@@ -774,7 +778,7 @@ def _cache_storage(p: dict, values: torch.Tensor):
     stored = values.to(DTYPES[kv["dtype"]])
     if "bits" not in kv:
         return stored
-    return tmf.quantize(stored, bits=kv["bits"], group_size=kv["group_size"], mode=kv["mode"])
+    return quantize(stored, bits=kv["bits"], group_size=kv["group_size"], mode=kv["mode"])
 
 
 _KV_ARGS = ("k", "v", "cache_seqlens", "cache_batch_idx", "cache_leftpad", "block_table", "alibi_slopes",
@@ -790,7 +794,7 @@ def _kv_kwargs(p, x):
 
 def _call_kvcache(p, x):
     kw = _kv_kwargs(p, x)
-    return tmf.flash_attn_with_kvcache(x["q"], x["k_cache"], x["v_cache"], causal=p["causal"],
+    return flash_attn_with_kvcache(x["q"], x["k_cache"], x["v_cache"], causal=p["causal"],
                                        window_size=p["window"], softcap=p["softcap"], num_splits=p["num_splits"],
                                        return_softmax_lse=True, **kw)
 
@@ -868,7 +872,7 @@ def _mha_module(p, dtype, ours: bool):
         for w in mod.parameters():
             w.copy_(w.to(p_dtype(p)))
     mod = mod.to(dtype)
-    return tmf.nn.swap_attention(mod) if ours else mod
+    return tmf_nn.swap_attention(mod) if ours else mod
 
 
 def _mha_kwargs(x):
@@ -877,7 +881,7 @@ def _mha_kwargs(x):
 
 def _call_mha(p, x):
     mod = _mha_module(p, x["query"].dtype, ours=True)
-    assert isinstance(mod, tmf.nn.MultiheadAttention)
+    assert isinstance(mod, tmf_nn.MultiheadAttention)
     return mod(x["query"], x["key"], x["value"], **_mha_kwargs(x))[0], None
 
 
@@ -888,7 +892,7 @@ def _math_mha(p, x):
 
 class _Linear(torch.autograd.Function):
     """``x @ W^T + b`` for the module's budget.  mode ("plain", T): rounded as plain math in T
-    (testing.Arith), forward and input gradient; ("magnitude", None): the magnitudes of the
+    (oracle.Arith), forward and input gradient; ("magnitude", None): the magnitudes of the
     terms of the last reductions, the attention's magnitudes carried through, ``M_x |W|^T +
     |b|`` for the module's output (``last``) and ``M_dy |W|`` for the inputs' gradients (the
     other way round the float64 value flows, which the attention's magnitudes need);
@@ -900,7 +904,7 @@ class _Linear(torch.autograd.Function):
     def forward(ctx, mode, last, x, W, b):
         ctx.mode, ctx.last, ctx.W = mode, last, W
         if mode[0] == "plain":
-            A = testing.Arith(mode[1], exact=False)
+            A = oracle.Arith(mode[1], exact=False)
             return A.r(A.mm(x, W.T) + b)
         if mode[0] == "magnitude" and last:
             return x.abs() @ W.abs().T + b.abs()
@@ -911,7 +915,7 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         if ctx.mode[0] == "plain":
-            A = testing.Arith(ctx.mode[1], exact=False)
+            A = oracle.Arith(ctx.mode[1], exact=False)
             return None, None, A.r(A.mm(dy, ctx.W)), None, None
         if ctx.mode[0] in ("magnitude", "rounded") and not ctx.last:
             return None, None, dy.abs() @ ctx.W.abs(), None, None
@@ -1093,7 +1097,7 @@ def assert_rule(name: str, kind: str, got, ref64, plain, magnitude, dtype, nan_s
     magnitude = magnitude.detach().to(torch.float64).expand(ref64.shape)
     try:
         rounded = None if rounded is None else rounded.detach().to(torch.float64).expand(ref64.shape)[consider]
-        err, allowed = testing.error_budget(kind, got[consider], ref64[consider], plain[consider],
+        err, allowed = oracle.error_budget(kind, got[consider], ref64[consider], plain[consider],
                                             magnitude[consider], dtype, rounded)
     except AssertionError as e:  # a non-finite mismatch
         raise AssertionError(f"{name}: {e}") from None
@@ -1135,7 +1139,7 @@ def _budget_kvcache(p, inputs) -> dict:
 
 @contextlib.contextmanager
 def kernels(order: str, strict: bool, seed: int = 0):
-    with tmf.backend("emulator", strict=strict), emulator.settings(order=order, checked=True, seed=seed):
+    with backends.backend("emulator", strict=strict), emulator.settings(order=order, checked=True, seed=seed):
         yield
 
 
@@ -1193,7 +1197,7 @@ def _check(face: Face, p: dict, inputs: dict, grads) -> None:
     results = []
     for order in p["orders"]:
         with kernels(order, strict=on_kernels, seed=p["seed"]), warnings.catch_warnings():
-            warnings.simplefilter("ignore", tmf.FallbackWarning)
+            warnings.simplefilter("ignore", backends.FallbackWarning)
             results.append(_run(face, p, inputs, grads, dout_seed))
         for n, t in inputs.items():  # the caller's tensors are never modified
             assert _same(t, snapshot[n]), f"input {n} was modified"
@@ -1232,7 +1236,7 @@ def _check_caches(face: Face, p, inputs, x_used) -> None:
     Quantized caches: the codes the reference path stores (tmf.quantize of the same rows;
     rotated rows within one code step)."""
     if _quantized(p):
-        with tmf.backend("reference"), warnings.catch_warnings():
+        with backends.backend("reference"), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             theirs = _run(face, p, inputs, [], 0)[3]
         for n in face.mutated:
@@ -1261,7 +1265,7 @@ def _check_falls_back(face: Face, p, inputs, grads) -> None:
     with kernels("forward", strict=True):
         try:
             _run(face, p, inputs, grads, 0)
-        except tmf.UnsupportedError:
+        except backends.UnsupportedError:
             return
     assert _empty(p), "a configuration outside the support matrix ran without the fallback policy"
 
@@ -1284,17 +1288,18 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 FLAT4 = {"order": [0, 1, 2, 3], "pad": [0, 0, 0, 0], "offset": 0}
 FLAT5 = {"order": [0, 1, 2, 3, 4], "pad": [0, 0, 0, 0, 0], "offset": 0}
 
-# Found by the long profile at 6a6a140 (bench/results/fuzz.md): precision misses that were
-# gaps in the rule's error model, not in the code (torch_metal_flash.testing, the floor):
-# - out 26x over: scores ~1300 carry ~1 float32 ulp (1.2e-4) of rounding that exp turns
-#   into a relative error of P; the kernels and plain float32 both make it, plain float32
-#   rounded the two top scores alike by luck.  The floor now holds the scores' rounding.
-# - dv 1.08x over, float64 on the reference path: the float64 oracle is itself 2 ulps off
-#   the exact dV there, and plain float64 equals it bit for bit.  The floor now holds the
-#   oracle's own rounding.
-# - dquery 1.04x over, nn.MultiheadAttention in float16: the module rounds the attention's
-#   dq to float16 before dquery = dq W (so does torch's); 1.3 ulps where the final-rounding
-#   term allowed one.  The rule now carries a composite's rounded intermediates.
+# Found by the long profile (bench/results/fuzz.md): problems that a rule without these
+# terms fails although the code is right, each the reason for a term of the floor
+# (torch_metal_flash.testing):
+# - out 26x over without the scores' rounding: scores ~1300 carry ~1 float32 ulp (1.2e-4)
+#   of rounding that exp turns into a relative error of P; the kernels and plain float32
+#   both make it, plain float32 rounds the two top scores alike by luck.
+# - dv 1.08x over without the oracle's own rounding, float64 on the reference path: the
+#   float64 oracle is itself 2 ulps off the exact dV there, and plain float64 equals it bit
+#   for bit.
+# - dquery 1.04x over without a composite's rounded intermediates, nn.MultiheadAttention in
+#   float16: the module rounds the attention's dq to float16 before dquery = dq W (so does
+#   torch's); 1.3 ulps where the final-rounding term allows one.
 RULE_GAP_CASES = {
     "kvpacked_f32_decode_route_big_scores_out": dict(
         dtype="f32", batch=1, hq=1, hkv=1, lq=1, lk=256, d=14, dv=14, decode=True, packing="kv",
@@ -1305,8 +1310,8 @@ RULE_GAP_CASES = {
         dtype="f64", batch=1, hq=2, hkv=2, lq=2, lk=2, d=8, dv=8, decode=False, rank=4, layouts=[FLAT4] * 3,
         causal=False, mask=None, scale=None, extreme="none", kv=None, face="sdpa", seed=1,
         orders=("forward", "reverse")),
-    # sdpa_override, scale 1.0 with D = 64 (|s| up to 26): out 1.24x over before the score term,
-    # 0.10x after; the same score rounding at a smaller size (bench/score_rounding.py: the
+    # sdpa_override, scale 1.0 with D = 64 (|s| up to 26): out 1.24x over without the score
+    # term, 0.10x with it; the same score rounding at a smaller size (bench/score_rounding.py: the
     # kernels' error is the median of random float32 summation orders; the decode kernel,
     # forward only, gives the same out bit for bit).
     "override_f32_decode_route_out": dict(

@@ -1,7 +1,7 @@
 """Backward-kernel cases for the tests and the benches: the forward state a backward starts
 from, one backward launch in the emulator (``run_backward``), a case checked against the
 float64 oracle in two schedule orders (``run_and_check``), and fixed-seed samples of the
-forward matrix (support/forward_cases.py) with GQA ratios and dlse."""
+forward matrix (forward_cases.py) with GQA ratios and dlse."""
 from __future__ import annotations
 
 import random
@@ -10,12 +10,12 @@ from typing import Optional
 
 import torch
 
-from support import forward_cases as fc
 from torch_metal_flash._paths import shaders_dir
 from torch_metal_flash.problem.layout import empty_in_layout
 from torch_metal_flash.planner.plan import Plan
 from torch_metal_flash.problem.spec import AttentionSpec
-from torch_metal_flash.testing import check_backward, randn
+from . import forward_cases as fc
+from .oracle import check_backward, randn
 
 ORDER_PAIRS = (("forward", "reverse"), ("reverse", "random"), ("random", "forward"))
 DTYPES = fc.DTYPES

@@ -16,10 +16,10 @@ passes when, for every element::
   after the other in float32.  It is *not* torch's own low-precision math: that
   runs through the machine's BLAS (MKL, OpenBLAS, Accelerate, oneDNN) and
   vectorised exp/tanh, whose rounding depends on the CPU model, its vector
-  instructions and the thread count.  That is why CI once failed where the
-  developer's machine passed: for the same inputs, float32 ``dv`` was allowed
-  2.875e-06 on one machine and 1.911e-06 on the other (MKL's code path;
-  ``MKL_CBWR=COMPATIBLE`` reproduces CI's number).
+  instructions and the thread count: with it, a verdict would depend on the
+  machine (for the same inputs, float32 ``dv`` would be allowed 2.875e-06 on one
+  machine and 1.911e-06 on another, by MKL's code path, which
+  ``MKL_CBWR=COMPATIBLE`` changes).
 * ``4 * u * M``: the floor of a stated error model.  ``plain_T`` follows one
   order of operations and is sometimes exact by luck where a kernel, summing in
   another order, is not (one visible key: ``dP - delta`` is exactly 0 in
@@ -70,8 +70,8 @@ passes when, for every element::
   profile's ``mha_f16_dquery``: dquery 1.3 float16 ulps off, plain_T 0.3).  Such
   faces add those carried magnitudes to ``|ref64|`` (``rounded``).
 
-Why not "2 x the same-dtype baseline + atol" for float32 (the issue's 1e-5,
-this module's former 1e-6): an absolute atol does not scale with the values --
+Why not "2 x the same-dtype baseline + atol" for float32 (an atol of 1e-5 or
+1e-6, say): an absolute atol does not scale with the values --
 it is less than one ulp of |dk| = 142, reached at large scores, and would hide
 a 1e-4 relative error in a gradient of size 0.1 -- and the baseline alone is
 sometimes exact by luck.  The rule above has no absolute constant.
@@ -96,8 +96,8 @@ from typing import Optional
 
 import torch
 
-from .problem import philox
-from .problem.spec import AttentionSpec
+from ..problem import philox
+from ..problem.spec import AttentionSpec
 
 UNIT_ROUNDOFF = {torch.float64: 2.0 ** -53, torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11,
                  torch.bfloat16: 2.0 ** -8}

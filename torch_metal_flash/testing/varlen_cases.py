@@ -17,7 +17,7 @@ import torch
 
 from torch_metal_flash import backends, emulator
 from torch_metal_flash.problem.spec import make_spec
-from torch_metal_flash.testing import check_backward, check_forward, randn
+from .oracle import check_backward, check_forward, randn
 
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 

@@ -3,7 +3,7 @@
 
 A case is a plain dict; ``build_spec`` makes the tensors (deterministically
 from the case), ``run_forward`` plans and runs it on the emulator backend,
-``check`` applies the acceptance rule (torch_metal_flash/testing.py) against the float64 oracle.
+``check`` applies the acceptance rule (oracle.py) against the float64 oracle.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 from torch_metal_flash.planner.plan import Plan
 from torch_metal_flash.planner.forward import plan_forward
 from torch_metal_flash.problem.spec import make_spec
-from torch_metal_flash.testing import check_forward, randn
+from .oracle import check_forward, randn
 
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 HEAD_DIMS = (32, 64, 80, 96, 128, 256, 72, 40)

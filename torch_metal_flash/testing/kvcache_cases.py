@@ -1,16 +1,16 @@
 """KV-cache problems for the tests: build one (``make_case``), run it on a backend
-(``check_call``) and judge it against the independent float64 oracle (support/kvcache_oracle.py)
-with the acceptance rule of torch_metal_flash/testing.py."""
+(``check_call``) and judge it against the independent float64 oracle (kvcache_oracle.py)
+with the acceptance rule of oracle.py."""
 from __future__ import annotations
 
 import math
 
 import torch
 
-from support import kvcache_oracle
 from torch_metal_flash import backends
 from torch_metal_flash.faces.kvcache import flash_attn_with_kvcache
-from torch_metal_flash.testing import assert_matches_oracle
+from . import kvcache_oracle
+from .oracle import assert_matches_oracle
 
 
 DT = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "f64": torch.float64}

@@ -1,0 +1,20 @@
+"""Judging attention results, and the problems the tests and the benches share.
+
+* :mod:`.oracle`: the acceptance rule against the float64 oracle and the
+  machine-independent inputs (:func:`randn`); its names are this package's.
+* Case matrices and problem builders, imported by name so that importing
+  this package stays light: ``forward_cases``, ``backward_cases``,
+  ``precision_cases``, ``varlen_cases``, ``kvcache_cases`` (with the independent
+  float64 implementation ``kvcache_oracle``), ``fuzz_problems`` (whole problems
+  of every face; needs hypothesis, a test dependency) and ``portable``
+  (``torch.randn_like`` / ``Tensor.normal_`` through :func:`randn`).
+"""
+from .oracle import (FLOOR_ROUNDINGS, GRAD_NAMES, SATURATED, UNIT_ROUNDOFF, Arith, Attention, allowed_error,
+                     assert_matches_oracle, backward_reference, check_backward, check_forward, error_budget,
+                     forward_reference, grad_errors, plain_attention, randn)
+
+__all__ = [
+    "FLOOR_ROUNDINGS", "GRAD_NAMES", "SATURATED", "UNIT_ROUNDOFF", "Arith", "Attention", "allowed_error",
+    "assert_matches_oracle", "backward_reference", "check_backward", "check_forward", "error_budget",
+    "forward_reference", "grad_errors", "plain_attention", "randn",
+]
