@@ -43,7 +43,7 @@ def one_call(rng: random.Random, n: int) -> None:
     dtype = rng.choice(DTYPES)
     B, H = rng.randint(1, 2), rng.choice((1, 2, 4))
     Lq, Lk = rng.randint(1, 24), rng.randint(1, 40)
-    D = rng.choice((8, 16, 24, 40, 64)) if n % 25 else 257 + n // 25 % 512  # a new fallback reason
+    D = rng.choice((8, 16, 24, 40, 64)) if n % 25 else 513 + n // 25 % 512  # a new fallback reason
     kind = n % 4
     grad = n % 8 == 0
     q = torch.randn(B, Lq, H, D, dtype=dtype, requires_grad=grad)

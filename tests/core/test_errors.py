@@ -246,8 +246,8 @@ def test_every_face_rejects_bad_input(name, backend, monkeypatch):
 
 @pytest.mark.parametrize("face", ["sdpa", "flash_attn_func", "varlen", "kvcache", "ops"])
 def test_head_dim_beyond_the_kernels_is_a_clear_strict_error(face):
-    """Head dim > 256: the kernels have no tile; strict mode says so (default mode falls back)."""
-    D = 264
+    """Head dim > 512: the kernels have no tile; strict mode says so (default mode falls back)."""
+    D = 600
     calls = {
         "sdpa": lambda: tmf.scaled_dot_product_attention(t(1, 2, 3, D), t(1, 2, 3, D), t(1, 2, 3, D)),
         "flash_attn_func": lambda: tmf.flash_attn_func(t(1, 3, 2, D), t(1, 3, 2, D), t(1, 3, 2, D)),

@@ -204,8 +204,8 @@ def decode_tile(dtype: torch.dtype, head_dim: int, kv_dtype: Optional[torch.dtyp
             if variant is not None and not tile.kv_dtype:
                 tile = next(t for t in tile_variants(dtype, width) if t.kernel == variant)
             return tile
-    raise ValueError(f"head dims {head_dim} / {head_dim_v} (q and k / v) beyond the decode kernels' "
-                     f"{MAX_HEAD_DIM} / {MAX_HEAD_DIM}, or {LATENT_BUCKET} / {LATENT_V_BUCKET}")
+    raise ValueError(f"head dim {head_dim} (v's {head_dim_v}) beyond the decode kernels (up to {MAX_HEAD_DIM} for "
+                     f"both, or {LATENT_BUCKET} with v's up to {LATENT_V_BUCKET})")
 
 
 def tile_variants(dtype: torch.dtype, head_dim: int) -> list[DecodeTile]:
@@ -282,7 +282,7 @@ def _check(pb: DecodeProblem) -> Optional[str]:
     if Hkv == 0 or Hq % Hkv:
         return f"query heads {Hq} not a multiple of KV heads {Hkv}"
     if D < 1 or Dv < 1:
-        return f"head dims {D} / {Dv} must be >= 1"
+        return f"head dim {D} (v's {Dv}) must be >= 1"
     try:
         decode_tile(q.dtype, D, head_dim_v=Dv)
     except ValueError as e:

@@ -129,7 +129,7 @@ def _check(pb: KvCacheProblem) -> Optional[str]:
     B, Lq, Hq, D = q.shape
     Dv = pb.v_cache.shape[-1]
     if max(D, Dv) > MAX_THREADS:
-        return f"head dims {D} / {Dv} (k / v) beyond the append kernel's {MAX_THREADS}"
+        return f"head dim {D} (v's {Dv}) beyond the append kernel's {MAX_THREADS}"
     if (pb.k is None) != (pb.v is None) or (pb.rotary_cos is None) != (pb.rotary_sin is None):
         return "k and v (and rotary_cos and rotary_sin) come in pairs"
     if pb.rotary_cos is not None and pb.k is None:

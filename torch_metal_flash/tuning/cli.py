@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from ..planner.tiles import HEAD_DIM_BUCKETS
 from . import cache_path, tune, variants
 from .space import OPS
 
@@ -170,10 +171,10 @@ def main(argv=None) -> int:
     dtypes = args.dtypes or [torch.float16, torch.bfloat16]
     if args.list:
         print(list_space(args.ops, args.dtypes or list(DTYPE_FLAGS.values()),
-                         args.head_dims or (32, 64, 80, 96, 128, 160, 192, 256), args.family))
+                         args.head_dims or HEAD_DIM_BUCKETS, args.family))
         return 0
     if args.verify:
-        dims = args.head_dims or (32, 64, 80, 96, 128, 160, 192, 256)
+        dims = args.head_dims or HEAD_DIM_BUCKETS
         failures = verify(args.ops, args.dtypes or list(DTYPE_FLAGS.values()), dims)
         print("verify: " + ("every variant matches the oracle" if not failures else f"{failures} FAILED"))
         return 1 if failures else 0
