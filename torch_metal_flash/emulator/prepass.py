@@ -163,9 +163,13 @@ _BOOL_ARG = re.compile(r"(?<=[<,\s])bool(?=\s*[,>])")
 _KEEPS_BOOL = re.compile(r"\b(?:static_cast|reinterpret_cast|const_cast|as_type|bit_cast|template|integral_constant|"
                          r"enable_if|enable_if_t)\s*$")
 _EXPLICIT_INSTANTIATION = re.compile(r"\btemplate\b(?!\s*<)[^;{}]*;")
+_EXPLICIT_SPECIALIZATION = re.compile(r"\btemplate\s*<\s*>")
+_BOOL = re.compile(r"\bbool\b")
+# The shim's one-byte bool lane (shim/mtl_types.h)
+BOOL_LANE = "__mtl_bool_lane"
 
 
-def _list_opener(masked: str, i: int) -> int:
+def _template_list_start(masked: str, i: int) -> int:
     """Index of the `<` that opens the template argument list containing ``masked[i]`` (-1 if none)."""
     depth = 0
     for j in range(i - 1, -1, -1):
@@ -181,64 +185,58 @@ def _list_opener(masked: str, i: int) -> int:
     return -1
 
 
-_EXPLICIT_SPECIALIZATION = re.compile(r"\btemplate\s*<\s*>")
+def _apply(text: str, edits: list) -> str:
+    """`text` with each (start, end, replacement) applied; the edits do not overlap."""
+    for a, b, rep in sorted(edits, reverse=True):
+        text = text[:a] + rep + text[b:]
+    return text
 
 
 def _bool_lane_specializations(text: str) -> str:
     """An explicit specialization of a function whose template arguments now name the bool
-    lane (``template <> bool cast_to<__Mb, float>(float v)``) spells its ``bool`` return
-    and parameter types ``__Mb`` too, so that it still specializes the template, and its
-    ``return``s convert to the lane as a bool converts (``return (__Mb)(...)``: the only
-    rewrite that changes lengths; lines stay)."""
+    lane (``template <> bool cast_to<__mtl_bool_lane, float>(float v)``) spells its ``bool``
+    return and parameter types as the lane too, so that it still specializes the template, and
+    its ``return``s convert to the lane as a bool converts (``return (__mtl_bool_lane)(...)``)."""
     masked = _blank_literals_and_directives(text)
     edits = []
     for m in _EXPLICIT_SPECIALIZATION.finditer(masked):
         paren = masked.find("(", m.end())
         head = masked[m.end():paren]
-        if paren < 0 or re.search(r"[;{}]", head) or not head.rstrip().endswith(">") or "__Mb" not in head:
+        if paren < 0 or re.search(r"[;{}]", head) or not head.rstrip().endswith(">") or BOOL_LANE not in head:
             continue  # not a function specialized for the bool lane
         close = _match_close(masked, paren, "(", ")")
         body = masked.find("{", close) if close > 0 else -1
         if body < 0 or re.search(r"[;}]", masked[close:body]):
             continue  # a declaration
         body_end = _match_close(masked, body, "{", "}")
-        for b in re.finditer(r"\bbool\b", masked[m.end():close]):
-            edits.append((m.end() + b.start(), m.end() + b.end(), "__Mb"))
-        if re.search(r"\bbool\b", head[:head.find("<")]):
+        edits += [(b.start(), b.end(), BOOL_LANE) for b in _BOOL.finditer(masked, m.end(), close)]
+        if _BOOL.search(head[:head.find("<")]):
             for r in re.finditer(r"\breturn\b", masked[body:body_end]):
                 expr, depth = body + r.end(), 0
                 for semi in range(expr, body_end):
                     depth += masked[semi] in "([{"
                     depth -= masked[semi] in ")]}"
                     if depth == 0 and masked[semi] == ";":
-                        edits.append((expr, expr, " (__Mb)("))
-                        edits.append((semi, semi, ")"))
+                        edits += [(expr, expr, f" ({BOOL_LANE})("), (semi, semi, ")")]
                         break
-    out = text
-    for a, b, rep in sorted(edits, reverse=True):
-        out = out[:a] + rep + out[b:]
-    return out
+    return _apply(text, edits)
 
 
 def bool_type_arguments(text: str) -> str:
-    """``text`` with ``bool`` template type arguments spelled ``__Mb`` (the shim's one-byte
-    bool lane), for a source that forms ``vec<bool, N>`` through a template (a
-    matrix-fragment type instantiated with bool), which C++ for OpenCL cannot: it has no
-    bool vectors.  Both sides of ``is_same<T, bool>`` change alike; an explicit
-    instantiation with such an argument also gets ``__Mb`` for the ``bool`` of its
-    parameter list, an explicit specialization for its signature.  Every line stays where
-    it was (and every column, outside such specializations' ``return``s)."""
+    """``text`` with ``bool`` template type arguments spelled as the shim's one-byte bool lane,
+    for a source that forms ``vec<bool, N>`` through a template (a matrix-fragment type
+    instantiated with bool), which C++ for OpenCL cannot: it has no bool vectors.  Both sides
+    of ``is_same<T, bool>`` change alike; an explicit instantiation with such an argument also
+    gets the lane for the ``bool`` of its parameter list, an explicit specialization for its
+    signature.  Every line stays where it was."""
     masked = _blank_literals_and_directives(text)
-    out = list(text)
-    for m in _BOOL_ARG.finditer(masked):
-        opener = _list_opener(masked, m.start())
-        if opener >= 0 and not _KEEPS_BOOL.search(masked[:opener]):
-            out[m.start():m.end()] = "__Mb"
-    rewritten = "".join(out)
-    for m in _EXPLICIT_INSTANTIATION.finditer(_blank_literals_and_directives(rewritten)):
-        if "__Mb" in m.group(0):
-            out[m.start():m.end()] = re.sub(r"\bbool\b", "__Mb", rewritten[m.start():m.end()])
-    return _bool_lane_specializations("".join(out))
+    text = _apply(text, [(*m.span(), BOOL_LANE) for m in _BOOL_ARG.finditer(masked)
+                         if (opener := _template_list_start(masked, m.start())) >= 0 and
+                         not _KEEPS_BOOL.search(masked, 0, opener)])
+    masked = _blank_literals_and_directives(text)
+    text = _apply(text, [(*b.span(), BOOL_LANE) for m in _EXPLICIT_INSTANTIATION.finditer(masked) if BOOL_LANE in m.group(0)
+                         for b in _BOOL.finditer(masked, *m.span())])
+    return _bool_lane_specializations(text)
 
 
 def _match_close(s: str, i: int, open_c: str, close_c: str) -> int:
