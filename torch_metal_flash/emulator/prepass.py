@@ -5,9 +5,9 @@ markers kept), so instantiations produced by macros are visible.  Every
 rewrite keeps the number of lines, so compiler errors and the runtime's
 source locations point at the original ``.metal`` lines.  It only rewrites
 what clang cannot parse as MSL means it; every language rule is left to the
-compiler (see compiler.py).  Which parenthesis is a cast, where a cast's
-operand ends and which declarations are threadgroup variables come from
-clang's AST of a view of the text (syntax_view, syntax.py):
+compiler (see compiler.py).  Which parenthesis is a cast or a vector
+constructor, where its operands end and which declarations are threadgroup
+variables come from clang's AST of a view of the text (syntax_view, syntax.py):
 - MSL vector constructors ``float4(x)``, ``half4(f4)``, ``float4(f2, z, w)`` ->
   ``__mtl::make_vec<float, 4>(...)`` (splat / convert / concatenate), and
   casts that convert vectors in MSL but reinterpret them in clang:
@@ -67,9 +67,6 @@ STD_ATTRS = {"likely", "unlikely", "maybe_unused", "fallthrough", "nodiscard", "
 
 VEC_TYPES = ("bool", "char", "uchar", "short", "ushort", "int", "uint", "long", "ulong", "half", "bfloat",
              "float")
-_VEC_CTOR = re.compile(r"(?<![\w.>:])(?:metal\s*::\s*)?(?:packed_)?(" + "|".join(VEC_TYPES) + r")([234])\s*\(")
-_VEC_CAST = re.compile(r"\bstatic_cast\s*<\s*(?:metal\s*::\s*)?(?:packed_)?(" + "|".join(VEC_TYPES) + r")([234])\s*>\s*\(")
-_VEC_TMPL_CTOR = re.compile(r"(?<![\w.>:])(?:metal\s*::\s*)?vec\s*<")
 # `float4 acc = {0.f};`: fewer initialisers than lanes zero the rest in MSL (C++), an error in C++ for OpenCL
 _VEC_BRACE_INIT = re.compile(r"(?<![\w.>:])(?:metal\s*::\s*)?(?:packed_)?(" + "|".join(VEC_TYPES) +
                              r")([234])\s+[A-Za-z_]\w*\s*=\s*(\{)")
@@ -359,7 +356,9 @@ def _error(lines: _Lines, offset: int, msg: str) -> CompileError:
 
 
 _VEC_TYPE = re.compile(r"(?:metal\s*::\s*)?(?:packed_)?(" + "|".join(VEC_TYPES) + r")([234])")
-_PARENTHESISED_VEC_TYPE = re.compile(r"\(\s*(" + _VEC_TYPE.pattern + r")\s*\)")
+_VEC_TEMPLATE = re.compile(r"(?:metal\s*::\s*)?vec\s*<(.*)>", re.S)
+# the target of a C-style cast `(half4)x` or of `static_cast<half4>(x)`
+_CAST_TO_VEC_TYPE = re.compile(r"(?:\(|\bstatic_cast\s*<)\s*(" + _VEC_TYPE.pattern + r")\s*[)>]")
 _TEMPLATE = re.compile(r"\btemplate\s*<")
 _KERNEL_WORD = re.compile(r"\bkernel\b")
 _FUNCTION_CONSTANT = re.compile(r"\bconstant\s+([\w:<>\s,]+?)\s+(\w+)\s*\[\[\s*function_constant\s*\(\s*([^)]*?)\s*\)"
@@ -368,11 +367,12 @@ _FUNCTION_CONSTANT = re.compile(r"\bconstant\s+([\w:<>\s,]+?)\s+(\w+)\s*\[\[\s*f
 
 def syntax_view(text: str, masked: str) -> str:
     """The text as clang parses it for syntax.facts: attributes, the `kernel` keyword and the
-    `constant` of function constants (declarations without a value) blanked, a parenthesised
-    vector type spelled ``__V`` (shim/mtl_syntax.h: a cast to it is valid for any operand, where
-    C++ for OpenCL rejects some vector casts MSL converts); same offsets."""
+    `constant` of function constants (declarations without a value) blanked, the vector type of a
+    C-style or static cast spelled ``__V`` (shim/mtl_syntax.h: a cast to it is valid for any
+    operand, where C++ for OpenCL rejects some vector casts MSL converts, and drops a rejected
+    static_cast from its AST); same offsets."""
     view = list(text)
-    for m in _PARENTHESISED_VEC_TYPE.finditer(masked):
+    for m in _CAST_TO_VEC_TYPE.finditer(masked):
         view[m.start(1):m.end(1)] = "__V".ljust(m.end(1) - m.start(1))
     spans = [(a, b) for a, b, _ in _attributes(masked)] + [m.span() for m in _KERNEL_WORD.finditer(masked)] + \
         [(m.start(), m.start() + len("constant")) for m in _FUNCTION_CONSTANT.finditer(masked)]
@@ -381,17 +381,31 @@ def syntax_view(text: str, masked: str) -> str:
     return "".join(view)
 
 
+def _vector_type(written: str) -> Optional[str]:
+    """The element type and size of a vector type as written (``float4``, ``metal::packed_half2``,
+    ``vec<T, 4>``): ``"float, 4"``; None for another type."""
+    vec = _VEC_TYPE.fullmatch(written)
+    if vec:
+        return f"{vec.group(1)}, {vec.group(2)}"
+    tmpl = _VEC_TEMPLATE.fullmatch(written)
+    parts = _split_top(tmpl.group(1)) if tmpl else []
+    return ", ".join(tmpl.group(1)[a:b].strip() for a, b in parts) if len(parts) == 2 else None
+
+
 def _cast_edit(text: str, cast: dict):
     """The rewrite of one cast clang found, (start, operand start, operand end, end, prefix,
     suffix), or None: MSL converts vectors in C-style and functional casts where clang
-    reinterprets their bits.  (float4)x -> a vector constructor; (T)x, T(x) and
-    static_cast<T>(x) with T a template type parameter -> __mtl::cast<T>(x), T(x, y) ->
-    __mtl::construct<T>(x, y) (a vector constructor when T is a vector)."""
-    start, end, operands, params = cast["start"], cast["end"], cast["operands"], cast["params"]
+    reinterprets their bits, and builds vectors from parts.  Vector constructors ``float4(x)``,
+    ``half4(f4)``, ``float4(f2, z, w)``, ``vec<T, 4>(v, x)`` (which clang sees as a functional
+    cast, or as an expression in error when it cannot build it) and the casts ``(float4)x``,
+    ``static_cast<float4>(x)`` -> __mtl::make_vec<float, 4>(...) (splat / convert / concatenate);
+    (T)x, T(x) and static_cast<T>(x) with T a template type parameter -> __mtl::cast<T>(x),
+    T(x, y) -> __mtl::construct<T>(x, y) (a vector constructor when T is a vector)."""
+    kind, start, end, operands, params = cast["kind"], cast["start"], cast["end"], cast["operands"], cast["params"]
     if not operands:
         return None
     first = operands[0][0]
-    if cast["kind"] == "CStyleCastExpr":
+    if kind == "CStyleCastExpr":
         close = text.rfind(")", start, first)
         written = text[start + 1:close].strip()
         vec = _VEC_TYPE.fullmatch(written)
@@ -402,14 +416,19 @@ def _cast_edit(text: str, cast: dict):
         return None
     paren = text.rfind("(", start, first)
     if paren < 0 or text[end - 1] != ")":
-        return None  # T{x}: list initialisation
-    if cast["kind"] == "CXXStaticCastExpr":
+        return None  # T{x}: list initialisation; an expression in error that is no constructor
+    if kind == "CXXStaticCastExpr":
         written = text[text.find("<", start) + 1:text.rfind(">", start, paren)].strip()
+        vec = _VEC_TYPE.fullmatch(written)
+        vector = f"{vec.group(1)}, {vec.group(2)}" if vec else None
         helper = "cast"
     else:
         written = text[start:paren].strip()
+        vector = _vector_type(written)
         helper = "cast" if len(operands) == 1 else "construct"
-    if written not in params:
+    if vector:
+        return start, paren + 1, end - 1, end, f"__mtl::make_vec<{vector}>(", ")"
+    if written not in params or kind not in ("CXXStaticCastExpr", "CXXUnresolvedConstructExpr"):
         return None
     return start, paren + 1, end - 1, end, f"__mtl::{helper}<{written}>(", ")"
 
@@ -454,35 +473,11 @@ def _rewrite_syntax(text: str, masked: str, facts: dict) -> tuple:
     return apply(text, 0, len(text), 0)[0], apply(masked, 0, len(masked), 0)[0]
 
 
-_CONVERSION_FUNCTION = re.compile(r"\boperator\s*$")
-
-
 def _rewrite_tokens(text: str, masked: str) -> tuple:
-    """Vector constructors and half literals (no new lines, positions shift)."""
+    """Brace initialisers of vectors with fewer elements than lanes and half literals (no new
+    lines, positions shift)."""
     out, mout, pos = [], [], 0
     matches = []
-    for m in _VEC_CTOR.finditer(masked):
-        if _CONVERSION_FUNCTION.search(masked, max(0, m.start() - 12), m.start()):
-            continue  # operator float4(): a conversion function, not a constructor
-        matches.append((m.start(), m.end(), f"__mtl::make_vec<{m.group(1)}, {m.group(2)}>("))
-    for m in _VEC_CAST.finditer(masked):
-        matches.append((m.start(), m.end(), f"__mtl::make_vec<{m.group(1)}, {m.group(2)}>("))
-    for m in _VEC_TMPL_CTOR.finditer(masked):
-        close = _match_angle(masked, m.end() - 1)
-        if close < 0 or _CONVERSION_FUNCTION.search(masked, max(0, m.start() - 12), m.start()):
-            continue
-        after = masked[close + 1:]
-        stripped = after.lstrip(" \t")
-        if not stripped.startswith("("):
-            continue
-        args = masked[m.end():close]
-        parts = _split_top(args)
-        if len(parts) != 2:
-            continue
-        t = text[m.end() + parts[0][0]:m.end() + parts[0][1]].strip()
-        nn = text[m.end() + parts[1][0]:m.end() + parts[1][1]].strip()
-        paren = close + 1 + (len(after) - len(stripped))
-        matches.append((m.start(), paren + 1, f"__mtl::make_vec<{t}, {nn}>("))
     for m in _VEC_BRACE_INIT.finditer(masked):
         brace = m.start(3)
         while brace >= 0:  # float4 a = {0.f}, b = {0.f};

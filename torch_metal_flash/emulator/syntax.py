@@ -7,11 +7,12 @@ parse blanked -- ``[[...]]`` attributes, the ``kernel`` keyword, the
 the shim as a precompiled header (compiler.syntax_facts) and dumps its AST as
 JSON; this module reads from that AST:
 
-- casts: C-style casts ``(T)x``, functional casts to a dependent type
-  ``T(x)`` / ``T(x, y)`` and ``static_cast<T>(x)``, each with its extent, the
-  extents of its operands and the template type parameters in scope -- so
-  which parenthesis is a cast and where its operand ends is the compiler's
-  answer, not a guess from the characters around it;
+- casts: C-style casts ``(T)x``, functional casts ``T(x)`` / ``T(x, y)`` (vector
+  constructors among them), ``static_cast<T>(x)`` and expressions in error
+  (a vector constructor C++ for OpenCL cannot build), each with its extent,
+  the extents of its operands and the template type parameters in scope --
+  so which parenthesis is a cast or a constructor and where its operands end
+  is the compiler's answer, not a guess from the characters around it;
 - threadgroup variables declared in function bodies (``threadgroup float
   tile[32], acc;``): the statement's extent and each variable's name and
   declarator.
@@ -26,7 +27,10 @@ import bisect
 import itertools
 from typing import Optional
 
-CAST_KINDS = ("CStyleCastExpr", "CXXUnresolvedConstructExpr", "CXXStaticCastExpr")
+# A vector constructor MSL has and C++ for OpenCL lacks (`float4(f2, z, w)`, `half4(f4)`) is an
+# expression in error, which clang keeps (typed, with its operands) as a RecoveryExpr.
+CAST_KINDS = ("CStyleCastExpr", "CXXUnresolvedConstructExpr", "CXXStaticCastExpr", "CXXFunctionalCastExpr",
+              "RecoveryExpr")
 
 
 def _offset_map(text: str):
