@@ -359,6 +359,8 @@ _VEC_TYPE = re.compile(r"(?:metal\s*::\s*)?(?:packed_)?(" + "|".join(VEC_TYPES) 
 _VEC_TEMPLATE = re.compile(r"(?:metal\s*::\s*)?vec\s*<(.*)>", re.S)
 # the target of a C-style cast `(half4)x` or of `static_cast<half4>(x)`
 _CAST_TO_VEC_TYPE = re.compile(r"(?:\(|\bstatic_cast\s*<)\s*(" + _VEC_TYPE.pattern + r")\s*[)>]")
+# `vec<bool, 2>`: C++ for OpenCL has no bool vectors (the shim's make_vec builds boolN)
+_VEC_OF_BOOL = re.compile(r"\bvec\s*<\s*(bool)\b")
 _TEMPLATE = re.compile(r"\btemplate\s*<")
 _KERNEL_WORD = re.compile(r"\bkernel\b")
 _FUNCTION_CONSTANT = re.compile(r"\bconstant\s+([\w:<>\s,]+?)\s+(\w+)\s*\[\[\s*function_constant\s*\(\s*([^)]*?)\s*\)"
@@ -370,10 +372,13 @@ def syntax_view(text: str, masked: str) -> str:
     `constant` of function constants (declarations without a value) blanked, the vector type of a
     C-style or static cast spelled ``__V`` (shim/mtl_syntax.h: a cast to it is valid for any
     operand, where C++ for OpenCL rejects some vector casts MSL converts, and drops a rejected
-    static_cast from its AST); same offsets."""
+    static_cast from its AST) and ``vec<bool, N>`` spelled ``vec<char, N>`` (clang drops an
+    expression of an invalid type from its AST); same offsets."""
     view = list(text)
     for m in _CAST_TO_VEC_TYPE.finditer(masked):
         view[m.start(1):m.end(1)] = "__V".ljust(m.end(1) - m.start(1))
+    for m in _VEC_OF_BOOL.finditer(masked):
+        view[m.start(1):m.end(1)] = "char"
     spans = [(a, b) for a, b, _ in _attributes(masked)] + [m.span() for m in _KERNEL_WORD.finditer(masked)] + \
         [(m.start(), m.start() + len("constant")) for m in _FUNCTION_CONSTANT.finditer(masked)]
     for a, b in spans:
