@@ -6,13 +6,17 @@ rewrite keeps the number of lines, so compiler errors and the runtime's
 source locations point at the original ``.metal`` lines.  It only rewrites
 what clang cannot parse as MSL means it; every language rule is left to the
 compiler (see compiler.py).  Which parenthesis is a cast or a vector
-constructor, where its operands end and which declarations are threadgroup
-variables come from clang's AST of a view of the text (syntax_view, syntax.py):
+constructor, where its operands end, which declarations initialise vectors and
+which are threadgroup variables come from clang's AST of a view of the text
+(syntax_view, syntax.py):
 - MSL vector constructors ``float4(x)``, ``half4(f4)``, ``float4(f2, z, w)`` ->
   ``__mtl::make_vec<float, 4>(...)`` (splat / convert / concatenate), and
   casts that convert vectors in MSL but reinterpret them in clang:
   ``(float4)x`` -> ``float4(x)``; ``T(x)``, ``(T)x``, ``static_cast<T>(x)``
   with T a template type parameter -> ``__mtl::cast<T>(x)``;
+- vector initialisers: ``float4 acc = {0.f}`` (the other lanes zero) ->
+  ``__mtl::brace_vec<float, 4>(0.f)``, ``bool4 m = a > b`` (a boolN, not an
+  integer mask) -> ``__mtl::make_vec<bool, 4>(a > b)``;
 - half literals ``1.0h`` -> ``((half)1.0)``;
 - ``threadgroup`` objects declared in function bodies -> a reference into the
   per-threadgroup arena, keyed by a function-local static {sizeof, alignof}
@@ -67,10 +71,6 @@ STD_ATTRS = {"likely", "unlikely", "maybe_unused", "fallthrough", "nodiscard", "
 
 VEC_TYPES = ("bool", "char", "uchar", "short", "ushort", "int", "uint", "long", "ulong", "half", "bfloat",
              "float")
-# `float4 acc = {0.f};`: fewer initialisers than lanes zero the rest in MSL (C++), an error in C++ for OpenCL
-_VEC_BRACE_INIT = re.compile(r"(?<![\w.>:])(?:metal\s*::\s*)?(?:packed_)?(" + "|".join(VEC_TYPES) +
-                             r")([234])\s+[A-Za-z_]\w*\s*=\s*(\{)")
-_NEXT_BRACE_INIT = re.compile(r"\s*,\s*[A-Za-z_]\w*\s*=\s*\{")
 _HALF_LIT = re.compile(r"(?<![\w.])((?:\d+\.\d*|\.\d+|\d+)(?:[eE][+-]?\d+)?)[hH](?![\w.])")
 _IDENT = re.compile(r"[A-Za-z_]\w*")
 _FC_DEFINED = re.compile(r"\bis_function_constant_defined\s*\(\s*(\w+)\s*\)")
@@ -438,6 +438,49 @@ def _cast_edit(text: str, cast: dict):
     return start, paren + 1, end - 1, end, f"__mtl::{helper}<{written}>(", ")"
 
 
+_DECLARATION_WORDS = {"const", "constexpr", "static", "constant", "thread", "threadgroup", "device", "volatile"}
+
+
+def _rejected_field_initialiser(text: str, after_name: int) -> tuple:
+    """The extent of the brace list after `= ` (a field's initialiser clang rejected); (0, 0) if none."""
+    def next_char(i):
+        return len(text) - len(text[i:].lstrip())
+
+    eq = next_char(after_name)
+    brace = next_char(eq + 1)
+    close = _match_close(text, brace, "{", "}") if text[eq:eq + 1] == "=" and text[brace:brace + 1] == "{" else -1
+    return (brace, close + 1) if close >= 0 else (0, 0)
+
+
+def _init_edit(text: str, init: dict) -> Optional[tuple]:
+    """The rewrite of the initialiser of a vector variable (or parameter), or None: a brace list
+    with fewer elements than lanes zeroes the rest in MSL and is an error in C++ for OpenCL
+    (``float4 acc = {0.f}`` -> ``__mtl::brace_vec<float, 4>(0.f)``); a comparison of vectors gives
+    a boolN in MSL and an integer vector in C++ (``bool4 m = a > b`` ->
+    ``__mtl::make_vec<bool, 4>(a > b)``)."""
+    words = text[init["start"]:init["first_name"]].split()
+    while words and words[0] in _DECLARATION_WORDS:
+        words.pop(0)
+    vector = _vector_type(" ".join(words))
+    name_end = _IDENT.match(text, init["name"])
+    if not vector or not name_end:
+        return None
+    begin, end = init["init"] or _rejected_field_initialiser(text, name_end.end())
+    if text[name_end.end():begin].strip() != "=":
+        return None  # an array / reference / pointer of vectors
+    element, lanes = vector.split(", ")
+    if init["init"] is None:
+        elements = len([1 for a, b in _split_top(text[begin + 1:end - 1]) if text[begin + 1 + a:begin + 1 + b].strip()])
+        init = dict(init, elements=elements)
+    if init["elements"] is not None:
+        if not lanes.isdigit() or init["elements"] >= int(lanes) or text[begin] != "{" or text[end - 1] != "}":
+            return None
+        return begin, begin + 1, end - 1, end, f"__mtl::brace_vec<{vector}>(", ")"
+    if element != "bool" or words[-1].startswith("packed_"):
+        return None
+    return begin, begin, end, end, f"__mtl::make_vec<{vector}>(", ")"
+
+
 def _threadgroup_edit(text: str, decl: dict, counter) -> Optional[tuple]:
     """``threadgroup T a[N], b;`` in a function body -> a reference into the per-threadgroup arena
     per variable, keyed by a function-local static {sizeof, alignof} (shim: MTL_THREADGROUP_VAR)."""
@@ -455,11 +498,13 @@ def _threadgroup_edit(text: str, decl: dict, counter) -> Optional[tuple]:
 
 
 def _rewrite_syntax(text: str, masked: str, facts: dict) -> tuple:
-    """Casts and threadgroup variables, where clang's AST of the text (syntax.facts) puts them."""
+    """Casts, vector initialisers and threadgroup variables, where clang's AST of the text
+    (syntax.facts) puts them."""
     counter = itertools.count(1)
     edits = {e for e in (_cast_edit(text, c) for c in facts["casts"]) if e}
+    edits |= {e for e in (_init_edit(text, i) for i in facts["inits"]) if e}
     edits |= {e for e in (_threadgroup_edit(text, d, counter) for d in facts["threadgroup"]) if e}
-    edits = sorted(edits, key=lambda e: (e[0], -e[3]))
+    edits = sorted(edits, key=lambda e: (e[0], -e[3], e[1]))  # an edit around another first
 
     def apply(src: str, lo: int, hi: int, k: int) -> tuple:
         """src[lo:hi] with the edits from k on that lie inside it (nested ones too)."""
@@ -478,38 +523,15 @@ def _rewrite_syntax(text: str, masked: str, facts: dict) -> tuple:
     return apply(text, 0, len(text), 0)[0], apply(masked, 0, len(masked), 0)[0]
 
 
-def _rewrite_tokens(text: str, masked: str) -> tuple:
-    """Brace initialisers of vectors with fewer elements than lanes and half literals (no new
-    lines, positions shift)."""
+def _half_literals(text: str, masked: str) -> tuple:
+    """``1.0h`` -> ``((half)1.0f)`` (no new lines, positions shift)."""
     out, mout, pos = [], [], 0
-    matches = []
-    for m in _VEC_BRACE_INIT.finditer(masked):
-        brace = m.start(3)
-        while brace >= 0:  # float4 a = {0.f}, b = {0.f};
-            close = _match_close(masked, brace, "{", "}")
-            if close < 0:
-                break
-            inside = masked[brace + 1:close]
-            if len([p for p in _split_top(inside) if inside[p[0]:p[1]].strip()]) < int(m.group(2)):
-                matches.append((brace, brace + 1, f"__mtl::brace_vec<{m.group(1)}, {m.group(2)}>("))
-                matches.append((close, close + 1, ")"))
-            more = _NEXT_BRACE_INIT.match(masked, close + 1)
-            brace = more.end() - 1 if more else -1
     for m in _HALF_LIT.finditer(masked):
         lit = m.group(1) + ("f" if re.search(r"[.eE]", m.group(1)) else "")  # a float literal, not a double one
-        matches.append((m.start(), m.end(), f"((half){lit})"))
-    matches.sort()
-    for start, end, new in matches:
-        if start < pos:
-            continue
-        out.append(text[pos:start])
-        mout.append(masked[pos:start])
-        out.append(new)
-        mout.append(new)
-        pos = end
-    out.append(text[pos:])
-    mout.append(masked[pos:])
-    return "".join(out), "".join(mout)
+        out += [text[pos:m.start()], f"((half){lit})"]
+        mout += [masked[pos:m.start()], f"((half){lit})"]
+        pos = m.end()
+    return "".join(out + [text[pos:]]), "".join(mout + [masked[pos:]])
 
 
 # ---------------------------------------------------------------- scopes
@@ -640,7 +662,7 @@ def run(text: str, *, default_file: str, syntax, only: Optional[set] = None) -> 
     masked = _blank_literals_and_directives(text)
     text = _function_template_params(text, masked)
     masked = _blank_literals_and_directives(text)
-    text, masked = _rewrite_tokens(text, masked)
+    text, masked = _half_literals(text, masked)
     text, masked = _rewrite_syntax(text, masked, syntax(syntax_view(text, masked)))
     lines = _Lines(text, default_file)
     _reject_virtual(masked, lines)
@@ -753,14 +775,6 @@ def run(text: str, *, default_file: str, syntax, only: Optional[set] = None) -> 
             edits.replace(m.start(), m.end(), f"MTL_DERIVED_CONSTANT({typ}, {m.group(2)}, {expr});")
     for m in _FC_DEFINED.finditer(masked):
         edits.replace(m.start(), m.end(), f"__mtl_fcdef_{m.group(1)}")
-
-    # --- `bool4 m = a > b;`: vector comparisons give integer masks in C++
-    for m in re.finditer(r"\b(?:metal\s*::\s*)?bool([234])\s+\w+\s*=(?!=)", masked):
-        end = _stmt_end(masked, m.end())
-        if end < 0 or len(_split_top(masked[m.end():end])) != 1:
-            continue
-        init = text[m.end():end]
-        edits.replace(m.end(), end, f" __mtl::make_vec<bool, {m.group(1)}>({init})")
 
     # --- remaining attributes: blank all but the standard ones
     for start, end, content in attrs:

@@ -1,4 +1,4 @@
-"""What clang's own parser says about a source: the casts and threadgroup variables the pre-pass rewrites.
+"""What clang's own parser says about a source: the casts, initialisers and threadgroup variables the pre-pass rewrites.
 
 The pre-pass (prepass.py) hands clang a *view* of its text: the same characters
 (so every offset is an offset of the text) with what C++ for OpenCL cannot
@@ -13,6 +13,9 @@ JSON; this module reads from that AST:
   the extents of its operands and the template type parameters in scope --
   so which parenthesis is a cast or a constructor and where its operands end
   is the compiler's answer, not a guess from the characters around it;
+- initialised declarations ``float4 a = {0.f};``, ``bool4 m = x > y;``: the
+  declaration's start, where its first declarator's name is, the extent of the
+  initialiser and, for a brace list, how many elements it has;
 - threadgroup variables declared in function bodies (``threadgroup float
   tile[32], acc;``): the statement's extent and each variable's name and
   declarator.
@@ -108,11 +111,34 @@ def _written(node: dict, cast_start: int, extent: dict) -> dict:
     return node
 
 
+def _initialisers(declarators: list, extent: dict) -> list:
+    """The `= x` initialisers of variables, parameters and fields (their declarations' starts are
+    shared by all their declarators: `float4 a = {0.f}, b = x;`).  A field's initialiser clang
+    rejects is not in its AST: "init" None."""
+    first_name, out = {}, []
+    for node in declarators:
+        loc, start, _ = extent[id(node)]
+        init = node["inner"][-1] if node.get("inner") else {}
+        _, begin, end = extent.get(id(init), (None, None, None))
+        if loc is None or start is None or (init and None in (begin, end)):
+            continue
+        first_name.setdefault(start, loc)
+        if not init:
+            out.append({"start": start, "name": loc, "first_name": first_name[start], "init": None, "elements": None})
+            continue
+        while init.get("kind") == "RecoveryExpr" and len(init.get("inner", ())) == 1:
+            init = init["inner"][0]  # a brace list C++ for OpenCL rejects (too few elements for a vector)
+        elements = len(init.get("inner", ())) if init.get("kind") == "InitListExpr" else None
+        out.append({"start": start, "name": loc, "first_name": first_name[start], "init": [begin, end],
+                    "elements": elements})
+    return out
+
+
 def facts(ast: dict, view: str, main_file: str) -> dict:
-    """{"casts": [...], "threadgroup": [...]} of the view (see the module docstring)."""
+    """{"casts": [...], "inits": [...], "threadgroup": [...]} of the view (see the module docstring)."""
     walk = _Walk(main_file, _offset_map(view))
     extent, params = {}, {id(None): frozenset()}
-    casts, declarations = [], []
+    casts, declarators, declarations = [], [], []
     for node, parent in _nodes(ast):
         extent[id(node)] = walk.extent(node)
         names = {c.get("name") for c in node.get("inner", ()) if c.get("kind") == "TemplateTypeParmDecl"}
@@ -120,7 +146,10 @@ def facts(ast: dict, view: str, main_file: str) -> dict:
         kind = node.get("kind")
         if kind in CAST_KINDS or (kind == "DeclStmt" and _starts_with_word(view, extent[id(node)][1], "threadgroup")):
             (casts if kind in CAST_KINDS else declarations).append(node)
-    out = {"casts": [], "threadgroup": []}
+        elif (kind in ("VarDecl", "ParmVarDecl") and node.get("init") == "c" and node.get("inner")) or \
+                (kind == "FieldDecl" and node.get("hasInClassInitializer")):
+            declarators.append(node)
+    out = {"casts": [], "inits": _initialisers(declarators, extent), "threadgroup": []}
     for node in casts:
         _, begin, end = extent[id(node)]
         operands = [extent[id(_written(c, begin, extent))][1:] for c in node.get("inner", ()) if isinstance(c, dict)]
@@ -145,5 +174,9 @@ def facts(ast: dict, view: str, main_file: str) -> dict:
     for c in out["casts"]:
         unique.setdefault((c["kind"], c["start"], c["end"]), c)
     out["casts"] = sorted(unique.values(), key=lambda c: (c["start"], -c["end"]))
+    inits = {}
+    for i in out["inits"]:
+        inits.setdefault((i["start"], i["name"]), i)
+    out["inits"] = sorted(inits.values(), key=lambda i: i["name"])
     out["threadgroup"] = sorted({d["start"]: d for d in out["threadgroup"]}.values(), key=lambda d: d["start"])
     return out
