@@ -361,7 +361,6 @@ _VEC_TEMPLATE = re.compile(r"(?:metal\s*::\s*)?vec\s*<(.*)>", re.S)
 _CAST_TO_VEC_TYPE = re.compile(r"(?:\(|\bstatic_cast\s*<)\s*(" + _VEC_TYPE.pattern + r")\s*[)>]")
 # `vec<bool, 2>`: C++ for OpenCL has no bool vectors (the shim's make_vec builds boolN)
 _VEC_OF_BOOL = re.compile(r"\bvec\s*<\s*(bool)\b")
-_TEMPLATE = re.compile(r"\btemplate\s*<")
 _KERNEL_WORD = re.compile(r"\bkernel\b")
 _FUNCTION_CONSTANT = re.compile(r"\bconstant\s+([\w:<>\s,]+?)\s+(\w+)\s*\[\[\s*function_constant\s*\(\s*([^)]*?)\s*\)"
                                 r"\s*\]\]\s*;")
@@ -612,26 +611,26 @@ POSITION_BUILTINS = {"thread_position_in_grid", "thread_position_in_threadgroup"
                      "dispatch_threads_per_threadgroup", "grid_origin"}
 
 
-_FUNCTION_POINTER_PARAM = re.compile(r"\(\s*(\*)\s*[A-Za-z_]\w*\s*\)\s*\(")
-_FUNCTION_POINTER_TYPE = re.compile(r"\btypedef\b[^;{}()]*\(\s*(\*)\s*[A-Za-z_]\w*\s*\)\s*\(|"
-                                    r"\busing\s+[A-Za-z_]\w*\s*=[^;{}()]*\(\s*(\*)\s*\)\s*\(")
-
-
-def _function_template_params(text: str, masked: str) -> str:
+def _function_references(text: str, masked: str, facts: dict) -> tuple:
     """Template parameters that are function pointers (``template <void (*deq)(...)>``, a kernel
     templated on its dequantiser) become references to functions (``void (&deq)(...)``): same
     calls, same arguments, but C++ for OpenCL puts a pointer's pointee in the generic address
     space, so that a function's address never matches a pointer parameter.  Function pointer
     types named by typedef / using become references too (a pointer used at run time is an
     error either way: analysis.py).  Same length."""
-    out = list(text)
-    for m in _TEMPLATE.finditer(masked):
-        close = _match_angle(masked, m.end() - 1)
-        for f in _FUNCTION_POINTER_PARAM.finditer(masked, m.end(), max(close, m.end())):
-            out[f.start(1)] = "&"
-    for m in _FUNCTION_POINTER_TYPE.finditer(masked):  # such a parameter's type through a typedef / alias
-        out[m.start(1) if m.group(1) else m.start(2)] = "&"
-    return "".join(out)
+    stars = set()
+    for kind, name, start, end in facts["function_pointers"]:
+        if kind == "TypeAliasDecl":  # using f = void (*)(...): the `*` after the first `(` followed by one
+            paren = text.find("(", name, end)
+            while paren >= 0 and not text[paren + 1:end].lstrip().startswith("*"):
+                paren = text.find("(", paren + 1, end)
+            star = text.find("*", paren, end) if paren >= 0 else -1
+        else:  # void (*deq)(...), typedef void (*f)(...): the `*` before the name
+            star = text.rfind("*", start, name)
+        stars |= {star} - {-1}
+    for i in sorted(stars):
+        text, masked = text[:i] + "&" + text[i + 1:], masked[:i] + "&" + masked[i + 1:]
+    return text, masked
 
 
 # `#pragma unroll (MIN(DK8/2, 4*NSG))`: clang -E leaves pragma arguments unexpanded, so their
@@ -660,10 +659,10 @@ def run(text: str, *, default_file: str, syntax, only: Optional[set] = None) -> 
     glue for the selected ones only."""
     text = _UNROLL_PRAGMA_WITH_NAMES.sub(lambda m: " " * len(m.group()), text)
     masked = _blank_literals_and_directives(text)
-    text = _function_template_params(text, masked)
-    masked = _blank_literals_and_directives(text)
     text, masked = _half_literals(text, masked)
-    text, masked = _rewrite_syntax(text, masked, syntax(syntax_view(text, masked)))
+    facts = syntax(syntax_view(text, masked))
+    text, masked = _function_references(text, masked, facts)
+    text, masked = _rewrite_syntax(text, masked, facts)
     lines = _Lines(text, default_file)
     _reject_virtual(masked, lines)
     edits = _Edits(text)

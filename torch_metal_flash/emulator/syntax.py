@@ -1,4 +1,5 @@
-"""What clang's own parser says about a source: the casts, initialisers and threadgroup variables the pre-pass rewrites.
+"""What clang's own parser says about a source: the casts, initialisers, function pointer types and threadgroup
+variables the pre-pass rewrites.
 
 The pre-pass (prepass.py) hands clang a *view* of its text: the same characters
 (so every offset is an offset of the text) with what C++ for OpenCL cannot
@@ -16,6 +17,9 @@ JSON; this module reads from that AST:
 - initialised declarations ``float4 a = {0.f};``, ``bool4 m = x > y;``: the
   declaration's start, where its first declarator's name is, the extent of the
   initialiser and, for a brace list, how many elements it has;
+- function pointer types of template parameters (``template <void (*deq)(...)>``)
+  and of typedef / using declarations: the declaration's extent and where its
+  name is;
 - threadgroup variables declared in function bodies (``threadgroup float
   tile[32], acc;``): the statement's extent and each variable's name and
   declarator.
@@ -135,10 +139,11 @@ def _initialisers(declarators: list, extent: dict) -> list:
 
 
 def facts(ast: dict, view: str, main_file: str) -> dict:
-    """{"casts": [...], "inits": [...], "threadgroup": [...]} of the view (see the module docstring)."""
+    """{"casts": [...], "inits": [...], "threadgroup": [...], "function_pointers": [(kind, name,
+    start, end)]} of the view (see the module docstring)."""
     walk = _Walk(main_file, _offset_map(view))
     extent, params = {}, {id(None): frozenset()}
-    casts, declarators, declarations = [], [], []
+    casts, declarators, declarations, function_pointers = [], [], [], []
     for node, parent in _nodes(ast):
         extent[id(node)] = walk.extent(node)
         names = {c.get("name") for c in node.get("inner", ()) if c.get("kind") == "TemplateTypeParmDecl"}
@@ -149,7 +154,12 @@ def facts(ast: dict, view: str, main_file: str) -> dict:
         elif (kind in ("VarDecl", "ParmVarDecl") and node.get("init") == "c" and node.get("inner")) or \
                 (kind == "FieldDecl" and node.get("hasInClassInitializer")):
             declarators.append(node)
-    out = {"casts": [], "inits": _initialisers(declarators, extent), "threadgroup": []}
+        elif kind in ("NonTypeTemplateParmDecl", "TypedefDecl", "TypeAliasDecl") and \
+                "*)(" in node.get("type", {}).get("qualType", ""):  # void (*)(int), void (__generic *)(int)
+            function_pointers.append(node)
+    out = {"casts": [], "inits": _initialisers(declarators, extent), "threadgroup": [],
+           "function_pointers": sorted({(node["kind"], *extent[id(node)]) for node in function_pointers
+                                        if None not in extent[id(node)]})}
     for node in casts:
         _, begin, end = extent[id(node)]
         operands = [extent[id(_written(c, begin, extent))][1:] for c in node.get("inner", ()) if isinstance(c, dict)]
