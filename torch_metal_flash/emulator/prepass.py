@@ -33,6 +33,7 @@ its built-in parameter types.
 from __future__ import annotations
 
 import ast
+import bisect
 import dataclasses
 import itertools
 import operator
@@ -339,7 +340,6 @@ class _Lines:
         self.offsets = [p[0] for p in self.points]
 
     def at(self, offset: int):
-        import bisect
         k = bisect.bisect_right(self.offsets, offset) - 1
         if k < 0:
             return self.default_file, self.text.count("\n", 0, offset) + 1
@@ -498,28 +498,42 @@ def _threadgroup_edit(text: str, decl: dict, counter) -> Optional[tuple]:
 
 def _rewrite_syntax(text: str, masked: str, facts: dict) -> tuple:
     """Casts, vector initialisers and threadgroup variables, where clang's AST of the text
-    (syntax.facts) puts them."""
+    (syntax.facts) puts them: (text, masked, where), `where` mapping an offset of the text to
+    one of the rewritten text."""
     counter = itertools.count(1)
     edits = {e for e in (_cast_edit(text, c) for c in facts["casts"]) if e}
     edits |= {e for e in (_init_edit(text, i) for i in facts["inits"]) if e}
     edits |= {e for e in (_threadgroup_edit(text, d, counter) for d in facts["threadgroup"]) if e}
     edits = sorted(edits, key=lambda e: (e[0], -e[3], e[1]))  # an edit around another first
 
-    def apply(src: str, lo: int, hi: int, k: int) -> tuple:
-        """src[lo:hi] with the edits from k on that lie inside it (nested ones too)."""
+    kept = []  # (offset in the text, offset in the rewritten text) of each piece kept as it was
+
+    def apply(src: str, lo: int, hi: int, k: int, at: int) -> tuple:
+        """src[lo:hi] with the edits from k on that lie inside it (nested ones too), written at `at`."""
         out, pos = [], lo
         while k < len(edits) and edits[k][0] < hi:
             start, a, b, end, prefix, suffix = edits[k]
             if start < pos or end > hi:  # overlaps a rewrite without nesting in it: left as it is
                 k += 1
                 continue
-            inner, k = apply(src, a, b, k + 1)
+            kept.append((pos, at))
+            inner, k = apply(src, a, b, k + 1, at + start - pos + len(prefix))
             out += [src[pos:start], prefix, inner, suffix]
+            at += start - pos + len(prefix) + len(inner) + len(suffix)
             pos = end
+        kept.append((pos, at))
         out.append(src[pos:hi])
         return "".join(out), k
 
-    return apply(text, 0, len(text), 0)[0], apply(masked, 0, len(masked), 0)[0]
+    text = apply(text, 0, len(text), 0, 0)[0]
+    pieces = sorted(kept)
+    starts = [p[0] for p in pieces]
+
+    def where(offset: int) -> int:
+        piece = pieces[bisect.bisect_right(starts, offset) - 1]
+        return piece[1] + offset - piece[0]
+
+    return text, apply(masked, 0, len(masked), 0, 0)[0], where
 
 
 def _half_literals(text: str, masked: str) -> tuple:
@@ -531,42 +545,6 @@ def _half_literals(text: str, masked: str) -> tuple:
         mout += [masked[pos:m.start()], f"((half){lit})"]
         pos = m.end()
     return "".join(out + [text[pos:]]), "".join(mout + [masked[pos:]])
-
-
-# ---------------------------------------------------------------- scopes
-
-
-def _scopes(masked: str):
-    """For every '{': whether it opens a namespace; returns (ns_depth_at, namespace_path_at)."""
-    # Returns a function giving (in_function_body, namespace path) for an offset.
-    ns_re = re.compile(r"\bnamespace\s*([\w:]*)\s*(?:\[\[[^\]]*\]\])?\s*\{")
-    ns_braces = {}
-    for m in ns_re.finditer(masked):
-        ns_braces[m.end() - 1] = m.group(1)
-    stack = []
-    marks = []  # (offset, nonns_depth, ns_path tuple)
-    for i, c in enumerate(masked):
-        if c == "{":
-            if i in ns_braces:
-                stack.append(("ns", ns_braces[i]))
-            else:
-                stack.append(("other", None))
-            marks.append((i + 1, stack.copy()))
-        elif c == "}":
-            if stack:
-                stack.pop()
-            marks.append((i + 1, stack.copy()))
-    offsets = [m[0] for m in marks]
-
-    def at(offset: int):
-        import bisect
-        k = bisect.bisect_right(offsets, offset) - 1
-        st = marks[k][1] if k >= 0 else []
-        nonns = sum(1 for kind, _ in st if kind == "other")
-        path = [name for kind, name in st if kind == "ns" and name]
-        return nonns, path
-
-    return at
 
 
 # ---------------------------------------------------------------- attributes
@@ -662,11 +640,12 @@ def run(text: str, *, default_file: str, syntax, only: Optional[set] = None) -> 
     text, masked = _half_literals(text, masked)
     facts = syntax(syntax_view(text, masked))
     text, masked = _function_references(text, masked, facts)
-    text, masked = _rewrite_syntax(text, masked, facts)
+    text, masked, where = _rewrite_syntax(text, masked, facts)
+    namespaces = [(where(a), where(b), name) for a, b, name in facts["namespaces"] if name]
+    program_scope = [(where(a), where(b)) for a, b in facts["globals"]]
     lines = _Lines(text, default_file)
     _reject_virtual(masked, lines)
     edits = _Edits(text)
-    scope_at = _scopes(masked)
     attrs = _attributes(masked)
     handled_attrs = set()
 
@@ -725,12 +704,12 @@ def run(text: str, *, default_file: str, syntax, only: Optional[set] = None) -> 
         items = _attr_items(a[2])
         if not any(n == "kernel" for n, _ in items):
             continue
-        _define_kernel(text, masked, lines, edits, attrs, a[0], a[1], templates, kernels, scope_at)
+        _define_kernel(text, masked, lines, edits, attrs, a[0], a[1], templates, kernels, namespaces)
     for m in re.finditer(r"\bkernel\b(?=\s*(?:\[\[[^\]]*\]\]\s*)*void\b)", masked):
         if any(inst[3] <= m.start() < _stmt_end(masked, inst[3]) for inst in instantiations):
             continue
         edits.blank(m.start(), m.end())
-        _define_kernel(text, masked, lines, edits, attrs, m.start(), m.end(), templates, kernels, scope_at)
+        _define_kernel(text, masked, lines, edits, attrs, m.start(), m.end(), templates, kernels, namespaces)
     for host, expr, tname, off in instantiations:
         short = tname.split("::")[-1]
         if short not in templates:
@@ -761,8 +740,7 @@ def run(text: str, *, default_file: str, syntax, only: Optional[set] = None) -> 
         der_re = re.compile(r"\bconstant\s+([\w:<>\s,]+?)\s+(\w+)\s*=\s*([^;]*);")
         names = set(fc_names)
         for m in der_re.finditer(masked):
-            nonns, _ = scope_at(m.start())
-            if nonns:
+            if not any(a <= m.start() < b for a, b in program_scope):
                 continue
             expr = _FC_DEFINED.sub(r"__mtl_fcdef_\1", text[m.start(3):m.end(3)])
             toks = set(_IDENT.findall(masked[m.start(3):m.end(3)]))
@@ -807,7 +785,7 @@ def _stmt_end(masked: str, i: int) -> int:
     return -1
 
 
-def _define_kernel(text, masked, lines, edits, attrs, start, end, templates, kernels, scope_at):
+def _define_kernel(text, masked, lines, edits, attrs, start, end, templates, kernels, namespaces):
     """A kernel definition whose [[kernel]] attribute / `kernel` keyword spans [start, end)."""
     # Host name and thread limit from the attributes around the kernel marker.
     found = {}
@@ -868,7 +846,7 @@ def _define_kernel(text, masked, lines, edits, attrs, start, end, templates, ker
         return  # a declaration; the definition carries the parameters
     params = _parse_params(text, masked, popen + 1, pclose, lines)
     file, line = lines.at(j + m.start(1))
-    _, path = scope_at(start)
+    path = [name for a, b, name in namespaces if a <= start < b]
     qual = "::" + "::".join(path + [name]) if path else name
     max_threads = found.get("max_total_threads_per_threadgroup")
     if max_threads is not None and not re.fullmatch(r"\d+", max_threads):

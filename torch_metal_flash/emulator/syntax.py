@@ -20,6 +20,7 @@ JSON; this module reads from that AST:
 - function pointer types of template parameters (``template <void (*deq)(...)>``)
   and of typedef / using declarations: the declaration's extent and where its
   name is;
+- namespaces (extent, name) and program-scope variables (extent);
 - threadgroup variables declared in function bodies (``threadgroup float
   tile[32], acc;``): the statement's extent and each variable's name and
   declarator.
@@ -140,10 +141,12 @@ def _initialisers(declarators: list, extent: dict) -> list:
 
 def facts(ast: dict, view: str, main_file: str) -> dict:
     """{"casts": [...], "inits": [...], "threadgroup": [...], "function_pointers": [(kind, name,
-    start, end)]} of the view (see the module docstring)."""
+    start, end)], "namespaces": [(start, end, name)], "globals": [(start, end)]} of the view (see
+    the module docstring)."""
     walk = _Walk(main_file, _offset_map(view))
     extent, params = {}, {id(None): frozenset()}
     casts, declarators, declarations, function_pointers = [], [], [], []
+    namespaces, globals_ = [], []
     for node, parent in _nodes(ast):
         extent[id(node)] = walk.extent(node)
         names = {c.get("name") for c in node.get("inner", ()) if c.get("kind") == "TemplateTypeParmDecl"}
@@ -157,9 +160,16 @@ def facts(ast: dict, view: str, main_file: str) -> dict:
         elif kind in ("NonTypeTemplateParmDecl", "TypedefDecl", "TypeAliasDecl") and \
                 "*)(" in node.get("type", {}).get("qualType", ""):  # void (*)(int), void (__generic *)(int)
             function_pointers.append(node)
+        if kind == "NamespaceDecl":
+            namespaces.append((*extent[id(node)][1:], node.get("name", "")))
+        elif kind == "VarDecl" and (parent or {}).get("kind") in ("TranslationUnitDecl", "NamespaceDecl",
+                                                                   "LinkageSpecDecl"):
+            globals_.append(extent[id(node)][1:])
     out = {"casts": [], "inits": _initialisers(declarators, extent), "threadgroup": [],
            "function_pointers": sorted({(node["kind"], *extent[id(node)]) for node in function_pointers
-                                        if None not in extent[id(node)]})}
+                                        if None not in extent[id(node)]}),
+           "namespaces": [n for n in namespaces if None not in n],  # outer ones first
+           "globals": sorted(g for g in globals_ if None not in g)}
     for node in casts:
         _, begin, end = extent[id(node)]
         operands = [extent[id(_written(c, begin, extent))][1:] for c in node.get("inner", ()) if isinstance(c, dict)]
