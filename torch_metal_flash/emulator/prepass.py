@@ -5,14 +5,18 @@ markers kept), so instantiations produced by macros are visible.  Every
 rewrite keeps the number of lines, so compiler errors and the runtime's
 source locations point at the original ``.metal`` lines.  It only rewrites
 what clang cannot parse as MSL means it; every language rule is left to the
-compiler (see compiler.py).  Which parenthesis is a cast, where a cast's
-operand ends and which declarations are threadgroup variables come from
-clang's AST of a view of the text (syntax_view, syntax.py):
+compiler (see compiler.py).  Which parenthesis is a cast or a vector
+constructor, where its operands end, which declarations initialise vectors and
+which are threadgroup variables come from clang's AST of a view of the text
+(syntax_view, syntax.py):
 - MSL vector constructors ``float4(x)``, ``half4(f4)``, ``float4(f2, z, w)`` ->
   ``__mtl::make_vec<float, 4>(...)`` (splat / convert / concatenate), and
   casts that convert vectors in MSL but reinterpret them in clang:
   ``(float4)x`` -> ``float4(x)``; ``T(x)``, ``(T)x``, ``static_cast<T>(x)``
   with T a template type parameter -> ``__mtl::cast<T>(x)``;
+- vector initialisers: ``float4 acc = {0.f}`` (the other lanes zero) ->
+  ``__mtl::brace_vec<float, 4>(0.f)``, ``bool4 m = a > b`` (a boolN, not an
+  integer mask) -> ``__mtl::make_vec<bool, 4>(a > b)``;
 - half literals ``1.0h`` -> ``((half)1.0)``;
 - ``threadgroup`` objects declared in function bodies -> a reference into the
   per-threadgroup arena, keyed by a function-local static {sizeof, alignof}
@@ -29,6 +33,7 @@ its built-in parameter types.
 from __future__ import annotations
 
 import ast
+import bisect
 import dataclasses
 import itertools
 import operator
@@ -67,13 +72,6 @@ STD_ATTRS = {"likely", "unlikely", "maybe_unused", "fallthrough", "nodiscard", "
 
 VEC_TYPES = ("bool", "char", "uchar", "short", "ushort", "int", "uint", "long", "ulong", "half", "bfloat",
              "float")
-_VEC_CTOR = re.compile(r"(?<![\w.>:])(?:metal\s*::\s*)?(?:packed_)?(" + "|".join(VEC_TYPES) + r")([234])\s*\(")
-_VEC_CAST = re.compile(r"\bstatic_cast\s*<\s*(?:metal\s*::\s*)?(?:packed_)?(" + "|".join(VEC_TYPES) + r")([234])\s*>\s*\(")
-_VEC_TMPL_CTOR = re.compile(r"(?<![\w.>:])(?:metal\s*::\s*)?vec\s*<")
-# `float4 acc = {0.f};`: fewer initialisers than lanes zero the rest in MSL (C++), an error in C++ for OpenCL
-_VEC_BRACE_INIT = re.compile(r"(?<![\w.>:])(?:metal\s*::\s*)?(?:packed_)?(" + "|".join(VEC_TYPES) +
-                             r")([234])\s+[A-Za-z_]\w*\s*=\s*(\{)")
-_NEXT_BRACE_INIT = re.compile(r"\s*,\s*[A-Za-z_]\w*\s*=\s*\{")
 _HALF_LIT = re.compile(r"(?<![\w.])((?:\d+\.\d*|\.\d+|\d+)(?:[eE][+-]?\d+)?)[hH](?![\w.])")
 _IDENT = re.compile(r"[A-Za-z_]\w*")
 _FC_DEFINED = re.compile(r"\bis_function_constant_defined\s*\(\s*(\w+)\s*\)")
@@ -163,9 +161,13 @@ _BOOL_ARG = re.compile(r"(?<=[<,\s])bool(?=\s*[,>])")
 _KEEPS_BOOL = re.compile(r"\b(?:static_cast|reinterpret_cast|const_cast|as_type|bit_cast|template|integral_constant|"
                          r"enable_if|enable_if_t)\s*$")
 _EXPLICIT_INSTANTIATION = re.compile(r"\btemplate\b(?!\s*<)[^;{}]*;")
+_EXPLICIT_SPECIALIZATION = re.compile(r"\btemplate\s*<\s*>")
+_BOOL = re.compile(r"\bbool\b")
+# The shim's one-byte bool lane (shim/mtl_types.h)
+BOOL_LANE = "__mtl_bool_lane"
 
 
-def _list_opener(masked: str, i: int) -> int:
+def _template_list_start(masked: str, i: int) -> int:
     """Index of the `<` that opens the template argument list containing ``masked[i]`` (-1 if none)."""
     depth = 0
     for j in range(i - 1, -1, -1):
@@ -181,64 +183,58 @@ def _list_opener(masked: str, i: int) -> int:
     return -1
 
 
-_EXPLICIT_SPECIALIZATION = re.compile(r"\btemplate\s*<\s*>")
+def _apply(text: str, edits: list) -> str:
+    """`text` with each (start, end, replacement) applied; the edits do not overlap."""
+    for a, b, rep in sorted(edits, reverse=True):
+        text = text[:a] + rep + text[b:]
+    return text
 
 
 def _bool_lane_specializations(text: str) -> str:
     """An explicit specialization of a function whose template arguments now name the bool
-    lane (``template <> bool cast_to<__Mb, float>(float v)``) spells its ``bool`` return
-    and parameter types ``__Mb`` too, so that it still specializes the template, and its
-    ``return``s convert to the lane as a bool converts (``return (__Mb)(...)``: the only
-    rewrite that changes lengths; lines stay)."""
+    lane (``template <> bool cast_to<__mtl_bool_lane, float>(float v)``) spells its ``bool``
+    return and parameter types as the lane too, so that it still specializes the template, and
+    its ``return``s convert to the lane as a bool converts (``return (__mtl_bool_lane)(...)``)."""
     masked = _blank_literals_and_directives(text)
     edits = []
     for m in _EXPLICIT_SPECIALIZATION.finditer(masked):
         paren = masked.find("(", m.end())
         head = masked[m.end():paren]
-        if paren < 0 or re.search(r"[;{}]", head) or not head.rstrip().endswith(">") or "__Mb" not in head:
+        if paren < 0 or re.search(r"[;{}]", head) or not head.rstrip().endswith(">") or BOOL_LANE not in head:
             continue  # not a function specialized for the bool lane
         close = _match_close(masked, paren, "(", ")")
         body = masked.find("{", close) if close > 0 else -1
         if body < 0 or re.search(r"[;}]", masked[close:body]):
             continue  # a declaration
         body_end = _match_close(masked, body, "{", "}")
-        for b in re.finditer(r"\bbool\b", masked[m.end():close]):
-            edits.append((m.end() + b.start(), m.end() + b.end(), "__Mb"))
-        if re.search(r"\bbool\b", head[:head.find("<")]):
+        edits += [(b.start(), b.end(), BOOL_LANE) for b in _BOOL.finditer(masked, m.end(), close)]
+        if _BOOL.search(head[:head.find("<")]):
             for r in re.finditer(r"\breturn\b", masked[body:body_end]):
                 expr, depth = body + r.end(), 0
                 for semi in range(expr, body_end):
                     depth += masked[semi] in "([{"
                     depth -= masked[semi] in ")]}"
                     if depth == 0 and masked[semi] == ";":
-                        edits.append((expr, expr, " (__Mb)("))
-                        edits.append((semi, semi, ")"))
+                        edits += [(expr, expr, f" ({BOOL_LANE})("), (semi, semi, ")")]
                         break
-    out = text
-    for a, b, rep in sorted(edits, reverse=True):
-        out = out[:a] + rep + out[b:]
-    return out
+    return _apply(text, edits)
 
 
 def bool_type_arguments(text: str) -> str:
-    """``text`` with ``bool`` template type arguments spelled ``__Mb`` (the shim's one-byte
-    bool lane), for a source that forms ``vec<bool, N>`` through a template (a
-    matrix-fragment type instantiated with bool), which C++ for OpenCL cannot: it has no
-    bool vectors.  Both sides of ``is_same<T, bool>`` change alike; an explicit
-    instantiation with such an argument also gets ``__Mb`` for the ``bool`` of its
-    parameter list, an explicit specialization for its signature.  Every line stays where
-    it was (and every column, outside such specializations' ``return``s)."""
+    """``text`` with ``bool`` template type arguments spelled as the shim's one-byte bool lane,
+    for a source that forms ``vec<bool, N>`` through a template (a matrix-fragment type
+    instantiated with bool), which C++ for OpenCL cannot: it has no bool vectors.  Both sides
+    of ``is_same<T, bool>`` change alike; an explicit instantiation with such an argument also
+    gets the lane for the ``bool`` of its parameter list, an explicit specialization for its
+    signature.  Every line stays where it was."""
     masked = _blank_literals_and_directives(text)
-    out = list(text)
-    for m in _BOOL_ARG.finditer(masked):
-        opener = _list_opener(masked, m.start())
-        if opener >= 0 and not _KEEPS_BOOL.search(masked[:opener]):
-            out[m.start():m.end()] = "__Mb"
-    rewritten = "".join(out)
-    for m in _EXPLICIT_INSTANTIATION.finditer(_blank_literals_and_directives(rewritten)):
-        if "__Mb" in m.group(0):
-            out[m.start():m.end()] = re.sub(r"\bbool\b", "__Mb", rewritten[m.start():m.end()])
-    return _bool_lane_specializations("".join(out))
+    text = _apply(text, [(*m.span(), BOOL_LANE) for m in _BOOL_ARG.finditer(masked)
+                         if (opener := _template_list_start(masked, m.start())) >= 0 and
+                         not _KEEPS_BOOL.search(masked, 0, opener)])
+    masked = _blank_literals_and_directives(text)
+    text = _apply(text, [(*b.span(), BOOL_LANE) for m in _EXPLICIT_INSTANTIATION.finditer(masked) if BOOL_LANE in m.group(0)
+                         for b in _BOOL.finditer(masked, *m.span())])
+    return _bool_lane_specializations(text)
 
 
 def _match_close(s: str, i: int, open_c: str, close_c: str) -> int:
@@ -344,7 +340,6 @@ class _Lines:
         self.offsets = [p[0] for p in self.points]
 
     def at(self, offset: int):
-        import bisect
         k = bisect.bisect_right(self.offsets, offset) - 1
         if k < 0:
             return self.default_file, self.text.count("\n", 0, offset) + 1
@@ -361,8 +356,11 @@ def _error(lines: _Lines, offset: int, msg: str) -> CompileError:
 
 
 _VEC_TYPE = re.compile(r"(?:metal\s*::\s*)?(?:packed_)?(" + "|".join(VEC_TYPES) + r")([234])")
-_PARENTHESISED_VEC_TYPE = re.compile(r"\(\s*(" + _VEC_TYPE.pattern + r")\s*\)")
-_TEMPLATE = re.compile(r"\btemplate\s*<")
+_VEC_TEMPLATE = re.compile(r"(?:metal\s*::\s*)?vec\s*<(.*)>", re.S)
+# the target of a C-style cast `(half4)x` or of `static_cast<half4>(x)`
+_CAST_TO_VEC_TYPE = re.compile(r"(?:\(|\bstatic_cast\s*<)\s*(" + _VEC_TYPE.pattern + r")\s*[)>]")
+# `vec<bool, 2>`: C++ for OpenCL has no bool vectors (the shim's make_vec builds boolN)
+_VEC_OF_BOOL = re.compile(r"\bvec\s*<\s*(bool)\b")
 _KERNEL_WORD = re.compile(r"\bkernel\b")
 _FUNCTION_CONSTANT = re.compile(r"\bconstant\s+([\w:<>\s,]+?)\s+(\w+)\s*\[\[\s*function_constant\s*\(\s*([^)]*?)\s*\)"
                                 r"\s*\]\]\s*;")
@@ -370,12 +368,16 @@ _FUNCTION_CONSTANT = re.compile(r"\bconstant\s+([\w:<>\s,]+?)\s+(\w+)\s*\[\[\s*f
 
 def syntax_view(text: str, masked: str) -> str:
     """The text as clang parses it for syntax.facts: attributes, the `kernel` keyword and the
-    `constant` of function constants (declarations without a value) blanked, a parenthesised
-    vector type spelled ``__V`` (shim/mtl_syntax.h: a cast to it is valid for any operand, where
-    C++ for OpenCL rejects some vector casts MSL converts); same offsets."""
+    `constant` of function constants (declarations without a value) blanked, the vector type of a
+    C-style or static cast spelled ``__V`` (shim/mtl_syntax.h: a cast to it is valid for any
+    operand, where C++ for OpenCL rejects some vector casts MSL converts, and drops a rejected
+    static_cast from its AST) and ``vec<bool, N>`` spelled ``vec<char, N>`` (clang drops an
+    expression of an invalid type from its AST); same offsets."""
     view = list(text)
-    for m in _PARENTHESISED_VEC_TYPE.finditer(masked):
+    for m in _CAST_TO_VEC_TYPE.finditer(masked):
         view[m.start(1):m.end(1)] = "__V".ljust(m.end(1) - m.start(1))
+    for m in _VEC_OF_BOOL.finditer(masked):
+        view[m.start(1):m.end(1)] = "char"
     spans = [(a, b) for a, b, _ in _attributes(masked)] + [m.span() for m in _KERNEL_WORD.finditer(masked)] + \
         [(m.start(), m.start() + len("constant")) for m in _FUNCTION_CONSTANT.finditer(masked)]
     for a, b in spans:
@@ -383,17 +385,31 @@ def syntax_view(text: str, masked: str) -> str:
     return "".join(view)
 
 
+def _vector_type(written: str) -> Optional[str]:
+    """The element type and size of a vector type as written (``float4``, ``metal::packed_half2``,
+    ``vec<T, 4>``): ``"float, 4"``; None for another type."""
+    vec = _VEC_TYPE.fullmatch(written)
+    if vec:
+        return f"{vec.group(1)}, {vec.group(2)}"
+    tmpl = _VEC_TEMPLATE.fullmatch(written)
+    parts = _split_top(tmpl.group(1)) if tmpl else []
+    return ", ".join(tmpl.group(1)[a:b].strip() for a, b in parts) if len(parts) == 2 else None
+
+
 def _cast_edit(text: str, cast: dict):
     """The rewrite of one cast clang found, (start, operand start, operand end, end, prefix,
     suffix), or None: MSL converts vectors in C-style and functional casts where clang
-    reinterprets their bits.  (float4)x -> a vector constructor; (T)x, T(x) and
-    static_cast<T>(x) with T a template type parameter -> __mtl::cast<T>(x), T(x, y) ->
-    __mtl::construct<T>(x, y) (a vector constructor when T is a vector)."""
-    start, end, operands, params = cast["start"], cast["end"], cast["operands"], cast["params"]
+    reinterprets their bits, and builds vectors from parts.  Vector constructors ``float4(x)``,
+    ``half4(f4)``, ``float4(f2, z, w)``, ``vec<T, 4>(v, x)`` (which clang sees as a functional
+    cast, or as an expression in error when it cannot build it) and the casts ``(float4)x``,
+    ``static_cast<float4>(x)`` -> __mtl::make_vec<float, 4>(...) (splat / convert / concatenate);
+    (T)x, T(x) and static_cast<T>(x) with T a template type parameter -> __mtl::cast<T>(x),
+    T(x, y) -> __mtl::construct<T>(x, y) (a vector constructor when T is a vector)."""
+    kind, start, end, operands, params = cast["kind"], cast["start"], cast["end"], cast["operands"], cast["params"]
     if not operands:
         return None
     first = operands[0][0]
-    if cast["kind"] == "CStyleCastExpr":
+    if kind == "CStyleCastExpr":
         close = text.rfind(")", start, first)
         written = text[start + 1:close].strip()
         vec = _VEC_TYPE.fullmatch(written)
@@ -404,16 +420,64 @@ def _cast_edit(text: str, cast: dict):
         return None
     paren = text.rfind("(", start, first)
     if paren < 0 or text[end - 1] != ")":
-        return None  # T{x}: list initialisation
-    if cast["kind"] == "CXXStaticCastExpr":
+        return None  # T{x}: list initialisation; an expression in error that is no constructor
+    if kind == "CXXStaticCastExpr":
         written = text[text.find("<", start) + 1:text.rfind(">", start, paren)].strip()
+        vec = _VEC_TYPE.fullmatch(written)
+        vector = f"{vec.group(1)}, {vec.group(2)}" if vec else None
         helper = "cast"
     else:
         written = text[start:paren].strip()
+        vector = _vector_type(written)
         helper = "cast" if len(operands) == 1 else "construct"
-    if written not in params:
+    if vector:
+        return start, paren + 1, end - 1, end, f"__mtl::make_vec<{vector}>(", ")"
+    if written not in params or kind not in ("CXXStaticCastExpr", "CXXUnresolvedConstructExpr"):
         return None
     return start, paren + 1, end - 1, end, f"__mtl::{helper}<{written}>(", ")"
+
+
+_DECLARATION_WORDS = {"const", "constexpr", "static", "constant", "thread", "threadgroup", "device", "volatile"}
+
+
+def _rejected_field_initialiser(text: str, after_name: int) -> tuple:
+    """The extent of the brace list after `= ` (a field's initialiser clang rejected); (0, 0) if none."""
+    def next_char(i):
+        return len(text) - len(text[i:].lstrip())
+
+    eq = next_char(after_name)
+    brace = next_char(eq + 1)
+    close = _match_close(text, brace, "{", "}") if text[eq:eq + 1] == "=" and text[brace:brace + 1] == "{" else -1
+    return (brace, close + 1) if close >= 0 else (0, 0)
+
+
+def _init_edit(text: str, init: dict) -> Optional[tuple]:
+    """The rewrite of the initialiser of a vector variable (or parameter), or None: a brace list
+    with fewer elements than lanes zeroes the rest in MSL and is an error in C++ for OpenCL
+    (``float4 acc = {0.f}`` -> ``__mtl::brace_vec<float, 4>(0.f)``); a comparison of vectors gives
+    a boolN in MSL and an integer vector in C++ (``bool4 m = a > b`` ->
+    ``__mtl::make_vec<bool, 4>(a > b)``)."""
+    words = text[init["start"]:init["first_name"]].split()
+    while words and words[0] in _DECLARATION_WORDS:
+        words.pop(0)
+    vector = _vector_type(" ".join(words))
+    name_end = _IDENT.match(text, init["name"])
+    if not vector or not name_end:
+        return None
+    begin, end = init["init"] or _rejected_field_initialiser(text, name_end.end())
+    if text[name_end.end():begin].strip() != "=":
+        return None  # an array / reference / pointer of vectors
+    element, lanes = vector.split(", ")
+    if init["init"] is None:
+        elements = len([1 for a, b in _split_top(text[begin + 1:end - 1]) if text[begin + 1 + a:begin + 1 + b].strip()])
+        init = dict(init, elements=elements)
+    if init["elements"] is not None:
+        if not lanes.isdigit() or init["elements"] >= int(lanes) or text[begin] != "{" or text[end - 1] != "}":
+            return None
+        return begin, begin + 1, end - 1, end, f"__mtl::brace_vec<{vector}>(", ")"
+    if element != "bool" or words[-1].startswith("packed_"):
+        return None
+    return begin, begin, end, end, f"__mtl::make_vec<{vector}>(", ")"
 
 
 def _threadgroup_edit(text: str, decl: dict, counter) -> Optional[tuple]:
@@ -433,121 +497,54 @@ def _threadgroup_edit(text: str, decl: dict, counter) -> Optional[tuple]:
 
 
 def _rewrite_syntax(text: str, masked: str, facts: dict) -> tuple:
-    """Casts and threadgroup variables, where clang's AST of the text (syntax.facts) puts them."""
+    """Casts, vector initialisers and threadgroup variables, where clang's AST of the text
+    (syntax.facts) puts them: (text, masked, where), `where` mapping an offset of the text to
+    one of the rewritten text."""
     counter = itertools.count(1)
     edits = {e for e in (_cast_edit(text, c) for c in facts["casts"]) if e}
+    edits |= {e for e in (_init_edit(text, i) for i in facts["inits"]) if e}
     edits |= {e for e in (_threadgroup_edit(text, d, counter) for d in facts["threadgroup"]) if e}
-    edits = sorted(edits, key=lambda e: (e[0], -e[3]))
+    edits = sorted(edits, key=lambda e: (e[0], -e[3], e[1]))  # an edit around another first
 
-    def apply(src: str, lo: int, hi: int, k: int) -> tuple:
-        """src[lo:hi] with the edits from k on that lie inside it (nested ones too)."""
+    kept = []  # (offset in the text, offset in the rewritten text) of each piece kept as it was
+
+    def apply(src: str, lo: int, hi: int, k: int, at: int) -> tuple:
+        """src[lo:hi] with the edits from k on that lie inside it (nested ones too), written at `at`."""
         out, pos = [], lo
         while k < len(edits) and edits[k][0] < hi:
             start, a, b, end, prefix, suffix = edits[k]
             if start < pos or end > hi:  # overlaps a rewrite without nesting in it: left as it is
                 k += 1
                 continue
-            inner, k = apply(src, a, b, k + 1)
+            kept.append((pos, at))
+            inner, k = apply(src, a, b, k + 1, at + start - pos + len(prefix))
             out += [src[pos:start], prefix, inner, suffix]
+            at += start - pos + len(prefix) + len(inner) + len(suffix)
             pos = end
+        kept.append((pos, at))
         out.append(src[pos:hi])
         return "".join(out), k
 
-    return apply(text, 0, len(text), 0)[0], apply(masked, 0, len(masked), 0)[0]
+    text = apply(text, 0, len(text), 0, 0)[0]
+    pieces = sorted(kept)
+    starts = [p[0] for p in pieces]
+
+    def where(offset: int) -> int:
+        piece = pieces[bisect.bisect_right(starts, offset) - 1]
+        return piece[1] + offset - piece[0]
+
+    return text, apply(masked, 0, len(masked), 0, 0)[0], where
 
 
-_CONVERSION_FUNCTION = re.compile(r"\boperator\s*$")
-
-
-def _rewrite_tokens(text: str, masked: str) -> tuple:
-    """Vector constructors and half literals (no new lines, positions shift)."""
+def _half_literals(text: str, masked: str) -> tuple:
+    """``1.0h`` -> ``((half)1.0f)`` (no new lines, positions shift)."""
     out, mout, pos = [], [], 0
-    matches = []
-    for m in _VEC_CTOR.finditer(masked):
-        if _CONVERSION_FUNCTION.search(masked, max(0, m.start() - 12), m.start()):
-            continue  # operator float4(): a conversion function, not a constructor
-        matches.append((m.start(), m.end(), f"__mtl::make_vec<{m.group(1)}, {m.group(2)}>("))
-    for m in _VEC_CAST.finditer(masked):
-        matches.append((m.start(), m.end(), f"__mtl::make_vec<{m.group(1)}, {m.group(2)}>("))
-    for m in _VEC_TMPL_CTOR.finditer(masked):
-        close = _match_angle(masked, m.end() - 1)
-        if close < 0 or _CONVERSION_FUNCTION.search(masked, max(0, m.start() - 12), m.start()):
-            continue
-        after = masked[close + 1:]
-        stripped = after.lstrip(" \t")
-        if not stripped.startswith("("):
-            continue
-        args = masked[m.end():close]
-        parts = _split_top(args)
-        if len(parts) != 2:
-            continue
-        t = text[m.end() + parts[0][0]:m.end() + parts[0][1]].strip()
-        nn = text[m.end() + parts[1][0]:m.end() + parts[1][1]].strip()
-        paren = close + 1 + (len(after) - len(stripped))
-        matches.append((m.start(), paren + 1, f"__mtl::make_vec<{t}, {nn}>("))
-    for m in _VEC_BRACE_INIT.finditer(masked):
-        brace = m.start(3)
-        while brace >= 0:  # float4 a = {0.f}, b = {0.f};
-            close = _match_close(masked, brace, "{", "}")
-            if close < 0:
-                break
-            inside = masked[brace + 1:close]
-            if len([p for p in _split_top(inside) if inside[p[0]:p[1]].strip()]) < int(m.group(2)):
-                matches.append((brace, brace + 1, f"__mtl::brace_vec<{m.group(1)}, {m.group(2)}>("))
-                matches.append((close, close + 1, ")"))
-            more = _NEXT_BRACE_INIT.match(masked, close + 1)
-            brace = more.end() - 1 if more else -1
     for m in _HALF_LIT.finditer(masked):
         lit = m.group(1) + ("f" if re.search(r"[.eE]", m.group(1)) else "")  # a float literal, not a double one
-        matches.append((m.start(), m.end(), f"((half){lit})"))
-    matches.sort()
-    for start, end, new in matches:
-        if start < pos:
-            continue
-        out.append(text[pos:start])
-        mout.append(masked[pos:start])
-        out.append(new)
-        mout.append(new)
-        pos = end
-    out.append(text[pos:])
-    mout.append(masked[pos:])
-    return "".join(out), "".join(mout)
-
-
-# ---------------------------------------------------------------- scopes
-
-
-def _scopes(masked: str):
-    """For every '{': whether it opens a namespace; returns (ns_depth_at, namespace_path_at)."""
-    # Returns a function giving (in_function_body, namespace path) for an offset.
-    ns_re = re.compile(r"\bnamespace\s*([\w:]*)\s*(?:\[\[[^\]]*\]\])?\s*\{")
-    ns_braces = {}
-    for m in ns_re.finditer(masked):
-        ns_braces[m.end() - 1] = m.group(1)
-    stack = []
-    marks = []  # (offset, nonns_depth, ns_path tuple)
-    for i, c in enumerate(masked):
-        if c == "{":
-            if i in ns_braces:
-                stack.append(("ns", ns_braces[i]))
-            else:
-                stack.append(("other", None))
-            marks.append((i + 1, stack.copy()))
-        elif c == "}":
-            if stack:
-                stack.pop()
-            marks.append((i + 1, stack.copy()))
-    offsets = [m[0] for m in marks]
-
-    def at(offset: int):
-        import bisect
-        k = bisect.bisect_right(offsets, offset) - 1
-        st = marks[k][1] if k >= 0 else []
-        nonns = sum(1 for kind, _ in st if kind == "other")
-        path = [name for kind, name in st if kind == "ns" and name]
-        return nonns, path
-
-    return at
+        out += [text[pos:m.start()], f"((half){lit})"]
+        mout += [masked[pos:m.start()], f"((half){lit})"]
+        pos = m.end()
+    return "".join(out + [text[pos:]]), "".join(mout + [masked[pos:]])
 
 
 # ---------------------------------------------------------------- attributes
@@ -592,26 +589,26 @@ POSITION_BUILTINS = {"thread_position_in_grid", "thread_position_in_threadgroup"
                      "dispatch_threads_per_threadgroup", "grid_origin"}
 
 
-_FUNCTION_POINTER_PARAM = re.compile(r"\(\s*(\*)\s*[A-Za-z_]\w*\s*\)\s*\(")
-_FUNCTION_POINTER_TYPE = re.compile(r"\btypedef\b[^;{}()]*\(\s*(\*)\s*[A-Za-z_]\w*\s*\)\s*\(|"
-                                    r"\busing\s+[A-Za-z_]\w*\s*=[^;{}()]*\(\s*(\*)\s*\)\s*\(")
-
-
-def _function_template_params(text: str, masked: str) -> str:
+def _function_references(text: str, masked: str, facts: dict) -> tuple:
     """Template parameters that are function pointers (``template <void (*deq)(...)>``, a kernel
     templated on its dequantiser) become references to functions (``void (&deq)(...)``): same
     calls, same arguments, but C++ for OpenCL puts a pointer's pointee in the generic address
     space, so that a function's address never matches a pointer parameter.  Function pointer
     types named by typedef / using become references too (a pointer used at run time is an
     error either way: analysis.py).  Same length."""
-    out = list(text)
-    for m in _TEMPLATE.finditer(masked):
-        close = _match_angle(masked, m.end() - 1)
-        for f in _FUNCTION_POINTER_PARAM.finditer(masked, m.end(), max(close, m.end())):
-            out[f.start(1)] = "&"
-    for m in _FUNCTION_POINTER_TYPE.finditer(masked):  # such a parameter's type through a typedef / alias
-        out[m.start(1) if m.group(1) else m.start(2)] = "&"
-    return "".join(out)
+    stars = set()
+    for kind, name, start, end in facts["function_pointers"]:
+        if kind == "TypeAliasDecl":  # using f = void (*)(...): the `*` after the first `(` followed by one
+            paren = text.find("(", name, end)
+            while paren >= 0 and not text[paren + 1:end].lstrip().startswith("*"):
+                paren = text.find("(", paren + 1, end)
+            star = text.find("*", paren, end) if paren >= 0 else -1
+        else:  # void (*deq)(...), typedef void (*f)(...): the `*` before the name
+            star = text.rfind("*", start, name)
+        stars |= {star} - {-1}
+    for i in sorted(stars):
+        text, masked = text[:i] + "&" + text[i + 1:], masked[:i] + "&" + masked[i + 1:]
+    return text, masked
 
 
 # `#pragma unroll (MIN(DK8/2, 4*NSG))`: clang -E leaves pragma arguments unexpanded, so their
@@ -640,14 +637,15 @@ def run(text: str, *, default_file: str, syntax, only: Optional[set] = None) -> 
     glue for the selected ones only."""
     text = _UNROLL_PRAGMA_WITH_NAMES.sub(lambda m: " " * len(m.group()), text)
     masked = _blank_literals_and_directives(text)
-    text = _function_template_params(text, masked)
-    masked = _blank_literals_and_directives(text)
-    text, masked = _rewrite_tokens(text, masked)
-    text, masked = _rewrite_syntax(text, masked, syntax(syntax_view(text, masked)))
+    text, masked = _half_literals(text, masked)
+    facts = syntax(syntax_view(text, masked))
+    text, masked = _function_references(text, masked, facts)
+    text, masked, where = _rewrite_syntax(text, masked, facts)
+    namespaces = [(where(a), where(b), name) for a, b, name in facts["namespaces"] if name]
+    program_scope = [(where(a), where(b)) for a, b in facts["globals"]]
     lines = _Lines(text, default_file)
     _reject_virtual(masked, lines)
     edits = _Edits(text)
-    scope_at = _scopes(masked)
     attrs = _attributes(masked)
     handled_attrs = set()
 
@@ -706,12 +704,12 @@ def run(text: str, *, default_file: str, syntax, only: Optional[set] = None) -> 
         items = _attr_items(a[2])
         if not any(n == "kernel" for n, _ in items):
             continue
-        _define_kernel(text, masked, lines, edits, attrs, a[0], a[1], templates, kernels, scope_at)
+        _define_kernel(text, masked, lines, edits, attrs, a[0], a[1], templates, kernels, namespaces)
     for m in re.finditer(r"\bkernel\b(?=\s*(?:\[\[[^\]]*\]\]\s*)*void\b)", masked):
         if any(inst[3] <= m.start() < _stmt_end(masked, inst[3]) for inst in instantiations):
             continue
         edits.blank(m.start(), m.end())
-        _define_kernel(text, masked, lines, edits, attrs, m.start(), m.end(), templates, kernels, scope_at)
+        _define_kernel(text, masked, lines, edits, attrs, m.start(), m.end(), templates, kernels, namespaces)
     for host, expr, tname, off in instantiations:
         short = tname.split("::")[-1]
         if short not in templates:
@@ -742,8 +740,7 @@ def run(text: str, *, default_file: str, syntax, only: Optional[set] = None) -> 
         der_re = re.compile(r"\bconstant\s+([\w:<>\s,]+?)\s+(\w+)\s*=\s*([^;]*);")
         names = set(fc_names)
         for m in der_re.finditer(masked):
-            nonns, _ = scope_at(m.start())
-            if nonns:
+            if not any(a <= m.start() < b for a, b in program_scope):
                 continue
             expr = _FC_DEFINED.sub(r"__mtl_fcdef_\1", text[m.start(3):m.end(3)])
             toks = set(_IDENT.findall(masked[m.start(3):m.end(3)]))
@@ -755,14 +752,6 @@ def run(text: str, *, default_file: str, syntax, only: Optional[set] = None) -> 
             edits.replace(m.start(), m.end(), f"MTL_DERIVED_CONSTANT({typ}, {m.group(2)}, {expr});")
     for m in _FC_DEFINED.finditer(masked):
         edits.replace(m.start(), m.end(), f"__mtl_fcdef_{m.group(1)}")
-
-    # --- `bool4 m = a > b;`: vector comparisons give integer masks in C++
-    for m in re.finditer(r"\b(?:metal\s*::\s*)?bool([234])\s+\w+\s*=(?!=)", masked):
-        end = _stmt_end(masked, m.end())
-        if end < 0 or len(_split_top(masked[m.end():end])) != 1:
-            continue
-        init = text[m.end():end]
-        edits.replace(m.end(), end, f" __mtl::make_vec<bool, {m.group(1)}>({init})")
 
     # --- remaining attributes: blank all but the standard ones
     for start, end, content in attrs:
@@ -796,7 +785,7 @@ def _stmt_end(masked: str, i: int) -> int:
     return -1
 
 
-def _define_kernel(text, masked, lines, edits, attrs, start, end, templates, kernels, scope_at):
+def _define_kernel(text, masked, lines, edits, attrs, start, end, templates, kernels, namespaces):
     """A kernel definition whose [[kernel]] attribute / `kernel` keyword spans [start, end)."""
     # Host name and thread limit from the attributes around the kernel marker.
     found = {}
@@ -857,7 +846,7 @@ def _define_kernel(text, masked, lines, edits, attrs, start, end, templates, ker
         return  # a declaration; the definition carries the parameters
     params = _parse_params(text, masked, popen + 1, pclose, lines)
     file, line = lines.at(j + m.start(1))
-    _, path = scope_at(start)
+    path = [name for a, b, name in namespaces if a <= start < b]
     qual = "::" + "::".join(path + [name]) if path else name
     max_threads = found.get("max_total_threads_per_threadgroup")
     if max_threads is not None and not re.fullmatch(r"\d+", max_threads):

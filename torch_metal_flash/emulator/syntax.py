@@ -1,4 +1,5 @@
-"""What clang's own parser says about a source: the casts and threadgroup variables the pre-pass rewrites.
+"""What clang's own parser says about a source: the casts, initialisers, function pointer types and threadgroup
+variables the pre-pass rewrites.
 
 The pre-pass (prepass.py) hands clang a *view* of its text: the same characters
 (so every offset is an offset of the text) with what C++ for OpenCL cannot
@@ -7,11 +8,19 @@ parse blanked -- ``[[...]]`` attributes, the ``kernel`` keyword, the
 the shim as a precompiled header (compiler.syntax_facts) and dumps its AST as
 JSON; this module reads from that AST:
 
-- casts: C-style casts ``(T)x``, functional casts to a dependent type
-  ``T(x)`` / ``T(x, y)`` and ``static_cast<T>(x)``, each with its extent, the
-  extents of its operands and the template type parameters in scope -- so
-  which parenthesis is a cast and where its operand ends is the compiler's
-  answer, not a guess from the characters around it;
+- casts: C-style casts ``(T)x``, functional casts ``T(x)`` / ``T(x, y)`` (vector
+  constructors among them), ``static_cast<T>(x)`` and expressions in error
+  (a vector constructor C++ for OpenCL cannot build), each with its extent,
+  the extents of its operands and the template type parameters in scope --
+  so which parenthesis is a cast or a constructor and where its operands end
+  is the compiler's answer, not a guess from the characters around it;
+- initialised declarations ``float4 a = {0.f};``, ``bool4 m = x > y;``: the
+  declaration's start, where its first declarator's name is, the extent of the
+  initialiser and, for a brace list, how many elements it has;
+- function pointer types of template parameters (``template <void (*deq)(...)>``)
+  and of typedef / using declarations: the declaration's extent and where its
+  name is;
+- namespaces (extent, name) and program-scope variables (extent);
 - threadgroup variables declared in function bodies (``threadgroup float
   tile[32], acc;``): the statement's extent and each variable's name and
   declarator.
@@ -26,7 +35,10 @@ import bisect
 import itertools
 from typing import Optional
 
-CAST_KINDS = ("CStyleCastExpr", "CXXUnresolvedConstructExpr", "CXXStaticCastExpr")
+# A vector constructor MSL has and C++ for OpenCL lacks (`float4(f2, z, w)`, `half4(f4)`) is an
+# expression in error, which clang keeps (typed, with its operands) as a RecoveryExpr.
+CAST_KINDS = ("CStyleCastExpr", "CXXUnresolvedConstructExpr", "CXXStaticCastExpr", "CXXFunctionalCastExpr",
+              "RecoveryExpr")
 
 
 def _offset_map(text: str):
@@ -104,11 +116,37 @@ def _written(node: dict, cast_start: int, extent: dict) -> dict:
     return node
 
 
+def _initialisers(declarators: list, extent: dict) -> list:
+    """The `= x` initialisers of variables, parameters and fields (their declarations' starts are
+    shared by all their declarators: `float4 a = {0.f}, b = x;`).  A field's initialiser clang
+    rejects is not in its AST: "init" None."""
+    first_name, out = {}, []
+    for node in declarators:
+        loc, start, _ = extent[id(node)]
+        init = node["inner"][-1] if node.get("inner") else {}
+        _, begin, end = extent.get(id(init), (None, None, None))
+        if loc is None or start is None or (init and None in (begin, end)):
+            continue
+        first_name.setdefault(start, loc)
+        if not init:
+            out.append({"start": start, "name": loc, "first_name": first_name[start], "init": None, "elements": None})
+            continue
+        while init.get("kind") == "RecoveryExpr" and len(init.get("inner", ())) == 1:
+            init = init["inner"][0]  # a brace list C++ for OpenCL rejects (too few elements for a vector)
+        elements = len(init.get("inner", ())) if init.get("kind") == "InitListExpr" else None
+        out.append({"start": start, "name": loc, "first_name": first_name[start], "init": [begin, end],
+                    "elements": elements})
+    return out
+
+
 def facts(ast: dict, view: str, main_file: str) -> dict:
-    """{"casts": [...], "threadgroup": [...]} of the view (see the module docstring)."""
+    """{"casts": [...], "inits": [...], "threadgroup": [...], "function_pointers": [(kind, name,
+    start, end)], "namespaces": [(start, end, name)], "globals": [(start, end)]} of the view (see
+    the module docstring)."""
     walk = _Walk(main_file, _offset_map(view))
     extent, params = {}, {id(None): frozenset()}
-    casts, declarations = [], []
+    casts, declarators, declarations, function_pointers = [], [], [], []
+    namespaces, globals_ = [], []
     for node, parent in _nodes(ast):
         extent[id(node)] = walk.extent(node)
         names = {c.get("name") for c in node.get("inner", ()) if c.get("kind") == "TemplateTypeParmDecl"}
@@ -116,7 +154,22 @@ def facts(ast: dict, view: str, main_file: str) -> dict:
         kind = node.get("kind")
         if kind in CAST_KINDS or (kind == "DeclStmt" and _starts_with_word(view, extent[id(node)][1], "threadgroup")):
             (casts if kind in CAST_KINDS else declarations).append(node)
-    out = {"casts": [], "threadgroup": []}
+        elif (kind in ("VarDecl", "ParmVarDecl") and node.get("init") == "c" and node.get("inner")) or \
+                (kind == "FieldDecl" and node.get("hasInClassInitializer")):
+            declarators.append(node)
+        elif kind in ("NonTypeTemplateParmDecl", "TypedefDecl", "TypeAliasDecl") and \
+                "*)(" in node.get("type", {}).get("qualType", ""):  # void (*)(int), void (__generic *)(int)
+            function_pointers.append(node)
+        if kind == "NamespaceDecl":
+            namespaces.append((*extent[id(node)][1:], node.get("name", "")))
+        elif kind == "VarDecl" and (parent or {}).get("kind") in ("TranslationUnitDecl", "NamespaceDecl",
+                                                                   "LinkageSpecDecl"):
+            globals_.append(extent[id(node)][1:])
+    out = {"casts": [], "inits": _initialisers(declarators, extent), "threadgroup": [],
+           "function_pointers": sorted({(node["kind"], *extent[id(node)]) for node in function_pointers
+                                        if None not in extent[id(node)]}),
+           "namespaces": [n for n in namespaces if None not in n],  # outer ones first
+           "globals": sorted(g for g in globals_ if None not in g)}
     for node in casts:
         _, begin, end = extent[id(node)]
         operands = [extent[id(_written(c, begin, extent))][1:] for c in node.get("inner", ()) if isinstance(c, dict)]
@@ -141,5 +194,9 @@ def facts(ast: dict, view: str, main_file: str) -> dict:
     for c in out["casts"]:
         unique.setdefault((c["kind"], c["start"], c["end"]), c)
     out["casts"] = sorted(unique.values(), key=lambda c: (c["start"], -c["end"]))
+    inits = {}
+    for i in out["inits"]:
+        inits.setdefault((i["start"], i["name"]), i)
+    out["inits"] = sorted(inits.values(), key=lambda i: i["name"])
     out["threadgroup"] = sorted({d["start"]: d for d in out["threadgroup"]}.values(), key=lambda d: d["start"])
     return out

@@ -132,7 +132,7 @@ MTL_INLINE void* raw(P* p) {
 template <class T, class A>
 MTL_INLINE T conv(A a) {
   if constexpr (__is_same(T, bool)) return a != A(0);
-  else if constexpr (__is_same(T, __Mb)) return T(a != A(0));  // a bool lane
+  else if constexpr (__is_same(T, __mtl_bool_lane)) return T(a != A(0));  // a bool lane
   else return static_cast<T>(a);
 }
 
@@ -195,7 +195,7 @@ template <class E> inline constexpr constant bool is_class_arg = __is_class(plai
 template <class T, class E, enable_if_t<!is_class_arg<E>, int> = 0>
 MTL_INLINE T cast(E e) {  // by value: binds vector elements (v.x) too
   if constexpr (vn<T> > 1 && vn<E> > 1 && !__is_same(elem_t<T>, elem_t<E>)) return make_vec<elem_t<T>, vn<T>>(e);
-  else if constexpr (__is_same(T, __Mb)) return conv<T>(e);  // a bool lane converts as bool does
+  else if constexpr (__is_same(T, __mtl_bool_lane)) return conv<T>(e);  // a bool lane converts as bool does
   else return (T)e;
 }
 template <class T, class E, enable_if_t<is_class_arg<E>, int> = 0>

@@ -85,7 +85,7 @@ typedef __mtl::packed_vec3<signed char> packed_bool3;
 // that can be a vector element (bool cannot, in C++ for OpenCL; an enum over
 // bool would make the vector one of i1).  The shim's conversions to it give
 // 0 or 1 (__mtl::conv).
-enum __Mb : signed char {};
+enum __mtl_bool_lane : signed char {};
 typedef __mtl::packed_vec3<char> packed_char3;
 typedef __mtl::packed_vec3<uchar> packed_uchar3;
 typedef __mtl::packed_vec3<short> packed_short3;
@@ -140,7 +140,7 @@ using ::ulong4;
 
 // vec<T, N> deduces T and N like Apple's. boolN are one-byte-per-lane
 // vectors: C++ for OpenCL has no bool element type, so a source that forms
-// vec<bool, N> is compiled with its bool template arguments spelled __Mb
+// vec<bool, N> is compiled with its bool template arguments spelled __mtl_bool_lane
 // (compiler.check_rules retries so; docs/emulator.md).
 template <typename T, int N>
 using vec = T __attribute__((ext_vector_type(N)));
@@ -230,10 +230,10 @@ template <typename T> constexpr constant bool is_signed_v = is_signed<T>::value;
 template <typename T> struct is_unsigned : bool_constant<__is_unsigned(remove_cv_t<T>)> {};
 template <typename T, int N> struct is_unsigned<T __attribute__((ext_vector_type(N)))> : is_unsigned<T> {};
 template <typename T> constexpr constant bool is_unsigned_v = is_unsigned<T>::value;
-// the bool lane (__Mb, see above) answers as bool does
-template <> struct is_integral<__Mb> : true_type {};
-template <> struct is_arithmetic<__Mb> : true_type {};
-template <> struct is_unsigned<__Mb> : true_type {};
+// the bool lane (__mtl_bool_lane, see above) answers as bool does
+template <> struct is_integral<__mtl_bool_lane> : true_type {};
+template <> struct is_arithmetic<__mtl_bool_lane> : true_type {};
+template <> struct is_unsigned<__mtl_bool_lane> : true_type {};
 template <typename U, typename V> struct is_convertible : bool_constant<__is_convertible_to(U, V)> {};
 template <typename U, typename V> constexpr constant bool is_convertible_v = is_convertible<U, V>::value;
 template <typename T> struct is_class : bool_constant<__is_class(T)> {};
