@@ -68,6 +68,8 @@ def bytes_table(quick: bool) -> tuple[str, dict]:
     if not quick:
         configs += [("f16", 1, 4, 4, 512, 64, "none"), ("f16", 1, 4, 4, 1024, 64, "causal"),
                     ("bf16", 1, 4, 1, 512, 128, "causal")]
+    configs += [("f16", 1, 2, 2, 128, 320, "none"), ("f16", 1, 2, 1, 128, 512, "causal"),
+                ("f32", 1, 2, 2, 128, 512, "none")]
     g = torch.Generator().manual_seed(0)
     for dt, B, Hq, Hkv, L, D, masking in configs:
         dtype = DT[dt]
@@ -96,12 +98,24 @@ def bytes_table(quick: bool) -> tuple[str, dict]:
         for s in stats:
             peaks[s.kernel] = max(peaks.get(s.kernel, 0), s.threadgroup_memory)
         mma = sum(s.mma for s in stats)
+        pairs = B * Hq * (L * (L + 1) // 2 if masking == "causal" else L * L)  # visible (i, j)
+        # FMAs of the products: FlashAttention-2's five (S, dP, dV, dK, dQ), and the ones our
+        # kernels compute (S again in the dK/dV kernel, and dP and S once more when dK and dV split)
+        fa2 = pairs * (3 * D + 2 * D)
+        ours = pairs * ((2 * D + D) + (2 * D + 2 * D) if "m0" in per_modes(stats) else
+                        (2 * D + D) + (2 * D + D) + (D + D))
         rows.append(f"| {dt} | {B}x{Hq}:{Hkv}x{L}x{D} | {masking} | {_mib(minimum)} | {_mib(total)} | "
                     f"**{total / minimum:.2f}** | " + " / ".join(f"{k} {v / minimum:.2f}" for k, v in per.items())
-                    + f" | {mma} | {secs:.1f} |")
+                    + f" | {mma} | {mma * 512 / ours:.2f} | {mma * 512 / fa2:.2f} | {secs:.1f} |")
     head = ("| dtype | B x Hq:Hkv x L x D | mask | minimum MiB | moved MiB | ratio | per kernel (x minimum) "
-            "| 8x8 MMAs | emulator s |\n|---|---|---|---|---|---|---|---|---|")
+            "| 8x8 MMAs | MMA FMAs / our products' FMAs | MMA FMAs / FA2's five products | emulator s |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|")
     return head + "\n" + "\n".join(rows), peaks
+
+
+def per_modes(stats) -> set:
+    """The dK/dV kernels' mode suffixes of a plan's launches (``m0`` fused, ``m1``/``m2`` split)."""
+    return {s.kernel.split("_")[-1] for s in stats if "_dkv_" in s.kernel}
 
 
 def tgmem_table(peaks: dict) -> str:
@@ -120,12 +134,12 @@ def tgmem_table(peaks: dict) -> str:
     return head + "\n" + "\n".join(rows)
 
 
-def memory_table(quick: bool) -> str:
+def memory_table(quick: bool, D: int = 32) -> str:
     import torch_metal_flash as tmf
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    B, H, D = 1, 2, 32
-    lengths = (128, 256, 512) if quick else (128, 256, 512, 1024, 2048)
+    B, H = 1, 2
+    lengths = (128, 256, 512) if quick or D > 128 else (128, 256, 512, 1024, 2048)
     rows = []
     g = torch.Generator().manual_seed(1)
     for L, dtype in ((L, dt) for L in lengths for dt in (torch.float32, torch.bfloat16)):
@@ -177,7 +191,7 @@ def main() -> int:
     parts += ["## Threadgroup memory per variant\n", tgmem_table(peaks), ""]
     if not args.no_memory:
         parts += ["## Extra memory vs sequence length (torch allocator peak, fwd + bwd, minus out/dq/dk/dv)\n",
-                  memory_table(args.quick), ""]
+                  memory_table(args.quick), "", memory_table(args.quick, D=512), ""]
     text = "\n".join(parts)
     print(text)
     harness.write_result("backward.md", text + "\n")

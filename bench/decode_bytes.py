@@ -50,23 +50,24 @@ def _fmt_name(quant):
 
 
 def measure(B=1, H=32, Hkv=8, D=128, L=4096, Lq=1, dtype=torch.float16, num_splits=0, paged=None, append=False,
-            seed=0, quant=None):
+            seed=0, quant=None, Dv=None):
+    Dv = Dv or D  # v's head dim (latent attention: 512 under D = 576)
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, Lq, H, D, generator=g).to(dtype)
     if paged:
         nblk = B * (-(-L // paged))
         kc = torch.randn(nblk, paged, Hkv, D, generator=g).to(dtype)
-        vc = torch.randn(nblk, paged, Hkv, D, generator=g).to(dtype)
+        vc = torch.randn(nblk, paged, Hkv, Dv, generator=g).to(dtype)
         bt = torch.randperm(nblk, generator=g).reshape(B, -1).to(torch.int32)
     else:
         kc = torch.randn(B, L, Hkv, D, generator=g).to(dtype)
-        vc = torch.randn(B, L, Hkv, D, generator=g).to(dtype)
+        vc = torch.randn(B, L, Hkv, Dv, generator=g).to(dtype)
         bt = None
-    dense_token = 2 * Hkv * D * 2  # K and V of one token in float16
+    dense_token = Hkv * (D + Dv) * 2  # K and V of one token in float16
     if quant is not None:
         kc, vc = quantize(kc, **quant), quantize(vc, **quant)
     token_bytes = Hkv * (row_bytes(kc) + row_bytes(vc))
-    out = torch.empty_like(q)
+    out = torch.empty(B, Lq, H, Dv, dtype=dtype)
     lse = torch.empty(B, H, Lq, dtype=torch.float32)
     pb = DecodeProblem(q=q.transpose(1, 2), k_cache=kc, v_cache=vc, out=out.transpose(1, 2), lse=lse,
                        seqlens=torch.full((B,), L, dtype=torch.int32), seqlen_fixed=0, leftpad=None, batch_idx=None,
@@ -75,7 +76,7 @@ def measure(B=1, H=32, Hkv=8, D=128, L=4096, Lq=1, dtype=torch.float16, num_spli
     plan = plan_decode(pb, num_splits=num_splits)
     need = compulsory_bytes(pb)
     if append:  # the last key is appended by this call, rotated at position L - 1
-        k, v = (torch.randn(B, 1, Hkv, D, generator=g).to(dtype) for _ in range(2))
+        k, v = (torch.randn(B, 1, Hkv, d, generator=g).to(dtype) for d in (D, Dv))
         cos, sin = (torch.randn(L, D // 2, generator=g).to(dtype) for _ in range(2))
         plan = plan_kvcache(KvCacheProblem(q, kc, vc, k, v, cos, sin, torch.full((B,), L - 1, dtype=torch.int32),
                                            None, None, bt, None, 0, D ** -0.5, -1, 0, 0.0, False, num_splits),
@@ -88,7 +89,7 @@ def measure(B=1, H=32, Hkv=8, D=128, L=4096, Lq=1, dtype=torch.float16, num_spli
     secs = time.time() - t
     moved = sum(s.device_bytes for s in backend.last_stats)
     splits = next(la for la in plan.launches if la.source == "flash_decode.metal").threadgroups[0]
-    return dict(B=B, H=H, Hkv=Hkv, D=D, L=L, Lq=Lq, dtype=str(dtype).replace("torch.", ""), paged=paged or "-",
+    return dict(B=B, H=H, Hkv=Hkv, D=D if Dv == D else f"{D}/{Dv}", L=L, Lq=Lq, dtype=str(dtype).replace("torch.", ""), paged=paged or "-",
                 append="1 + rotary" if append else "-", kv=_fmt_name(quant) or "plain",
                 token=f"{token_bytes} ({token_bytes / dense_token:.3f}x)",
                 splits=splits, launches=len(plan.launches), moved=moved, compulsory=need, ratio=moved / need,
@@ -181,6 +182,11 @@ def main() -> None:
                                     dict(L=4096, quant=FORMATS["affine4 g64"], Lq=5),
                                     dict(L=4096, quant=FORMATS["affine4 g64"], append=True),
                                     dict(L=4096, quant=FORMATS["int8 g32"], append=True, paged=256)]
+        # multi-head latent attention (DeepSeek): K 576 / V 512, 16 query heads on one KV head
+        mla = dict(H=16, Hkv=1, D=576, Dv=512)
+        configs += [dict(L=4096, **mla), dict(L=8192, **mla), dict(L=4096, Lq=4, **mla),
+                    dict(L=4096, paged=64, **mla), dict(L=4096, append=True, **mla),
+                    dict(L=4096, quant=FORMATS["affine4 g64"], **mla)]
     lines = harness.table_head("B", "H", "H_kv", "D", "L", "q rows", "dtype", "K/V", "bytes/token (vs fp16)", "paged",
                                "append", "splits", "launches", "device bytes", "compulsory", "ratio", "emulator s")
     print(lines[0])

@@ -34,14 +34,14 @@ BACKENDS = ("auto", "metal", "emulator", "reference")
 
 _choice: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("tmf_backend", default=None)
 _strict: contextvars.ContextVar[Optional[bool]] = contextvars.ContextVar("tmf_strict", default=None)
-_mirror: Optional[Callable[[Optional[str]], None]] = None
+_tell_core_the_choice: Optional[Callable[[Optional[str]], None]] = None
 
 
 def mirror_choice_to(setter: Callable[[Optional[str]], None]) -> None:
     """Tell ``setter`` this thread's choice each time :func:`backend` changes it (the C++ core,
     once loaded, keeps its own copy so that a call needs no Python to know its backend)."""
-    global _mirror
-    _mirror = setter
+    global _tell_core_the_choice
+    _tell_core_the_choice = setter
 
 
 class UnsupportedError(RuntimeError):
@@ -88,16 +88,16 @@ def backend(name: str, *, strict: Optional[bool] = None) -> Iterator[None]:
     """
     token = _choice.set(_check_name(name, "backend()"))
     strict_token = _strict.set(strict) if strict is not None else None
-    if _mirror is not None:
-        _mirror(name)
+    if _tell_core_the_choice is not None:
+        _tell_core_the_choice(name)
     try:
         yield
     finally:
         _choice.reset(token)
         if strict_token is not None:
             _strict.reset(strict_token)
-        if _mirror is not None:
-            _mirror(_choice.get())
+        if _tell_core_the_choice is not None:
+            _tell_core_the_choice(_choice.get())
 
 
 def set_strict(strict: bool) -> None:
