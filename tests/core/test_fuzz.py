@@ -48,7 +48,7 @@ def test_face_matches_oracle(face):
 # Minimal cases the fuzzing found at large scores and under the float32 rule, replayed on
 # every run: they pass with P rebuilt exactly from the row max and sum, delta from the
 # float32 output, and the rule of torch_metal_flash.testing.
-ISSUE10_CASES = {
+LARGE_SCORE_CASES = {
     "backward_f32_single_key_dv_one_ulp": dict(
         dtype="f32", batch=1, hq=1, hkv=1, lq=1, lk=1, d=129, dv=129, decode=False, rank=4, layouts=[fp.FLAT4] * 3,
         causal=False, mask=None, scale=None, extreme="none", face="sdpa", seed=0, orders=("forward", "reverse")),
@@ -77,9 +77,9 @@ ISSUE10_CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(ISSUE10_CASES))
-def test_issue10_precision_at_large_scores(name):
-    fp.check_problem(dict(ISSUE10_CASES[name]))
+@pytest.mark.parametrize("name", list(LARGE_SCORE_CASES))
+def test_precision_at_large_scores(name):
+    fp.check_problem(dict(LARGE_SCORE_CASES[name]))
 
 
 def test_rotary_on_a_bhld_view_of_q_stays_on_the_kernels():

@@ -45,7 +45,7 @@ def _face_grads(fn, leaves, dout):
 # ---------------------------------------------------------------------------
 # Minimal cases at the precision edges.
 # ---------------------------------------------------------------------------
-def test_issue10_one_key_float32_large_scores_rebuilds_p_exactly():
+def test_one_key_float32_large_scores_rebuilds_p_exactly():
     """SDPA, fp32, B = H = 1, D = 8, Lq = Lk = 1, scale 1, q and k ~ 4 N(0, 1):
     P is exactly 1, so out = v and dv = dO exactly (P recomputed as exp(s - lse)
     from a float32 lse would put them 1.6e-5 off)."""
@@ -61,7 +61,7 @@ def test_issue10_one_key_float32_large_scores_rebuilds_p_exactly():
 
 
 @pytest.mark.parametrize("mask_shape", [(1, 1), (1, 1, 1, 1)])
-def test_issue10_key_broadcast_mask_gradient_is_zero_bf16(mask_shape):
+def test_key_broadcast_mask_gradient_is_zero_bf16(mask_shape):
     """SDPA, bf16, B = H = 1, D = 8, Lq = 1, Lk = 2, a float mask broadcast over
     the keys: its gradient sum_j dS_ij is exactly 0.  Delta computed from the
     bf16-rounded output would make it 0.0156; from the forward's float32 output
@@ -83,7 +83,7 @@ def test_issue10_key_broadcast_mask_gradient_is_zero_bf16(mask_shape):
     assert abs(dmask.float().item()) < 1e-5, dmask
 
 
-def test_issue10_flash_attn_func_bf16_one_query_two_keys():
+def test_flash_attn_func_bf16_one_query_two_keys():
     """flash_attn_func, bf16, Lq = 1, Lk = 2: with one query row and two keys no error
     averages out (a dk 5.9e-3 off, against 1.1e-3 allowed, fails here)."""
     g = torch.Generator().manual_seed(12)
@@ -96,7 +96,7 @@ def test_issue10_flash_attn_func_bf16_one_query_two_keys():
 
 
 @pytest.mark.parametrize("splits", [1, 3])
-def test_issue10_kvcache_float32_large_scores(splits):
+def test_kvcache_float32_large_scores(splits):
     """flash_attn_with_kvcache, fp32, scores ~ 100 (|lse| ~ 120), single pass and
     split-K + combine: out and lse within the rule, where a P rebuilt less exactly
     puts them 1.5x / 1.1x over."""

@@ -110,8 +110,8 @@ def _run_kvcache(kw, fmt, qdt, splits, backend, order="forward"):
 
 @pytest.mark.parametrize("i,case", list(enumerate(KV_CASES)))
 def test_kvcache_face(i, case):
-    """Two schedule orders agree bit for bit; out/lse pass the §5 rule against the oracle on
-    the caches as stored (the new rows included, as this call attended them); the stored
+    """Two schedule orders agree bit for bit; out/lse pass the acceptance rule (torch_metal_flash.testing)
+    against the oracle on the caches as stored (the new rows included, as this call attended them); the stored
     rows are what the reference path (tmf.quantize of the rotated rows) stores."""
     spec, fmt, qdt, splits = case
     kw = make_case(seed=1400 + i, **spec)
