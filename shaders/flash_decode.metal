@@ -256,7 +256,7 @@ template <typename TQ, typename TK, int BD, int BDV, int BK, bool SHARED_KV>
     // zero the buffer once; past those columns it then holds zeros or finite values of the other
     // tile, which multiply zeros of q or land in out's columns past Dv (never stored)
     for (int idx = int(tid); idx < BK * LD_MAX; idx += nthreads) kv_tiles[idx] = TK(0.0f);
-  } else if (quantized) {  // the same, once per tile
+  } else if (quantized) {  // separate buffers: each one's columns past its head dim, once
     for (int idx = int(tid); idx < BK * BD; idx += nthreads) {
       const int r = idx / BD;
       const int c = idx - r * BD;

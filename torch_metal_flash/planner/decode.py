@@ -155,10 +155,6 @@ class DecodeTile:
     bdv: int = 0        # V's and out's bucket when it differs from bd (latent attention)
 
     @property
-    def v_bucket(self) -> int:
-        return self.bdv or self.bd
-
-    @property
     def shared_kv(self) -> bool:
         return self.bd in SHARED_KV_BUCKETS[self.kv_dtype or self.dtype]
 
@@ -167,13 +163,6 @@ class DecodeTile:
         kv = f"_kv{self.kv_dtype}" if self.kv_dtype else ""
         v = f"_v{self.bdv}" if self.bdv else ""
         return f"flash_decode_{self.dtype}{kv}_d{self.bd}{v}_k{self.bk}{'_s' if self.shared_kv else ''}"
-
-    @property
-    def threadgroup_memory(self) -> int:
-        """Bytes of the K and V tiles (rows padded by 16 bytes)."""
-        size = 4 if (self.kv_dtype or self.dtype) == "f32" else 2
-        ld, ldv = (w + 16 // size for w in (self.bd, self.v_bucket))
-        return self.bk * (max(ld, ldv) if self.shared_kv else ld + ldv) * size
 
     @property
     def source(self) -> str:
