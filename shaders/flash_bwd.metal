@@ -498,7 +498,8 @@ template <typename T, int BD, int BK, int BQ, int MODE>
               pr = flash_bwd::prob(sc.s, kStatsStaged ? stat_tile[ii] : stats[stat_base + i]);
               const float zs = has_dropout ? (drop.keep(i, my_key) ? f.dropout_scale : 0.0f) : 1.0f;
               if (kDK) {
-                ds = pr * (dPt[qq].thread_elements()[e] * zs - (kStatsStaged ? delta_tile[ii] : delta[stat_base + i]));
+                const float row_delta = kStatsStaged ? delta_tile[ii] : delta[stat_base + i];
+                ds = pr * (dPt[qq].thread_elements()[e] * zs - row_delta);
                 if (has_softcap) ds *= 1.0f - sc.th * sc.th;
                 ds *= p.scale;
               }
