@@ -55,6 +55,7 @@ class Probe:
     window: tuple = (-1, -1)
     mask: str = ""  # "" | "bool" | "float"
     softcap: float = 0.0
+    dv: int = 0  # v's head dim when it differs from D (latent attention: 512 under 576)
 
     @property
     def name(self) -> str:
@@ -62,7 +63,7 @@ class Probe:
         feats = [f for f, on in (("causal", self.causal), (f"window {self.window}", self.window != (-1, -1)),
                                  (f"{self.mask} mask", self.mask), (f"softcap {self.softcap:g}", self.softcap),
                                  (f"GQA {Hq}:{Hkv}", Hq != Hkv)) if on]
-        return (f"{self.kind} {str(self.dtype)[6:]} B{B} Lq{Lq} Lk{Lk} d{D}"
+        return (f"{self.kind} {str(self.dtype)[6:]} B{B} Lq{Lq} Lk{Lk} d{D}" + (f"/{self.dv}" if self.dv else "")
                 + (f" ({', '.join(feats)})" if feats else ""))
 
 
@@ -77,7 +78,8 @@ def probe_grid(full: bool) -> list[Probe]:
                 Probe("forward", torch.float32, (2, 2, 2, 20, 20, 32), mask="bool", softcap=20.0),
                 Probe("backward", torch.float32, (1, 2, 1, 17, 23, 32), causal=True),
                 Probe("backward", torch.float16, (1, 2, 2, 20, 20, 64), mask="float"),
-                Probe("decode", torch.float16, (2, 8, 2, 1, 300, 64), causal=True)]
+                Probe("decode", torch.float16, (2, 8, 2, 1, 300, 64), causal=True),
+                Probe("decode", torch.float16, (1, 16, 1, 2, 300, 576), causal=True, dv=512)]
     grid = []
     for dtype in DTYPES:
         for D in (32, 64, 96, 128, 256, 512):
@@ -92,6 +94,7 @@ def probe_grid(full: bool) -> list[Probe]:
         for D in (64, 128):
             grid += [Probe("decode", dtype, (4, 32, 8, 1, 1000, D), causal=True),
                      Probe("decode", dtype, (2, 16, 2, 4, 4096, D), causal=True, window=(512, 0))]
+        grid += [Probe("decode", dtype, (1, 16, 1, Lq, 4096, 576), causal=True, dv=512) for Lq in (1, 4)]
     return grid
 
 
@@ -242,8 +245,8 @@ def _inputs(p: Probe, device, seed: int):
     """q, k, v as (B, H, L, D) views of (B, L, H, D) tensors (flash-attn layout, no copies), on ``device``."""
     B, Hq, Hkv, Lq, Lk, D = p.dims
     g = torch.Generator().manual_seed(seed)
-    q, k, v = (randn(B, L, H, D, generator=g).to(p.dtype).to(device).transpose(1, 2)
-               for L, H in ((Lq, Hq), (Lk, Hkv), (Lk, Hkv)))
+    q, k, v = (randn(B, L, H, d, generator=g).to(p.dtype).to(device).transpose(1, 2)
+               for L, H, d in ((Lq, Hq, D), (Lk, Hkv, D), (Lk, Hkv, p.dv or D)))
     mask = None
     if p.mask == "float":
         mask = randn(1, Hq, Lq, Lk, generator=g).to(p.dtype).to(device)
@@ -271,8 +274,8 @@ def run_probe(p: Probe, name: str, device, seed: int) -> list[tuple[str, float, 
         if p.kind == "decode":
             B, Hq, Hkv, Lq, Lk, D = p.dims
             extra = 64  # cache slots past the filled length
-            kc, vc = (torch.cat([t.transpose(1, 2), randn(B, extra, Hkv, D, generator=g).to(p.dtype).to(device)],
-                                dim=1) for t in (k, v))
+            kc, vc = (torch.cat([t.transpose(1, 2), randn(B, extra, Hkv, t.shape[-1], generator=g).to(p.dtype)
+                                 .to(device)], dim=1) for t in (k, v))
             out, lse = tmf.flash_attn_with_kvcache(
                 q.transpose(1, 2), kc, vc, cache_seqlens=torch.full((B,), Lk, dtype=torch.int32, device=device),
                 causal=p.causal, window_size=p.window, softcap=p.softcap, return_softmax_lse=True)
