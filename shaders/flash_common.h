@@ -164,6 +164,12 @@ struct Dropout {
     k1 = (lo ? w.y : w.w) >= threshold;
   }
 
+  // Whether elements (i, j) .. (i, j + 3) are kept, j a multiple of 4 (one Philox call).
+  bool4 keep4(int i, int j) const {
+    const uint4 w = philox4x32_10(uint4(uint(j) >> 2, uint(i), bh, offset), key);
+    return bool4(w.x >= threshold, w.y >= threshold, w.z >= threshold, w.w >= threshold);
+  }
+
   bool keep(int i, int j) const {
     const uint4 w = philox4x32_10(uint4(uint(j) >> 2, uint(i), bh, offset), key);
     const int e = j & 3;

@@ -185,6 +185,12 @@ def test_instantiations_match_tile_table():
         for shared, t, _, bd, bq, bk in re.findall(
                 r"^FLASH_FWD_INSTANTIATE(_SHARED)?\((\w+),\s*(\w+),\s*(\d+),\s*(\d+),\s*(\d+)\)", src, re.M):
             declared[f"flash_fwd_{t}_d{bd}_q{bq}_k{bk}{'_s' if shared else ''}"] = source
+    # the accelerator file instantiates one tile list per dtype
+    src = (shaders_dir() / "flash_fwd_nax.metal").read_text()
+    rows = re.findall(r"^\s*FLASH_FWD_NAX_INSTANTIATE(_SHARED)?\(tname, T, (\d+), (\d+), (\d+)\)", src, re.M)
+    for t in re.findall(r"^FLASH_FWD_NAX_TILES\((\w+), \w+\)", src, re.M):
+        for shared, bd, bq, bk in rows:
+            declared[f"flash_fwd_nax_{t}_d{bd}_q{bq}_k{bk}{'_s' if shared else ''}"] = "flash_fwd_nax.metal"
     needed = {t.kernel: t.source for t in forward_variants()}
     assert needed == declared
 

@@ -236,7 +236,9 @@ def plan_forward(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor, aux:
     try:
         variant = choice.planned("fwd", "fwd", spec.q.dtype, spec.head_dim, spec.head_dim_v, family=family,
                                  seqlen_q=max_q, seqlen_k=max_k, causal=is_causal(spec), features=features(spec))
-        tiles = forward_candidates(spec.q.dtype, max(spec.head_dim, spec.head_dim_v), family, variant)
+        # the accelerator kernel writes no probs (the debug output): the simdgroup kernel does
+        tiles = forward_candidates(spec.q.dtype, max(spec.head_dim, spec.head_dim_v), family, variant,
+                                   nax=probs is None)
     except (KeyError, ValueError) as e:
         return Unsupported(str(e))
     if spec.num_seqs == 0 or spec.heads == 0 or spec.seqlen_q == 0 or max_q == 0:

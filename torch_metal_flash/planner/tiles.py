@@ -13,6 +13,13 @@ Each entry is a template instantiation of ``shaders/flash_fwd.metal`` named
   threadgroup memory for two more barriers per step, used to keep 32 keys
   per step at large head dims and in float32.
 
+On GPUs with neural accelerators (family apple10, where the launcher enables
+them) half/bfloat problems run ``shaders/flash_fwd_nax.metal`` instead,
+``flash_fwd_nax_<dtype>_d<BD>_q<BQ>_k<BK>``: the same algorithm with 16x16
+accelerator fragments, 16 query rows per simdgroup (``BQ / 16`` simdgroups),
+head-dim buckets that are multiples of 32 and 32 or 64 keys per step
+(:data:`NAX_TILES`).  The simdgroup tiles stay among the tuner's variants there.
+
 The family tables are the defaults of an untuned machine (their sources:
 docs/tuning.md); the table of apple7/apple8 keeps threadgroup memory under
 ~18 KiB (so at least one more threadgroup fits next to it in 32 KiB).  The
@@ -34,6 +41,8 @@ MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
 FAMILIES = ("apple7", "apple8", "apple9", "apple10")  # M1, M2, M3/M4, M5
 SOURCE = "flash_fwd.metal"
 VARIANTS_SOURCE = "flash_fwd_variants.metal"
+NAX_SOURCE = "flash_fwd_nax.metal"
+NAX_FAMILY = "apple10"
 
 DTYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 _ELEM_SIZE = {"f32": 4, "f16": 2, "bf16": 2}
@@ -46,10 +55,15 @@ class ForwardTile:
     bq: int
     bk: int
     shared_kv: bool = False
+    nax: bool = False  # the neural-accelerator kernel (16 rows per simdgroup)
+
+    @property
+    def rows_per_simdgroup(self) -> int:
+        return 16 if self.nax else 8
 
     @property
     def simdgroups(self) -> int:
-        return self.bq // 8
+        return self.bq // self.rows_per_simdgroup
 
     @property
     def threads(self) -> int:
@@ -57,11 +71,14 @@ class ForwardTile:
 
     @property
     def kernel(self) -> str:
-        return f"flash_fwd_{self.dtype}_d{self.bd}_q{self.bq}_k{self.bk}{'_s' if self.shared_kv else ''}"
+        return (f"flash_fwd_{'nax_' if self.nax else ''}{self.dtype}_d{self.bd}_q{self.bq}_k{self.bk}"
+                f"{'_s' if self.shared_kv else ''}")
 
     @property
     def source(self) -> str:
         """The shader file that instantiates this tile."""
+        if self.nax:
+            return NAX_SOURCE
         return SOURCE if self.kernel in _PRIMARY else VARIANTS_SOURCE
 
     @property
@@ -119,6 +136,20 @@ EXTRA_TILES: dict[str, dict[int, list[tuple[int, int, bool]]]] = {
 }
 EXTRA_TILES["bf16"] = {bd: list(rows) for bd, rows in EXTRA_TILES["f16"].items()}
 
+# The neural-accelerator tiles of apple10 per (dtype, bucket), its default first: 64 query rows
+# (4 simdgroups of 16) and 32 keys per step as MLX's accelerator attention runs, K/V sharing a
+# buffer from head dim 160 (to stay near 17 KiB); variants with 32 or 128 rows, or 64 keys.
+# Float32 and the buckets 80, 384 and 512 keep the simdgroup kernels (the multiplies take 32
+# head-dim columns at a time; 384+ wide accumulators of 16 rows do not fit the registers).
+_NAX_ROWS = {32: [(64, 32, False), (64, 64, False)],
+             64: [(64, 32, False), (32, 32, False), (128, 32, False), (64, 64, False)],
+             96: [(64, 32, False), (32, 32, False), (128, 32, False)],
+             128: [(64, 32, False), (32, 32, False), (128, 32, False)],
+             160: [(64, 32, True), (32, 32, True)],
+             192: [(64, 32, True), (32, 32, True)],
+             256: [(64, 32, True), (32, 32, True)]}
+NAX_TILES: dict[str, dict[int, list[tuple[int, int, bool]]]] = {"f16": _NAX_ROWS, "bf16": _NAX_ROWS}
+
 
 def head_dim_bucket(head_dim: int) -> int | None:
     for bd in HEAD_DIM_BUCKETS:
@@ -142,22 +173,35 @@ def table_family(family: str) -> str:
     raise ValueError(f"GPU family {family!r} is not supported by the kernels (Apple7 / M1 or newer needed)")
 
 
-def forward_tile(dtype: torch.dtype, head_dim: int, family: str = "apple8") -> ForwardTile:
-    """The tile for ``dtype`` and ``head_dim`` (max of D and Dv); raises KeyError/ValueError."""
+def _nax_tiles(dt: str, bd: int, family: str) -> list[ForwardTile]:
+    """The neural-accelerator tiles of ``family`` for (dtype name, bucket), default first."""
+    if table_family(family) != NAX_FAMILY:
+        return []
+    return [ForwardTile(dt, bd, *row, nax=True) for row in NAX_TILES.get(dt, {}).get(bd, ())]
+
+
+def forward_tile(dtype: torch.dtype, head_dim: int, family: str = "apple8", nax: bool = True) -> ForwardTile:
+    """The tile for ``dtype`` and ``head_dim`` (max of D and Dv); raises KeyError/ValueError.
+    ``nax=False``: the simdgroup kernel's even where the family has neural accelerators."""
     dt = DTYPE_NAMES[dtype]
     bd = head_dim_bucket(head_dim)
     if bd is None:
         raise ValueError(f"head dim {head_dim} > {MAX_HEAD_DIM}")
-    table = FORWARD_TILES[table_family(family)]
-    bq, bk, shared = table[dt][bd]
+    accel = _nax_tiles(dt, bd, family) if nax else []
+    if accel:
+        return accel[0]
+    bq, bk, shared = FORWARD_TILES[table_family(family)][dt][bd]
     return ForwardTile(dt, bd, bq, bk, shared)
 
 
 def tile_variants(dtype: torch.dtype, head_dim: int, family: str = "apple8") -> list[ForwardTile]:
     """Every tile the tuner may choose for ``dtype`` and ``head_dim``: the family's
-    default first, then the other families' defaults and :data:`EXTRA_TILES`."""
+    default first, then its other neural-accelerator tiles (apple10), the families'
+    simdgroup tables and :data:`EXTRA_TILES`."""
     first = forward_tile(dtype, head_dim, family)
     seen = {first.kernel: first}
+    for t in _nax_tiles(first.dtype, first.bd, family):
+        seen.setdefault(t.kernel, t)
     for table in FORWARD_TILES.values():
         t = ForwardTile(first.dtype, first.bd, *table[first.dtype][first.bd])
         seen.setdefault(t.kernel, t)
@@ -168,15 +212,18 @@ def tile_variants(dtype: torch.dtype, head_dim: int, family: str = "apple8") -> 
 
 
 def forward_candidates(dtype: torch.dtype, head_dim: int, family: str = "apple8",
-                       variant: str | None = None) -> list[ForwardTile]:
+                       variant: str | None = None, nax: bool = True) -> list[ForwardTile]:
     """The tiles the planner may use for ``head_dim``, preferred first: ``variant``
     (a kernel name of :func:`tile_variants`) or the table's, then those of larger
     buckets (head dim zero-padded) that need fewer threads or less threadgroup
-    memory, for pipelines whose limits the first exceeds."""
-    first = forward_tile(dtype, head_dim, family)
+    memory, for pipelines whose limits the first exceeds.  ``nax=False`` (a feature
+    the accelerator kernel lacks): simdgroup tiles only, a forced accelerator
+    variant replaced by the family's simdgroup tile."""
+    first = forward_tile(dtype, head_dim, family, nax)
     if variant is not None:
-        first = next(t for t in tile_variants(dtype, head_dim, family) if t.kernel == variant)
-    larger = (forward_tile(dtype, bd, family) for bd in HEAD_DIM_BUCKETS if bd > first.bd)
+        forced = next(t for t in tile_variants(dtype, head_dim, family) if t.kernel == variant)
+        first = forced if nax or not forced.nax else first
+    larger = (forward_tile(dtype, bd, family, nax) for bd in HEAD_DIM_BUCKETS if bd > first.bd)
     return [first] + [t for t in larger
                       if t.threads < first.threads or t.threadgroup_memory < first.threadgroup_memory]
 
@@ -186,6 +233,7 @@ def forward_variants() -> list[ForwardTile]:
     seen = {}
     for dtype, dt in DTYPE_NAMES.items():
         for bd in HEAD_DIM_BUCKETS:
-            for t in tile_variants(dtype, bd):
-                seen[t.kernel] = t
-    return sorted(seen.values(), key=lambda t: (t.dtype, t.bd, t.bq, t.bk, t.shared_kv))
+            for family in FAMILIES:
+                for t in tile_variants(dtype, bd, family):
+                    seen[t.kernel] = t
+    return sorted(seen.values(), key=lambda t: (t.nax, t.dtype, t.bd, t.bq, t.bk, t.shared_kv))

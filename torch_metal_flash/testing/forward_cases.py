@@ -187,11 +187,12 @@ def check(spec, out, lse) -> None:
     check_forward(spec, out, lse)
 
 
-def run_and_check(c: dict, orders=("forward", "reverse"), checked: bool = True, seed: Optional[int] = None):
+def run_and_check(c: dict, orders=("forward", "reverse"), checked: bool = True, seed: Optional[int] = None,
+                  family: str = "apple8"):
     spec = build_spec(c, seed=zlib.crc32(case_id(c).encode()) if seed is None else seed)
     first = None
     for order in orders:
-        out, lse = run_forward(spec, order=order, checked=checked)
+        out, lse = run_forward(spec, order=order, checked=checked, family=family)
         check(spec, out, lse)
         if first is None:
             first = (out.clone(), lse.clone())
