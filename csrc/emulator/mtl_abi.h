@@ -10,7 +10,7 @@ typedef unsigned long uint64_t;
 #include <stdint.h>
 #endif
 
-#define MTL_ABI_VERSION 4
+#define MTL_ABI_VERSION 5
 #define MTL_MAX_BUFFERS 64
 #define MTL_MAX_TG_PARAMS 32
 #define MTL_MSG 2048
@@ -81,7 +81,8 @@ struct MtlCollRec {
   int32_t kind;        // MtlCollKind
   uint32_t lane;       // filled by the runtime
 };
-enum MtlCollKind { MTL_C_SIMD = 0, MTL_C_SIMD_BARRIER = 1, MTL_C_MMA = 2, MTL_C_TG_BARRIER = 3 };
+// MTL_C_TENSOR_MATMUL: a tensor-op matmul2d (arg = its multiply-adds)
+enum MtlCollKind { MTL_C_SIMD = 0, MTL_C_SIMD_BARRIER = 1, MTL_C_MMA = 2, MTL_C_TG_BARRIER = 3, MTL_C_TENSOR_MATMUL = 4 };
 
 #ifndef __MTL_SHIM__  // host side only
 typedef struct MtlBinding {
@@ -104,6 +105,8 @@ typedef struct MtlStats {
   uint64_t switches;              // fiber switches
   uint64_t threadgroups, threads;
   uint64_t loads, stores;         // instrumented accesses (checked mode)
+  uint64_t tensor_matmuls;        // tensor-op matmul2d runs (per simdgroup)
+  uint64_t tensor_macs;           // their multiply-adds (m * n * k each)
 } MtlStats;
 
 enum MtlErrorCode {

@@ -201,9 +201,19 @@ if platform.machine().lower() in ("x86_64", "amd64"):
 CHECKED_FLAGS = ["-fsanitize-coverage=inline-8bit-counters,trace-loads,trace-stores", "-fno-builtin-memset",
                  "-fno-builtin-memcpy", "-fno-builtin-memmove", "-fno-vectorize", "-fno-slp-vectorize",
                  "-fsanitize=alignment", "-fno-sanitize-recover=alignment"]
-# What Apple's compiler predefines for MSL 3.1 on macOS.
-PREPROCESS_DEFINES = ["-D__MTL_PREPASS__", "-D__METAL__=1", "-D__METAL_VERSION__=310", "-D__METAL_MACOS__",
-                      "-D__HAVE_BFLOAT__=1", "-D__METAL_EMULATOR__=1"]
+# What Apple's compiler predefines on macOS (and __METAL_VERSION__ for the language version).
+PREPROCESS_DEFINES = ["-D__MTL_PREPASS__", "-D__METAL__=1", "-D__METAL_MACOS__", "-D__HAVE_BFLOAT__=1",
+                      "-D__METAL_EMULATOR__=1"]
+# MSL language versions (MTLLanguageVersion, -std=metal3.1 ...) and their __METAL_VERSION__.
+LANGUAGE_VERSIONS = {"3.0": 300, "3.1": 310, "3.2": 320, "4.0": 400}
+DEFAULT_LANGUAGE_VERSION = "3.1"
+
+
+def check_language_version(version) -> str:
+    v = str(version)
+    if v not in LANGUAGE_VERSIONS:
+        raise ValueError(f"language_version must be one of {', '.join(LANGUAGE_VERSIONS)}, got {version!r}")
+    return v
 
 
 def _run(argv: list, input_text: Optional[str] = None) -> subprocess.CompletedProcess:
@@ -225,9 +235,11 @@ def shim_header() -> Path:
     return csrc_emulator_dir() / "shim" / "mtl_shim.h"
 
 
-def preprocess(comp: Compiler, source: str, name: str, path: Optional[Path], include_dirs, defines) -> str:
+def preprocess(comp: Compiler, source: str, name: str, path: Optional[Path], include_dirs, defines,
+               language_version: str = DEFAULT_LANGUAGE_VERSION) -> str:
     """clang -E: macros expanded, line markers kept; no host headers."""
     argv = list(comp.metal_argv) + ["-E", "-x", "c++", "-std=c++17", "-nostdinc"] + PREPROCESS_DEFINES
+    argv.append(f"-D__METAL_VERSION__={LANGUAGE_VERSIONS[language_version]}")
     argv += ["-I", str(csrc_emulator_dir() / "include")]
     for d in include_dirs:
         argv += ["-I", str(d)]
@@ -257,7 +269,7 @@ def _hash(*parts) -> str:
 
 def runtime_sources_hash() -> str:
     d = csrc_emulator_dir()
-    files = sorted(list(d.glob("*.cpp")) + list(d.glob("*.h")) + list((d / "include").glob("*")) +
+    files = sorted(list(d.glob("*.cpp")) + list(d.glob("*.h")) + [f for f in (d / "include").rglob("*") if f.is_file()] +
                    list((d / "shim").glob("*")) + list((d / "runtime").glob("*")))
     return _hash(*[str(f.relative_to(d)).encode() + f.read_bytes() for f in files])
 

@@ -43,6 +43,8 @@ class LaunchStats:
     simd_collectives: int  # completed simd collectives, summed over simdgroups
     simdgroup_barriers: int
     simdgroup_matrix_multiplies: int  # 8x8 multiplies, summed over simdgroups
+    tensor_matmuls: int  # tensor-op matmul2d runs (Metal 4), summed over simdgroups
+    tensor_matmul_macs: int  # their multiply-adds (m * n * k per run)
     atomics: int
     fiber_switches: int
     seconds: float
@@ -282,7 +284,8 @@ def launch(fn: KernelFunction, args, *, grid, threadgroup, threadgroup_memory, o
                            device_bytes_written=0 if checked else None, bytes_read={} if checked else None,
                            bytes_written={} if checked else None, threadgroup_bytes_read=None,
                            threadgroup_bytes_written=None, threadgroup_memory=0, barriers=0, simd_collectives=0,
-                           simdgroup_barriers=0, simdgroup_matrix_multiplies=0, atomics=0, fiber_switches=0,
+                           simdgroup_barriers=0, simdgroup_matrix_multiplies=0, tensor_matmuls=0,
+                           tensor_matmul_macs=0, atomics=0, fiber_switches=0,
                            seconds=0.0, **stats_kwargs))
     build = lib._build(checked)[kname]
     entry, infos, kernel = build.entries[kname]
@@ -361,7 +364,8 @@ def launch(fn: KernelFunction, args, *, grid, threadgroup, threadgroup_memory, o
         threadgroup_bytes_read=st.tg_read if checked else None,
         threadgroup_bytes_written=st.tg_written if checked else None,
         threadgroup_memory=st.tg_peak, barriers=st.barriers, simd_collectives=st.simd_collectives,
-        simdgroup_barriers=st.simd_barriers, simdgroup_matrix_multiplies=st.mma, atomics=st.atomics,
+        simdgroup_barriers=st.simd_barriers, simdgroup_matrix_multiplies=st.mma, tensor_matmuls=st.tensor_matmuls,
+        tensor_matmul_macs=st.tensor_macs, atomics=st.atomics,
         fiber_switches=st.switches, seconds=seconds, **stats_kwargs))
 
 
@@ -401,7 +405,8 @@ def _make_error(build: _Build, kname: str, err: rt.Error, code: int) -> Emulator
 
 
 def compile_shader(source: Union[str, Path], *, include_dirs=(), defines=None, function_constants=None,
-                   name: Optional[str] = None, math_mode: str = "fast") -> Library:
+                   name: Optional[str] = None, math_mode: str = "fast",
+                   language_version: str = compiler.DEFAULT_LANGUAGE_VERSION) -> Library:
     """Compile the text of a .metal file (or a pathlib.Path to one) for the emulator.
 
     The source must be valid Metal: it is preprocessed without host headers
@@ -410,10 +415,15 @@ def compile_shader(source: Union[str, Path], *, include_dirs=(), defines=None, f
     and the rule.  ``function_constants`` maps ``[[function_constant(i)]]``
     names or indices to values.  ``math_mode`` is Metal's ``MTLMathMode``:
     "fast" (the default of ``newLibraryWithSource``), "relaxed" or "safe".
+    ``language_version`` is MTLCompileOptions' languageVersion ("3.0", "3.1"
+    (default), "3.2", "4.0"): it sets ``__METAL_VERSION__``, and Metal 4's
+    tensor ops (<MetalPerformancePrimitives/MetalPerformancePrimitives.h>)
+    need "4.0".
     The kernels are built lazily per checked / fast mode, cached in memory
     and on disk.
     """
     math_mode = config.check_math_mode(math_mode)
+    language_version = compiler.check_language_version(language_version)
     path = None
     if isinstance(source, Path):
         path = source.resolve()
@@ -424,12 +434,12 @@ def compile_shader(source: Union[str, Path], *, include_dirs=(), defines=None, f
         text = str(source)
         name = name or "<source>.metal"
     include_dirs = tuple(str(Path(d).resolve()) for d in include_dirs)
-    key = (text, str(path), name, include_dirs, _norm_defines(defines))
+    key = (text, str(path), name, include_dirs, _norm_defines(defines), language_version)
     with _cache_lock:
         cached = _pre_cache.get(key)
     if cached is None:
         comp = find_compiler()
-        pre_text = preprocess(comp, text, name, path, include_dirs, dict(_norm_defines(defines)))
+        pre_text = preprocess(comp, text, name, path, include_dirs, dict(_norm_defines(defines)), language_version)
         pre = prepass.run(pre_text, default_file=name, syntax=_syntax(comp))
         cached = (pre_text, pre)
         with _cache_lock:

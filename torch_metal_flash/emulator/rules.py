@@ -55,6 +55,9 @@ RULES = [
     ("host-header", r"file not found",
      "MSL: only the Metal standard library headers (<metal_stdlib>, <metal_math>, ...) and your own headers are "
      "available to a kernel; host (C/C++ standard library) headers are not"),
+    ("language-version", r"MSL language version:",
+     "MSL language version: Metal 4's tensor ops (<MetalPerformancePrimitives/MetalPerformancePrimitives.h>) need "
+     "the Metal 4.0 language (-std=metal4.0; compile_shader(..., language_version=\"4.0\"))"),
     ("virtual", r"virtual functions are not supported", "MSL restriction: virtual functions are not supported"),
     ("dynamic_cast", r"'dynamic_cast' is not supported", "MSL restriction: dynamic_cast is not supported"),
     ("typeid", r"'typeid' is not supported", "MSL restriction: typeid (type identification) is not supported"),
@@ -103,6 +106,9 @@ _HEADER = re.compile(r"^(.*?):(\d+):(\d+):((?:\{\d+:\d+-\d+:\d+\})*):? ?(fatal e
 _RANGE = re.compile(r"\{(\d+):(\d+)-(\d+):(\d+)\}")
 # The shim's files: csrc/ in a checkout, _csrc/ in an installed package; debug info may name them relatively.
 SHIM_PATH = re.compile(r"(?:^|[/\\])_?csrc[/\\]emulator[/\\]shim[/\\]")
+# The system headers kernels include (<metal_stdlib>, <MetalPerformancePrimitives/...>).
+SYSTEM_HEADER_PATH = re.compile(r"(?:^|[/\\])_?csrc[/\\]emulator[/\\]include[/\\]")
+_INCLUDED_FROM = re.compile(r"^In file included from (.*?):(\d+):$")
 
 
 @dataclasses.dataclass
@@ -114,16 +120,22 @@ class Diagnostic:
     message: str
     text: str  # the whole diagnostic: header, source excerpt and notes
     ranges: list = dataclasses.field(default_factory=list)  # (line, col, end line, end col): its source ranges
+    included_from: list = dataclasses.field(default_factory=list)  # (file, line) of the #includes, outermost first
 
 
 def parse(stderr: str) -> list:
     """Errors and warnings with their notes and source excerpts."""
-    diags, cur = [], None
+    diags, cur, includes = [], None, []
     for line in stderr.splitlines():
         m = _HEADER.match(line)
-        if m and m.group(5) != "note":
+        inc = _INCLUDED_FROM.match(line)
+        if inc:
+            includes.append((inc.group(1), int(inc.group(2))))
+        elif m and m.group(5) != "note":
             ranges = [tuple(map(int, r)) for r in _RANGE.findall(m.group(4))]
-            cur = Diagnostic(m.group(1), int(m.group(2)), int(m.group(3)), m.group(5), m.group(6), line, ranges)
+            cur = Diagnostic(m.group(1), int(m.group(2)), int(m.group(3)), m.group(5), m.group(6), line, ranges,
+                             includes)
+            includes = []
             diags.append(cur)
         elif cur is not None and not line.startswith("In file included from") and \
                 not re.match(r"\d+ (errors?|warnings?)( and \d+ (errors?|warnings?))? generated", line):
@@ -177,6 +189,10 @@ def rule_of(d: Diagnostic, constants: set = frozenset()) -> tuple:
 def _user_location(d: Diagnostic) -> tuple:
     """Where in the user's code an error is: the innermost note outside the shim
     (e.g. the instantiation) when clang reports it inside the shim."""
+    if SYSTEM_HEADER_PATH.search(d.file):  # an #error of a system header: the #include that reached it
+        for file, line in reversed(d.included_from):
+            if not SYSTEM_HEADER_PATH.search(file) and not SHIM_PATH.search(file):
+                return file, line
     if SHIM_PATH.search(d.file):
         for line in d.text.splitlines()[1:]:
             m = _HEADER.match(line)

@@ -11,7 +11,7 @@ from ..caches import LRU
 
 MTL_MAX_BUFFERS = 64
 MTL_MAX_TG_PARAMS = 32
-MTL_ABI_VERSION = 4
+MTL_ABI_VERSION = 5
 B_COUNT = 16
 
 
@@ -32,7 +32,8 @@ class Stats(ctypes.Structure):
                 ("barriers", ctypes.c_uint64), ("simd_collectives", ctypes.c_uint64),
                 ("simd_barriers", ctypes.c_uint64), ("mma", ctypes.c_uint64), ("atomics", ctypes.c_uint64),
                 ("switches", ctypes.c_uint64), ("threadgroups", ctypes.c_uint64), ("threads", ctypes.c_uint64),
-                ("loads", ctypes.c_uint64), ("stores", ctypes.c_uint64)]
+                ("loads", ctypes.c_uint64), ("stores", ctypes.c_uint64), ("tensor_matmuls", ctypes.c_uint64),
+                ("tensor_macs", ctypes.c_uint64)]
 
 
 class Error(ctypes.Structure):

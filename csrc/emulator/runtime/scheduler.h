@@ -88,6 +88,7 @@ bool site_before(const MtlCollRec* a, const MtlCollRec* b) {
 const char* kind_name(int kind) {
   switch (kind) {
     case MTL_C_MMA: return "simdgroup matrix operation";
+    case MTL_C_TENSOR_MATMUL: return "tensor-op matmul2d";
     case MTL_C_SIMD_BARRIER: return "simdgroup_barrier";
     case MTL_C_TG_BARRIER: return "threadgroup_barrier";
     default: return "simd collective";
@@ -101,7 +102,8 @@ void complete_group(Worker* w, uint32_t sg, uint32_t group) {
   for (int l = 0; l < kSimd; l++)
     if (group & (1u << l)) recs[l] = base[l].rec;
   MtlCollRec* r0 = recs[first];
-  if (r0->kind == MTL_C_MMA && group != 0xFFFFFFFFu) {
+  bool matrix = r0->kind == MTL_C_MMA || r0->kind == MTL_C_TENSOR_MATMUL;
+  if (matrix && group != 0xFFFFFFFFu) {
     set_error(w, MTL_E_MMA_DIVERGENCE, (int)(sg * kSimd + first), r0->file, (int)r0->line,
               "%s at %s:%u executed by %d of 32 lanes of simdgroup %u (active lane mask 0x%08x); "
               "all 32 lanes of a simdgroup must execute simdgroup matrix operations together",
@@ -110,6 +112,7 @@ void complete_group(Worker* w, uint32_t sg, uint32_t group) {
   }
   if (r0->fn) r0->fn(recs, group);
   if (r0->kind == MTL_C_MMA) w->st.mma++;
+  else if (r0->kind == MTL_C_TENSOR_MATMUL) { w->st.tensor_matmuls++; w->st.tensor_macs += r0->arg; }
   else if (r0->kind == MTL_C_SIMD_BARRIER) w->st.simd_barriers++;
   else w->st.simd_collectives++;
   w->sg_epoch[sg]++;

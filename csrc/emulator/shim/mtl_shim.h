@@ -448,6 +448,7 @@ template <class T> constexpr int type_code() {
 #include "mtl_math.h"
 #include "mtl_matrix.h"
 #include "mtl_simdgroup_matrix.h"
+#include "mtl_tensor_ops.h"
 #include "mtl_builtins.h"
 #include "mtl_kernel.h"
 
