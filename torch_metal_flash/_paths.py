@@ -27,6 +27,13 @@ def shaders_dir() -> Path:
     return _find("shaders", "shaders")
 
 
+def shader_language(source: str) -> str:
+    """The Metal Shading Language version a shader file is compiled as: 4.0 for the
+    neural-accelerator kernels (``*_nax.metal``, Metal 4 tensor ops), 3.1 for the others.
+    The Metal launcher applies the same rule."""
+    return "4.0" if source.endswith("_nax.metal") else "3.1"
+
+
 def csrc_dir() -> Path:
     return _find("_csrc", "csrc")
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import threading
 
 from .. import emulator
-from .._paths import shaders_dir
+from .._paths import shader_language, shaders_dir
 from ..caches import LRU
 from ..emulator import config
 from ..planner.plan import Plan
@@ -60,7 +60,7 @@ class EmulatorBackend:
         lib = _libraries.get(key)
         if lib is None:
             lib = emulator.compile_shader(shaders_dir() / source, function_constants=dict(function_constants),
-                                          math_mode=math_mode)
+                                          math_mode=math_mode, language_version=shader_language(source))
             _libraries.put(key, lib)
         return lib
 
