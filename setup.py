@@ -12,7 +12,8 @@ repo's shaders/ and csrc/ folders.  On macOS:
   when ``xcrun -sdk macosx metal`` works (Xcode with its Metal toolchain):
   MSL 3.1 for macOS 14 (the minimum: ``bfloat`` needs MSL 3.1, and torch's MPS
   backend needs macOS 14), every ``host_name`` in the file, function constants
-  left to pipeline creation.  The launcher loads it instead of compiling the
+  left to pipeline creation; the neural-accelerator sources (``*_nax.metal``)
+  as MSL 4.0 for macOS 26.2, when the SDK has it (else at run time).  The launcher loads it instead of compiling the
   source.  With Command Line Tools only there is no ``metal`` and nothing is
   precompiled: the launcher compiles the sources at first use.
   ``TORCH_METAL_FLASH_METALLIB=0`` skips this step, ``=1`` makes a missing
@@ -39,6 +40,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 XCRUN = ["xcrun", "-sdk", "macosx"]
 METAL_STD = "metal3.1"
 MACOS_MIN = "14.0"
+# The neural-accelerator kernels (shaders/*_nax.metal): MSL 4.0, for macOS 26.2+ (docs/metal_launcher.md).
+NAX_SUFFIX = "_nax.metal"
+NAX_METAL_STD = "metal4.0"
+NAX_MACOS_MIN = "26.2"
 # Inf/NaN-honouring fast math, as the launcher's runtime default on macOS 15+
 # (docs/metal_launcher.md); compilers without these flags get -fno-fast-math.
 RELAXED_MATH = ["-fmetal-math-mode=relaxed", "-fmetal-math-fp32-functions=fast"]
@@ -91,18 +96,32 @@ def metal_toolchain():
 
 
 def compile_metallibs(shader_dir: Path, out_dir: Path) -> dict:
-    """``out_dir/<stem>.metallib`` for every ``shader_dir/<stem>.metal``; returns the build record."""
+    """``out_dir/<stem>.metallib`` for every ``shader_dir/<stem>.metal``; returns the build record.
+
+    ``*_nax.metal`` sources are compiled as MSL 4.0 for macOS 26.2 when this compiler takes
+    ``-std=metal4.0`` (an SDK from 26 on), and otherwise left to the launcher, which compiles
+    them at run time where the neural-accelerator path is active.
+    """
+    sources = sorted(shader_dir.glob("*.metal"))
+    nax_sources = [s for s in sources if s.name.endswith(NAX_SUFFIX)]
     with tempfile.TemporaryDirectory() as tmp:
         math_mode, math_flags = "relaxed", RELAXED_MATH
         probe = Path(tmp, "probe.metal")
         probe.write_text("kernel void probe(device float* x [[buffer(0)]]) { x[0] = 1.0f; }\n")
-        if _run([*XCRUN, "metal", *RELAXED_MATH, "-c", str(probe), "-o", str(probe.with_suffix(".air"))]).returncode:
+
+        def probe_fails(*flags) -> bool:
+            return bool(_run([*XCRUN, "metal", *flags, "-c", str(probe), "-o", str(probe.with_suffix(".air"))])
+                        .returncode)
+        if probe_fails(*RELAXED_MATH):
             math_mode, math_flags = "safe", SAFE_MATH
+        flags = [f"-std={METAL_STD}", f"-mmacosx-version-min={MACOS_MIN}"]
+        nax_flags = [f"-std={NAX_METAL_STD}", f"-mmacosx-version-min={NAX_MACOS_MIN}"]
+        nax_precompiled = bool(nax_sources) and not probe_fails(*nax_flags, *math_flags)
 
         def compile_one(source: Path) -> str:
             air = Path(tmp, source.stem + ".air")
             library = out_dir / (source.stem + ".metallib")
-            for cmd in ([*XCRUN, "metal", f"-std={METAL_STD}", f"-mmacosx-version-min={MACOS_MIN}", *math_flags,
+            for cmd in ([*XCRUN, "metal", *(nax_flags if source in nax_sources else flags), *math_flags,
                          "-I", str(shader_dir), "-c", str(source), "-o", str(air)],
                         [*XCRUN, "metallib", str(air), "-o", str(library)]):
                 result = _run(cmd)
@@ -112,9 +131,15 @@ def compile_metallibs(shader_dir: Path, out_dir: Path) -> dict:
                                        "(the launcher then compiles the sources at first use).")
             return library.name
 
+        compiled = [s for s in sources if s not in nax_sources or nax_precompiled]
         with concurrent.futures.ThreadPoolExecutor() as pool:  # one compiler process per file
-            files = list(pool.map(compile_one, sorted(shader_dir.glob("*.metal"))))
-    return {"files": files, "std": METAL_STD, "macos_min": MACOS_MIN, "math_mode": math_mode}
+            files = dict(zip(compiled, pool.map(compile_one, compiled)))
+    nax = {"files": [files[s] for s in nax_sources], "std": NAX_METAL_STD, "macos_min": NAX_MACOS_MIN} \
+        if nax_precompiled or not nax_sources else \
+        f"not precompiled: this Metal compiler does not take {' '.join(nax_flags)} (an SDK before macOS 26); " \
+        "the launcher compiles them at run time"
+    return {"files": [files[s] for s in sources if s not in nax_sources], "std": METAL_STD, "macos_min": MACOS_MIN,
+            "math_mode": math_mode, "nax": nax}
 
 
 def metallib_step(shader_dir: Path, out_dir: Path):

@@ -32,7 +32,7 @@ found in ``TORCH_METAL_FLASH_WHEEL_DIR`` or downloaded once by pip, and extracte
 (headers, dylib stubs, ``cpp_extension.py``) under
 ``~/.cache/torch_metal_flash/macos-cross``.
 
-    python bench/macos_cross_build.py [--torch 2.13.0] [--plant nil|unguarded|missing]
+    python bench/macos_cross_build.py [--torch 2.13.0] [--plant nil|unguarded|unguarded26|missing]
 
 ``--plant`` adds a translation unit with a defect the build must catch (the
 tests do the same: ``tests/tooling/test_cross_build.py``).  Exit status 1 names what failed.
@@ -381,6 +381,14 @@ id<MTLLibrary> planted_nil(id<MTLDevice> device) {
 #include "metal/macos15_api.h"
 void planted_unguarded(MTLCompileOptions* options) {
   options.mathMode = MTLMathModeRelaxed;  // macOS 15 API outside @available
+}
+"""),
+    "unguarded26": ("planted_unguarded26.mm", """
+#import <Foundation/Foundation.h>
+#import <Metal/Metal.h>
+#include "metal/macos26_api.h"
+void planted_unguarded26(MTLCompileOptions* options) {
+  options.languageVersion = MTLLanguageVersion4_0;  // MSL 4.0 (macOS 26) outside @available
 }
 """),
     "missing": ("planted_missing.cpp", """

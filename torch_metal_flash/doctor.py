@@ -2,8 +2,9 @@
 
 The first command to run after installing, and what to paste into a bug report:
 
-1. the machine: chip, macOS, torch, the backend and why, GPU family, Metal
-   language version, math mode, what the install built;
+1. the machine: chip, macOS, torch, the backend and why, GPU family, whether
+   the neural-accelerator path is active (or why not), Metal language version,
+   math mode, what the install built;
 2. every pipeline the planners can emit, compiled (``planner/variants.py``:
    every kernel of the tile tables, each function-constant value at least once;
    ``--all-variants`` for every combination), with the limits each reports;
@@ -140,27 +141,43 @@ def machine_rows(name, backend, why) -> tuple[list, list]:
                                f"{torch.backends.mps.is_built()}, available: {torch.backends.mps.is_available()})"),
             ("backend", f"{name}: {why}")]
     if name == "metal" and backend is not None:
-        rows += [("GPU family", backend.family), ("Metal language", f"MSL {native.launcher().LANGUAGE_VERSION}")]
+        family = backend.family if backend.family == backend.hardware_family else \
+            f"{backend.family} (the GPU is {backend.hardware_family}; without the neural-accelerator path it " \
+            f"plans as {backend.family})"
+        rows += [("GPU family", family), ("Metal language", f"MSL {native.launcher().LANGUAGE_VERSION}")]
     elif name == "emulator":
         from . import emulator
         checks = "race and bounds checks" if emulator.default_checked() else "fast mode, no checks"
         rows += [("GPU family", f"{backend.family} (the emulator plans as this family; "
                                 f"emulator.settings(family=...) changes it)" if backend is not None else "apple8"),
                  ("Metal language", f"MSL 3.1 as C++20 (emulated; {checks})")]
+    if backend is not None:
+        rows.append(("neural accelerators", neural_accelerators(backend)))
     if sys.platform == "darwin" or name == "metal":
         rows.append(("Metal launcher", metal.unavailable_reason() or "torch_metal_flash._C imports"))
     info = build_info()
     if info:
         lib = info.get("metallib")
         if isinstance(lib, dict):
+            nax = lib.get("nax")
+            if isinstance(nax, dict) and nax["files"]:
+                nax = f"; {', '.join(nax['files'])} ({nax['std']}, macOS {nax['macos_min']}+)"
+            else:
+                nax = f"; *_nax.metal {nax}" if isinstance(nax, str) else ""
             lib = f"{', '.join(lib['files'])} ({lib['std']}, macOS {lib['macos_min']}+, {lib['math_mode']} math; "\
-                  f"{lib['compiler']})"
+                  f"{lib['compiler']}){nax}"
         against = f" against torch {info['torch']}" if info.get("torch") else ""
         ext = "built" if info.get("extension") is True else info.get("extension")
         rows.append(("install", f"built on {info.get('platform')}{against}; _C: {ext}; precompiled shaders: {lib}"))
     else:
         rows.append(("install", "a source checkout (no build record)"))
     return rows, failures
+
+
+def neural_accelerators(backend) -> str:
+    """Whether the neural-accelerator path (the apple10 tables, MSL 4.0 ``*_nax.metal`` kernels) is active, or why not."""
+    why = backend.neural_accelerators_reason
+    return f"inactive: {why}" if why else "active (apple10 tables; *_nax.metal kernels compiled as MSL 4.0)"
 
 
 TUNING_PROBLEMS = [(op, dtype, d, lq, lk) for op in ("fwd", "bwd") for dtype in (torch.float16, torch.bfloat16)
@@ -210,6 +227,11 @@ def compile_pipelines(backend, all_variants: bool, out=print) -> tuple[list, lis
         by_source[v.source].append(v)
     rows, notes, failures = [], [], []
     for source, group in by_source.items():
+        inactive = metal.is_nax_source(source) and backend.neural_accelerators_reason
+        if inactive:  # the backend refuses to compile these here
+            rows.append((source, len(group), 0, f"- (not compiled: neural accelerators inactive: {inactive})", "-"))
+            out(f"  {source}: {len(group)} pipelines not compiled (neural accelerators inactive)")
+            continue
         start = time.perf_counter()
         failed, lowest, below = 0, None, set()
         for v in group:

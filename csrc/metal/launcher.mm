@@ -39,6 +39,7 @@
 //   core.*                           the C++ op core (csrc/core/bridge.cpp)
 //   set_shader_dir(path)             where the .metal/.h sources (and .metallib files) live
 //   gpu_family() -> "apple7" | "apple8" | "apple9" | ... | "mac2" | "unknown"
+//   neural_accelerators() -> "" when the neural-accelerator path can run, else why not
 //   pipeline_info(source, kernel, function_constants) -> dict
 //   math_mode() -> the MTLCompileOptions math setting in use (string)
 //   library_info(source) -> dict     where a library came from (metallib or source)
@@ -89,6 +90,10 @@
 // MTLCompileOptions.mathMode / mathFloatingPointFunctions (macOS 15 SDK), declared
 // when the SDK is older; used only behind @available(macOS 15.0, *).
 #include "macos15_api.h"
+// MTLLanguageVersion4_0 (macOS 26 SDK), likewise; used only behind @available(macOS 26.0, *).
+#include "macos26_api.h"
+// When the neural-accelerator path can run (plain C++: tested on Linux).
+#include "neural_accelerators.h"
 
 namespace py = pybind11;
 
@@ -99,6 +104,9 @@ namespace {
 // does for MTLLanguageVersion3_2, so that older SDK headers do not matter.
 constexpr MTLLanguageVersion kLanguageVersion = (MTLLanguageVersion)((3 << 16) + 1);
 constexpr const char* kLanguageVersionName = "3.1";
+// MSL 4.0 (macOS 26): Metal 4 tensor operations, for the neural-accelerator
+// sources (`*_nax.metal`) only; MTLLanguageVersion4_0 comes from macos26_api.h.
+constexpr const char* kNaxLanguageVersionName = "4.0";
 
 // ---------------------------------------------------------------------------
 // The two torch helpers we use, reproduced.
@@ -322,6 +330,56 @@ std::string configure_math(MTLCompileOptions* options) {
 }
 
 // ---------------------------------------------------------------------------
+// The neural-accelerator path (Metal 4 tensor operations, M5 and newer): ""
+// when this machine can run it, else why not (neural_accelerators.h has the
+// rule). Read once: neither the GPU nor the OS changes under a process.
+// ---------------------------------------------------------------------------
+
+std::string read_neural_accelerators_reason() {
+  if (!at::mps::is_available()) {
+    return "torch reports no MPS device";
+  }
+  @autoreleasepool {
+    if (@available(macOS 14.0, *)) {  // MTLDevice.architecture
+      const char* name = device().architecture.name.UTF8String;
+      std::string why = nax::gpu_reason(name ? name : "");
+      if (!why.empty()) {
+        return why;
+      }
+    } else {
+      return "macOS older than 14 (the neural-accelerator path needs macOS 26.2)";
+    }
+    if (@available(macOS 26.2, *)) {
+      return "";
+    }
+    const NSOperatingSystemVersion v = [NSProcessInfo processInfo].operatingSystemVersion;
+    return nax::os_reason(static_cast<long>(v.majorVersion), static_cast<long>(v.minorVersion));
+  }
+}
+
+const std::string& neural_accelerators_reason() {
+  static const std::string reason = read_neural_accelerators_reason();
+  return reason;
+}
+
+// Sets the language version of `source` and returns its name: MSL 4.0 for a
+// neural-accelerator source (only where the path can run: the error says why
+// not), 3.1 for every other.
+const char* set_language_version(MTLCompileOptions* options, const std::string& source) {
+  if (!nax::is_nax_source(source)) {
+    options.languageVersion = kLanguageVersion;
+    return kLanguageVersionName;
+  }
+  if (@available(macOS 26.0, *)) {
+    options.languageVersion = MTLLanguageVersion4_0;
+    return kNaxLanguageVersionName;
+  }
+  TORCH_CHECK(false, "torch_metal_flash: shaders/", source, " needs Metal Shading Language ", kNaxLanguageVersionName,
+              " (macOS 26)");
+  return kNaxLanguageVersionName;
+}
+
+// ---------------------------------------------------------------------------
 // Libraries, kernel reflection and pipeline states.
 //
 // Each is a slot in a map that `State::mutex` guards only while a slot is
@@ -403,6 +461,11 @@ std::shared_ptr<LibrarySlot> library(const std::string& source) {
   }
   TORCH_CHECK(!dir.empty(), "torch_metal_flash._C: set_shader_dir() has not been called");
   check_shader_name(source);
+  if (nax::is_nax_source(source)) {  // before any compile or load: a clear reason, not a compiler log
+    const std::string& why = neural_accelerators_reason();
+    TORCH_CHECK(why.empty(), "torch_metal_flash: shaders/", source, " is a neural-accelerator kernel (Metal Shading "
+                "Language ", kNaxLanguageVersionName, "), which this machine cannot run: ", why);
+  }
   @autoreleasepool {
     id<MTLDevice> dev = device();
     const size_t dot = source.rfind('.');
@@ -432,7 +495,7 @@ std::shared_ptr<LibrarySlot> library(const std::string& source) {
     TORCH_CHECK(ns_text != nil, "torch_metal_flash._C: shaders/", source, " (with its headers) is not valid UTF-8");
 
     MTLCompileOptions* options = [MTLCompileOptions new];
-    options.languageVersion = kLanguageVersion;
+    const char* language = set_language_version(options, source);
     const std::string math = configure_math(options);
     {
       std::lock_guard<std::mutex> state_lock(state().mutex);
@@ -441,9 +504,9 @@ std::shared_ptr<LibrarySlot> library(const std::string& source) {
     NSError* error = nil;
     id<MTLLibrary> lib = [dev newLibraryWithSource:ns_text options:options error:&error];
     TORCH_CHECK(lib != nil, "torch_metal_flash: compiling shaders/", source, " with the Metal compiler failed (MSL ",
-                kLanguageVersionName, ", math ", math, "):\n", ns_error_text(error));
+                language, ", math ", math, "):\n", ns_error_text(error));
     slot->library = lib;
-    slot->origin = "shaders/" + source + " compiled at run time (MSL " + kLanguageVersionName + ", math " + math + ")" +
+    slot->origin = "shaders/" + source + " compiled at run time (MSL " + language + ", math " + math + ")" +
                    metallib_failure;
     slot->built = true;
   }
@@ -659,6 +722,11 @@ void set_shader_dir(const std::string& path) {
   }
 }
 
+std::string neural_accelerators() {
+  py::gil_scoped_release no_gil;
+  return neural_accelerators_reason();
+}
+
 std::string gpu_family() {
   @autoreleasepool {
     id<MTLDevice> dev = device();
@@ -730,6 +798,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_shader_dir", &tmfl::set_shader_dir, py::arg("path"),
         "Directory of the .metal/.h shader sources and .metallib files (caches are dropped when it changes).");
   m.def("gpu_family", &tmfl::gpu_family, "Highest Apple GPU family the device supports, e.g. 'apple8'.");
+  m.def("neural_accelerators", &tmfl::neural_accelerators,
+        "'' when the neural-accelerator path (MSL 4.0 *_nax.metal kernels: macOS 26.2+, GPU generation 17+) can "
+        "run, else why not.");
   m.def("pipeline_info", &tmfl::pipeline_info, py::arg("source"), py::arg("kernel"),
         py::arg("function_constants") = std::vector<std::pair<int64_t, py::object>>{},
         "Limits of a kernel's pipeline state (max threads per threadgroup, SIMD width, threadgroup memory).");
@@ -746,4 +817,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return py::make_tuple(tmfl::commit_policy().enabled.load(), tmfl::commit_policy().threads.load());
   });
   m.attr("LANGUAGE_VERSION") = tmfl::kLanguageVersionName;
+  m.attr("NAX_LANGUAGE_VERSION") = tmfl::kNaxLanguageVersionName;
 }

@@ -578,6 +578,11 @@ def probe_dir(tmp_path):
         using namespace metal;
         kernel void broken(device float* o [[buffer(0)]]) { o[0] = no_such_symbol_here; }
     """))
+    (tmp_path / "probe_nax.metal").write_text(textwrap.dedent("""
+        #include <metal_stdlib>
+        using namespace metal;
+        kernel void probe_nax(device float* o [[buffer(0)]]) { o[0] = 1.0f; }
+    """))
     _C.set_shader_dir(str(tmp_path))
     try:
         yield _C
@@ -646,14 +651,33 @@ def test_launcher_errors(probe_dir):
     assert _probe_launch(_C, torch.zeros(64, device=MPS)).cpu()[1].item() == -7.0
 
 
+def test_nax_sources_compile_as_msl4_only_where_the_path_is_active(probe_dir):
+    """``*_nax.metal``: MSL 4.0 where neural_accelerators() is "", else an error naming the reason."""
+    _C = probe_dir
+    why = _C.neural_accelerators()
+    assert isinstance(why, str) and _C.NAX_LANGUAGE_VERSION == "4.0"
+    if why:
+        with pytest.raises(RuntimeError, match=r"shaders/probe_nax\.metal is a neural-accelerator kernel .*"
+                                               + re.escape(why)):
+            _C.library_info("probe_nax.metal")
+    else:
+        assert "(MSL 4.0," in _C.library_info("probe_nax.metal")["origin"]
+    assert "(MSL 3.1," in _C.library_info("probe.metal")["origin"]
+
+
 def test_gpu_family_and_backend_selection():
     from torch_metal_flash import _C
     from torch_metal_flash.backends import resolve
+
+    from torch_metal_flash.backends.metal import planning_family
 
     assert re.fullmatch(r"apple\d+|mac2|unknown", _C.gpu_family())
     with strict_metal():
         backend = resolve(MPS)
     assert backend is not None and backend.name == "metal"
+    assert backend.hardware_family == _C.gpu_family()
+    assert backend.neural_accelerators_reason == _C.neural_accelerators()
+    assert backend.family == planning_family(backend.hardware_family, backend.neural_accelerators_reason)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

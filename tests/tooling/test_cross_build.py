@@ -1,8 +1,9 @@
 """``_C`` cross-built for arm64 macOS against Apple's SDK headers and the torch
 2.13 macOS wheel, linked into a Mach-O bundle, every undefined symbol audited
-(bench/macos_cross_build.py says how).  The real build must be clean; three
-planted defects -- a nil where Apple's headers say nonnull, a macOS 15 API used
-outside ``@available``, a symbol nothing exports -- must each fail it.
+(bench/macos_cross_build.py says how).  The real build must be clean; four
+planted defects -- a nil where Apple's headers say nonnull, a macOS 15 API or
+MSL 4.0 (macOS 26) used outside ``@available``, a symbol nothing exports -- must
+each fail it.
 
 Needs the SDK folder (``TORCH_METAL_FLASH_MACOS_SDK``, default
 ``../shared/macos-sdk``), clang/lld/llvm 19 and the torch macOS wheel (downloaded
@@ -81,6 +82,15 @@ def test_unguarded_macos15_call_fails(build):
                        match=r"(?s)^compile: planted_unguarded\.mm.*'setMathMode:' is only available on macOS 15\.0"
                              r".*-Werror,-Wunguarded-availability-new"):
         xb.plant(build, "unguarded")
+
+
+def test_unguarded_msl4_fails(build):
+    """MTLLanguageVersion4_0, declared by its raw value where the SDK (14.2 here) predates it, keeps its
+    availability: the neural-accelerator sources' language version is usable only behind @available."""
+    with pytest.raises(xb.CrossBuildError,
+                       match=r"(?s)^compile: planted_unguarded26\.mm.*'MTLLanguageVersion4_0' is only available on "
+                             r"macOS 26\.0.*-Werror,-Wunguarded-availability-new"):
+        xb.plant(build, "unguarded26")
 
 
 def test_missing_symbol_fails_naming_it(build):

@@ -80,6 +80,25 @@ def test_macos_before_14_fails(monkeypatch):
                         "bfloat; torch's MPS backend)"]
 
 
+def test_neural_accelerator_row_says_whether_the_path_is_active_and_why_not():
+    from torch_metal_flash import emulator
+    rows, _ = doctor.machine_rows("emulator", EmulatorBackend(), "test")
+    assert ("neural accelerators", "inactive: the emulator plans as apple8") in rows
+    with emulator.settings(family="apple10"):
+        rows, _ = doctor.machine_rows("emulator", EmulatorBackend(), "test")
+    assert ("neural accelerators", "active (apple10 tables; *_nax.metal kernels compiled as MSL 4.0)") in rows
+
+
+def test_nax_pipelines_are_listed_not_compiled_where_the_path_is_inactive(monkeypatch):
+    nax = variants.Variant("flash_fwd_nax.metal", "flash_fwd_nax_f16_d128", ())
+    monkeypatch.setattr(variants, "covering_variants", lambda: [nax])
+    monkeypatch.setattr(variants, "planned_threads", lambda: {nax.kernel: 128})
+    rows, notes, failures = doctor.compile_pipelines(EmulatorBackend(), False, out=lambda *_: None)
+    assert failures == [] and notes == []
+    assert rows == [("flash_fwd_nax.metal", 1, 0,
+                     "- (not compiled: neural accelerators inactive: the emulator plans as apple8)", "-")]
+
+
 def test_unknown_section_is_an_error():
     with pytest.raises(SystemExit):
         doctor.main(["--skip", "probe"])

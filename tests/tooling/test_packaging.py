@@ -190,15 +190,21 @@ def test_macos_build_finds_what_it_needs_and_declares_what_it_imports(tmp_path, 
     package = build_lib / "torch_metal_flash"
     record = json.loads((package / "_build_info.json").read_text())
     stems = sorted(p.stem for p in (ROOT / "shaders").glob("*.metal"))
+    nax_stems = [s for s in stems if s.endswith("_nax")]  # MSL 4.0 (the stand-in compiler takes it)
     assert record["extension"] is True and record["torch"]
-    assert record["metallib"] == {"files": [f"{s}.metallib" for s in stems], "std": "metal3.1", "macos_min": "14.0",
-                                  "math_mode": "relaxed",
+    assert record["metallib"] == {"files": [f"{s}.metallib" for s in stems if s not in nax_stems], "std": "metal3.1",
+                                  "macos_min": "14.0", "math_mode": "relaxed",
+                                  "nax": {"files": [f"{s}.metallib" for s in nax_stems], "std": "metal4.0",
+                                          "macos_min": "26.2"},
                                   "compiler": "Apple metal version 32023.404 (metalfe-32023.404)"}
     assert all((package / "shaders" / f"{s}.metallib").is_file() for s in stems)
     compiles = [line.split() for line in xcrun.read_text().splitlines() if " -c " in line and "probe" not in line]
     assert sorted(Path(c[c.index("-c") + 1]).stem for c in compiles) == stems
     for c in compiles:
-        assert {"-std=metal3.1", "-mmacosx-version-min=14.0", "-fmetal-math-mode=relaxed"} <= set(c)
+        nax = Path(c[c.index("-c") + 1]).stem in nax_stems
+        std, macos_min = ("metal4.0", "26.2") if nax else ("metal3.1", "14.0")
+        assert {f"-std={std}", f"-mmacosx-version-min={macos_min}"} <= set(c)
+        assert "-fmetal-math-mode=relaxed" in c
 
 
 @pytest.fixture
@@ -247,3 +253,33 @@ def test_metallib_math_mode_falls_back_to_safe_and_errors_carry_the_log(setup_py
     monkeypatch.setenv("XCRUN_REJECT", "-std=metal3.1")
     with pytest.raises(RuntimeError, match="(?s)unknown argument: '-std=metal3.1'.*TORCH_METAL_FLASH_METALLIB=0"):
         setup_py["metallib_step"](ROOT / "shaders", tmp_path)
+
+
+def _shader_folder(tmp_path):
+    """A shader folder with one classic and one neural-accelerator source."""
+    shaders = tmp_path / "shaders"
+    shaders.mkdir()
+    for name in ("a.metal", "b_nax.metal"):
+        (shaders / name).write_text("kernel void k() {}\n")
+    return shaders
+
+
+def test_nax_sources_are_msl4_for_macos_26_2(setup_py, tmp_path, xcrun):
+    shaders = _shader_folder(tmp_path)
+    record = setup_py["metallib_step"](shaders, shaders)
+    assert record["files"] == ["a.metallib"] and record["std"] == "metal3.1"
+    assert record["nax"] == {"files": ["b_nax.metallib"], "std": "metal4.0", "macos_min": "26.2"}
+    (nax_compile,) = [line.split() for line in xcrun.read_text().splitlines() if "b_nax.metal -o" in line]
+    assert {"-std=metal4.0", "-mmacosx-version-min=26.2", "-fmetal-math-mode=relaxed"} <= set(nax_compile)
+    assert not any("-std=metal4.0" in line for line in xcrun.read_text().splitlines() if "a.metal " in line)
+
+
+def test_nax_sources_are_left_to_run_time_where_the_sdk_lacks_msl4(setup_py, monkeypatch, tmp_path, xcrun):
+    monkeypatch.setenv("XCRUN_REJECT", "-std=metal4.0")  # an SDK before macOS 26
+    shaders = _shader_folder(tmp_path)
+    record = setup_py["metallib_step"](shaders, shaders)
+    assert record["files"] == ["a.metallib"]
+    assert record["nax"].startswith("not precompiled: this Metal compiler does not take -std=metal4.0 "
+                                    "-mmacosx-version-min=26.2")
+    assert (shaders / "a.metallib").is_file() and not (shaders / "b_nax.metallib").exists()
+    assert not any("b_nax.metal" in line for line in xcrun.read_text().splitlines())

@@ -31,6 +31,7 @@ from .._paths import shader_language, shaders_dir
 from ..caches import LRU
 from ..emulator import config
 from ..planner.plan import Plan
+from .metal import NAX_FAMILY, is_nax_source
 
 
 # Shared by every instance (what they hold depends only on the key).
@@ -46,6 +47,12 @@ class EmulatorBackend:
         """The tile tables it plans with: an M2's, or ``emulator.settings(family=...)``."""
         return config.backend_family()
 
+    @property
+    def neural_accelerators_reason(self) -> str:
+        """Empty when the neural-accelerator path is active (the emulator plans as apple10), else why not."""
+        family = self.family
+        return "" if family == NAX_FAMILY else f"the emulator plans as {family}"
+
     def __init__(self):
         self._local = threading.local()
 
@@ -57,6 +64,11 @@ class EmulatorBackend:
     def library(self, source: str, function_constants: dict) -> "emulator.Library":
         math_mode = config.backend_math_mode()
         key = (source, tuple(sorted(function_constants.items())), math_mode)
+        why = self.neural_accelerators_reason if is_nax_source(source) else ""
+        if why:  # as the Metal launcher: such a kernel runs only where the path is active
+            raise RuntimeError(f"torch_metal_flash: shaders/{source} is a neural-accelerator kernel (Metal "
+                               f"Shading Language 4.0), which this backend cannot run: {why} (use "
+                               "emulator.settings(family='apple10'))")
         lib = _libraries.get(key)
         if lib is None:
             lib = emulator.compile_shader(shaders_dir() / source, function_constants=dict(function_constants),

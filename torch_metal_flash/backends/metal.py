@@ -53,6 +53,34 @@ def unavailable_reason(device: Optional[torch.device] = None) -> Optional[str]:
     return None
 
 
+NAX_FAMILY = "apple10"  # the family name of the neural-accelerator tile tables (M5 and newer)
+NAX_SUFFIX = "_nax.metal"  # shader files of that path: Metal Shading Language 4.0
+
+
+def planning_family(hw_family: str, accelerator_reason: str) -> str:
+    """The family whose tile tables the Metal backend plans with, given the GPU's family
+    (``_C.gpu_family()``) and ``_C.neural_accelerators()`` ("" when that path can run).
+
+    ``apple10`` (the neural-accelerator tables) needs both an apple10-or-newer GPU and the
+    path; such a GPU without it (macOS before 26.2, say) plans as ``apple9``, the
+    simdgroup-matrix tables.  Other families are returned as they are (the planner names
+    those it cannot serve).
+    """
+    if not isinstance(hw_family, str):
+        raise TypeError(f"planning_family: hw_family must be a str, got {type(hw_family).__name__}")
+    if not isinstance(accelerator_reason, str):
+        raise TypeError(f"planning_family: accelerator_reason must be a str, got {type(accelerator_reason).__name__}")
+    number = hw_family[5:]
+    if not (hw_family.startswith("apple") and number.isdigit() and int(number) >= int(NAX_FAMILY[5:])):
+        return hw_family
+    return NAX_FAMILY if accelerator_reason == "" else "apple9"
+
+
+def is_nax_source(source: str) -> bool:
+    """Whether ``source`` (a shader file name) is a neural-accelerator kernel (compiled as MSL 4.0)."""
+    return source.endswith(NAX_SUFFIX)
+
+
 _pipeline_infos = LRU("metal.pipeline_info", 1024)  # the pipelines themselves stay in _C
 
 
@@ -62,7 +90,10 @@ class MetalBackend:
     def __init__(self):
         self._C = launcher()
         self._C.set_shader_dir(str(shaders_dir()))
-        self.family = self._C.gpu_family()  # selects the tile tables
+        self.hardware_family = self._C.gpu_family()
+        # "" when the neural-accelerator path (MSL 4.0 *_nax.metal kernels) can run, else why not
+        self.neural_accelerators_reason = self._C.neural_accelerators()
+        self.family = planning_family(self.hardware_family, self.neural_accelerators_reason)  # the tile tables
 
     def pipeline_info(self, source: str, kernel: str, function_constants: dict) -> dict:
         """The pipeline's limits (``_C.pipeline_info``: builds the pipeline once, then cached)."""

@@ -18,3 +18,12 @@
 @interface NSURL : NSObject
 + (NSURL*)fileURLWithPath:(NSString*)path;
 @end
+typedef struct {
+  NSInteger majorVersion;
+  NSInteger minorVersion;
+  NSInteger patchVersion;
+} NSOperatingSystemVersion;
+@interface NSProcessInfo : NSObject
+@property(class, readonly, strong) NSProcessInfo* processInfo;
+@property(readonly) NSOperatingSystemVersion operatingSystemVersion;
+@end

@@ -54,7 +54,11 @@ typedef NS_ENUM(NSInteger, MTLMathFloatingPointFunctions) { MTLMathFloatingPoint
 @property (readonly) NSUInteger threadExecutionWidth;
 @property (readonly) NSUInteger staticThreadgroupMemoryLength;
 @end
+@interface MTLArchitecture : NSObject <NSCopying>
+@property (readonly) NSString *name;
+@end
 @protocol MTLDevice <NSObject>
+@property (readonly) MTLArchitecture *architecture;
 - (id <MTLLibrary>)newLibraryWithSource:(NSString *)source options:(MTLCompileOptions *)options error:(__autoreleasing NSError **)error;
 - (id <MTLLibrary>)newLibraryWithURL:(NSURL *)url error:(__autoreleasing NSError **)error;
 - (id <MTLComputePipelineState>)newComputePipelineStateWithFunction:(id <MTLFunction>)computeFunction error:(__autoreleasing NSError **)error;

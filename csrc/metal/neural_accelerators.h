@@ -1,0 +1,83 @@
+// When the neural-accelerator ("NAX") path can run: the rule, as plain C++ so
+// that tests/tooling/test_neural_accelerators.py checks it on Linux. The
+// launcher (launcher.mm) feeds it what Metal and the OS report.
+//
+// The path needs Metal 4's tensor operations on a GPU that has the
+// accelerators: macOS 26.2 or newer, and a GPU architecture generation of at
+// least 17 (M5, `MTLDevice.architecture.name` "applegpu_g17<variant>").
+// Phone-class GPUs (variant 'p') need generation 18, as in MLX.
+#pragma once
+
+#include <cctype>
+#include <string>
+
+namespace torch_metal_flash {
+namespace nax {
+
+constexpr int kMacosMajor = 26;  // macOS 26.2
+constexpr int kMacosMinor = 2;
+constexpr int kGeneration = 17;
+constexpr int kPhoneGeneration = 18;
+
+struct Architecture {
+  int generation = -1;  // -1: the name does not follow "applegpu_g<digits><variant>"
+  char variant = '\0';  // the letter after the digits ('g', 's', 'd', 'p' ...)
+};
+
+// "applegpu_g17s" -> {17, 's'}.
+inline Architecture parse_architecture(const std::string& name) {
+  static const std::string prefix = "applegpu_g";
+  Architecture a;
+  if (name.compare(0, prefix.size(), prefix) != 0) {
+    return a;
+  }
+  size_t i = prefix.size();
+  int generation = 0;
+  size_t digits = 0;
+  for (; i < name.size() && std::isdigit(static_cast<unsigned char>(name[i])) && digits < 4; ++i, ++digits) {
+    generation = generation * 10 + (name[i] - '0');
+  }
+  if (digits == 0) {
+    return a;
+  }
+  a.generation = generation;
+  a.variant = i < name.size() ? name[i] : '\0';
+  return a;
+}
+
+// "" when the GPU named `name` has the accelerators, else why not.
+inline std::string gpu_reason(const std::string& name) {
+  const Architecture a = parse_architecture(name);
+  const std::string gpu = "GPU " + (name.empty() ? std::string("(no architecture name)") : name);
+  if (a.generation < 0) {
+    return gpu + " (not an Apple GPU architecture name; the neural-accelerator path needs generation " +
+           std::to_string(kGeneration) + ", M5 or newer)";
+  }
+  if (a.variant == 'p' && a.generation < kPhoneGeneration) {
+    return gpu + " (phone-class 'p' GPUs need architecture generation " + std::to_string(kPhoneGeneration) + ")";
+  }
+  if (a.generation < kGeneration) {
+    return gpu + " (needs architecture generation " + std::to_string(kGeneration) + ", M5 or newer)";
+  }
+  return "";
+}
+
+// Why the OS is too old, for a process that sees macOS `major`.`minor`.
+// macOS 26 reports itself as 16.x to programs built with an older SDK.
+inline std::string os_reason(long major, long minor) {
+  if (major == 16) {
+    major = 26;
+  }
+  return "macOS " + std::to_string(major) + "." + std::to_string(minor) +
+         " (the neural-accelerator path needs macOS " + std::to_string(kMacosMajor) + "." +
+         std::to_string(kMacosMinor) + ")";
+}
+
+// Shader files of the path are compiled as Metal Shading Language 4.0.
+inline bool is_nax_source(const std::string& source) {
+  static const std::string suffix = "_nax.metal";
+  return source.size() >= suffix.size() && source.compare(source.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+}  // namespace nax
+}  // namespace torch_metal_flash
