@@ -27,11 +27,18 @@ def shaders_dir() -> Path:
     return _find("shaders", "shaders")
 
 
+NAX_SUFFIX = "_nax.metal"  # the neural-accelerator kernels' shader files (Metal 4 tensor ops)
+
+
+def is_nax_source(source: str) -> bool:
+    """Whether ``source`` (a shader file name) is a neural-accelerator kernel (compiled as MSL 4.0)."""
+    return source.endswith(NAX_SUFFIX)
+
+
 def shader_language(source: str) -> str:
     """The Metal Shading Language version a shader file is compiled as: 4.0 for the
-    neural-accelerator kernels (``*_nax.metal``, Metal 4 tensor ops), 3.1 for the others.
-    The Metal launcher applies the same rule."""
-    return "4.0" if source.endswith("_nax.metal") else "3.1"
+    neural-accelerator kernels, 3.1 for the others (the Metal launcher's rule too)."""
+    return "4.0" if is_nax_source(source) else "3.1"
 
 
 def csrc_dir() -> Path:

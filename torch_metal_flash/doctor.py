@@ -36,7 +36,7 @@ import torch.nn.functional as F
 import torch_metal_flash as tmf
 
 from . import backends, native
-from ._paths import build_info
+from ._paths import build_info, is_nax_source
 from .backends import metal
 from .planner import variants
 from .problem.spec import make_spec
@@ -227,7 +227,7 @@ def compile_pipelines(backend, all_variants: bool, out=print) -> tuple[list, lis
         by_source[v.source].append(v)
     rows, notes, failures = [], [], []
     for source, group in by_source.items():
-        inactive = metal.is_nax_source(source) and backend.neural_accelerators_reason
+        inactive = is_nax_source(source) and backend.neural_accelerators_reason
         if inactive:  # the backend refuses to compile these here
             rows.append((source, len(group), 0, f"- (not compiled: neural accelerators inactive: {inactive})", "-"))
             out(f"  {source}: {len(group)} pipelines not compiled (neural accelerators inactive)")

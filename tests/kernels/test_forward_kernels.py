@@ -15,6 +15,7 @@ import re
 import pytest
 import torch
 
+from torch_metal_flash import emulator
 from torch_metal_flash.testing import forward_cases as fc
 from torch_metal_flash._paths import shaders_dir
 from torch_metal_flash.planner.plan import Plan, Unsupported
@@ -217,7 +218,8 @@ def test_pipeline_info_of_every_variant():
 
     backend = EmulatorBackend()
     for t in forward_variants():
-        info = backend.pipeline_info(t.source, t.kernel, {})
+        with emulator.settings(family=fc.tile_family(t)):
+            info = backend.pipeline_info(t.source, t.kernel, {})
         assert info == {"max_total_threads_per_threadgroup": 1024, "thread_execution_width": 32,
                         "static_threadgroup_memory_length": t.threadgroup_memory,
                         "max_threadgroup_memory_length": 32768}, t.kernel

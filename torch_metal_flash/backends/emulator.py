@@ -27,11 +27,11 @@ from __future__ import annotations
 import threading
 
 from .. import emulator
-from .._paths import shader_language, shaders_dir
+from .._paths import is_nax_source, shader_language, shaders_dir
 from ..caches import LRU
 from ..emulator import config
 from ..planner.plan import Plan
-from .metal import NAX_FAMILY, is_nax_source
+from ..planner.tiles import NAX_FAMILY
 
 
 # Shared by every instance (what they hold depends only on the key).

@@ -21,6 +21,7 @@ from .._paths import shaders_dir
 from ..caches import LRU
 from ..native import launcher, load_launcher
 from ..planner.plan import Plan
+from ..planner.tiles import NAX_FAMILY
 
 
 def chip_name() -> str:
@@ -53,8 +54,6 @@ def unavailable_reason(device: Optional[torch.device] = None) -> Optional[str]:
     return None
 
 
-NAX_FAMILY = "apple10"  # the family name of the neural-accelerator tile tables (M5 and newer)
-NAX_SUFFIX = "_nax.metal"  # shader files of that path: Metal Shading Language 4.0
 
 
 def planning_family(hw_family: str, accelerator_reason: str) -> str:
@@ -74,11 +73,6 @@ def planning_family(hw_family: str, accelerator_reason: str) -> str:
     if not (hw_family.startswith("apple") and number.isdigit() and int(number) >= int(NAX_FAMILY[5:])):
         return hw_family
     return NAX_FAMILY if accelerator_reason == "" else "apple9"
-
-
-def is_nax_source(source: str) -> bool:
-    """Whether ``source`` (a shader file name) is a neural-accelerator kernel (compiled as MSL 4.0)."""
-    return source.endswith(NAX_SUFFIX)
 
 
 _pipeline_infos = LRU("metal.pipeline_info", 1024)  # the pipelines themselves stay in _C

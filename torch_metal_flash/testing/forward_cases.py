@@ -178,7 +178,7 @@ def run_forward(spec, order: str = "forward", checked: bool = True, family: str 
     plan, out, lse = plan_case(spec, family)
     out.fill_(float("nan"))
     lse.fill_(float("nan"))
-    with emulator.settings(order=order, checked=checked):
+    with emulator.settings(order=order, checked=checked, family=family):
         backend().run(plan)
     return out, lse
 
@@ -202,6 +202,12 @@ def run_and_check(c: dict, orders=("forward", "reverse"), checked: bool = True, 
             assert torch.allclose(lse, first[1], rtol=0, atol=0, equal_nan=True), \
                 f"lse depends on schedule order ({order})"
     return spec
+
+
+def tile_family(tile) -> str:
+    """A family whose backend runs ``tile``'s kernel (the accelerator kernels need apple10)."""
+    from torch_metal_flash.planner.tiles import NAX_FAMILY
+    return NAX_FAMILY if tile.nax else "apple8"
 
 
 def tile_for(spec, family: str = "apple8"):
