@@ -8,7 +8,10 @@ you have (the instantiations below are ours; the kernels are theirs, read from y
                    mlx-metal wheel's mlx/include, e.g. `pip download mlx-metal==0.32.4`
                    and unzip): sdpa_vector (1- and 2-pass, bool / float masks, causal,
                    sinks, GQA), steel attention (bool / float masks, causal, sinks),
-                   softmax, gemv
+                   softmax, gemv; and the Metal 4 (tensor ops) NAX kernels, compiled as
+                   MSL 4.0: attention_nax (half / bfloat, D 64 / 96 / 128, causal, bool
+                   mask, ragged lengths, GQA) and steel_gemm_fused_nax (transposes, ragged
+                   M / N / K, axpby, three tilings); --nax-only runs just those
     --llama DIR    llama.cpp's ggml/src (e.g. the llama-cpp-python 0.3.36 sdist's
                    vendor/llama.cpp/ggml/src): every ggml-metal/kernels/*.metal is compiled,
                    soft_max / rms_norm / norm / rope run
@@ -35,7 +38,8 @@ import harness
 
 from torch_metal_flash import emulator
 
-from peer_kernels import MLX_TYPES, TOL, attention_reference, compile_source, max_error, run_mlx_steel
+from peer_kernels import (MLX_NAX_GEMM_TILES, MLX_NAX_HEAD_DIMS, MLX_NAX_TYPES, MLX_TYPES, TOL, attention_reference,
+                          compile_source, max_error, run_mlx_nax_attention, run_mlx_nax_gemm, run_mlx_steel)
 
 results = []  # (name, ok)
 
@@ -162,6 +166,56 @@ def run_mlx(inc, orders, quick):
                 for mask_kind, causal, sinks in ((None, False, False), ("bool", True, True), ("float", True, False)):
                     mlx_steel_attention(inc, order, n, d, mask_kind, causal, sinks)
         mlx_small(inc, order)
+
+
+def mlx_nax_attention(inc, order, n, d, causal, mask_kind=None, ql=77, kl=100, H=4, Hk=2):
+    """MLX's attention_nax (Metal 4 tensor ops): ragged qL / kL (not multiples of BQ 64 / BK 32), GQA."""
+    dt = MLX_NAX_TYPES[n][1]
+    q, k, v = torch.randn(1, H, ql, d).to(dt), torch.randn(1, Hk, kl, d).to(dt), torch.randn(1, Hk, kl, d).to(dt)
+    mask = None
+    if mask_kind == "bool":
+        mask = torch.rand(1, H, ql, kl) > 0.3
+        mask[..., 0] = True  # no empty row (the causal diagonal, bottom-right, keeps key 0 for every row)
+    scale = 1 / math.sqrt(d)
+    o, st = run_mlx_nax_attention(inc, q, k, v, scale, mask=mask, causal=causal, order=order)
+    assert st.tensor_matmuls > 0 and st.simdgroup_matrix_multiplies == 0
+    name = f"mlx attention_nax {n} D{d} qL{ql} kL{kl} GQA{H // Hk} causal={causal} mask={mask_kind}"
+    report(name, o, attention_reference(q, k, v, scale, mask, causal), order, dt)
+
+
+def mlx_nax_gemm(inc, order, n, M, N, K, ta, tb, tile, addmm=False):
+    """MLX's fused NAX GEMM (Metal 4 tensor ops), D = A B or alpha A B + beta C."""
+    dt = MLX_NAX_TYPES[n][1]
+    a = torch.randn(K, M).to(dt) if ta else torch.randn(M, K).to(dt)
+    b = torch.randn(N, K).to(dt) if tb else torch.randn(K, N).to(dt)
+    c = torch.randn(M, N).to(dt) if addmm else None
+    d, st = run_mlx_nax_gemm(inc, a, b, transpose_a=ta, transpose_b=tb, tile=tile, c=c, alpha=0.5, beta=2.0,
+                             order=order)
+    assert st.tensor_matmuls > 0
+    ref = (a.double().t() if ta else a.double()) @ (b.double().t() if tb else b.double())
+    if addmm:
+        ref = 0.5 * ref + 2.0 * c.double()
+    name = (f"mlx steel_gemm_fused_nax {'t' if ta else 'n'}{'t' if tb else 'n'} {n} {M}x{N}x{K} "
+            f"bm{tile[0]} bn{tile[1]} bk{tile[2]} wm{tile[3]} wn{tile[4]}{' axpby' if addmm else ''}")
+    report(name, d, ref, order, dt)
+
+
+def run_mlx_nax(inc, orders, quick):
+    for order in orders:
+        for n in MLX_NAX_TYPES:
+            for d in MLX_NAX_HEAD_DIMS:
+                for causal in (False, True):
+                    mlx_nax_attention(inc, order, n, d, causal)
+            mlx_nax_attention(inc, order, n, 64, True, mask_kind="bool")
+            mlx_nax_attention(inc, order, n, 64, False, ql=128, kl=96)  # aligned blocks
+            tile = MLX_NAX_GEMM_TILES[1]
+            for ta in (False, True):
+                for tb in (False, True):
+                    mlx_nax_gemm(inc, order, n, 70, 150, 300, ta, tb, tile)  # ragged M, N, K
+            mlx_nax_gemm(inc, order, n, 64, 128, 512, False, False, tile, addmm=True)  # aligned
+            if not quick:
+                mlx_nax_gemm(inc, order, n, 100, 90, 270, False, False, MLX_NAX_GEMM_TILES[0])
+                mlx_nax_gemm(inc, order, n, 130, 140, 530, False, False, MLX_NAX_GEMM_TILES[2])
 
 
 # ---------------------------------------------------------------- llama.cpp
@@ -305,12 +359,16 @@ def main():
     ap.add_argument("--llama", type=Path, help="llama.cpp ggml/src folder")
     ap.add_argument("--pytorch", type=Path, help="PyTorch source root (aten/src/ATen/native/mps/kernels inside)")
     ap.add_argument("--orders", default="forward,reverse", help="schedule orders (forward, reverse, random)")
-    ap.add_argument("--quick", action="store_true", help="fewer dtypes")
+    ap.add_argument("--quick", action="store_true", help="fewer dtypes (MLX's NAX kernels: fewer GEMM tilings)")
+    ap.add_argument("--nax-only", action="store_true",
+                    help="of MLX, only the NAX kernels (Metal 4 tensor ops: attention_nax, steel_gemm_fused_nax)")
     args = ap.parse_args()
     torch.manual_seed(0)
     orders = args.orders.split(",")
     if args.mlx:
-        run_mlx(args.mlx, orders, args.quick)
+        if not args.nax_only:
+            run_mlx(args.mlx, orders, args.quick)
+        run_mlx_nax(args.mlx, orders, args.quick)
     if args.llama:
         run_llama(args.llama, orders, args.quick)
     run_pytorch(args.pytorch, orders, args.quick)

@@ -380,3 +380,41 @@ kernel void k(device float* o [[buffer(0)]]) { o[0] = pick(table, 2); }
     out = torch.zeros(1)
     emulator.compile_shader(src.replace("PTR", "const float*"), name="table.metal").k(out, grid=1, threadgroup=1)
     assert out.item() == 3.0
+
+
+def test_nax_tile_idioms():
+    """MLX's NAX tiles: a vector whose lane count is a template argument initialised as `v{0}` (the
+    rest zero), `thread T*` parameters deducing T from a cast to a thread pointer (T = float, not
+    an address-space-qualified float), and <metal_logging>'s os_log (MSL 3.2) at program scope."""
+    src = """#include <metal_stdlib>
+#include <metal_logging>
+using namespace metal;
+constant os_log logger("test", "nax");
+template <typename T, int N> struct Tile {
+  vec<T, 4> frag;
+  template <typename U> static void reduce(const thread vec<U, 4>& in, thread U* acc) {
+    for (int i = 0; i < 4; i++) acc[i / 2] += in[i];
+  }
+  void row_sums(thread vec<T, N>& sums) const thread {
+    vec<T, N> start{T(0.5)};  // lanes past the first are zero
+    sums += start - vec<T, N>(T(0.5), T(0));
+    auto p = (thread T*)(&sums);
+    reduce(frag, &p[0]);
+  }
+};
+kernel void k(device float* out [[buffer(0)]], uint i [[thread_position_in_grid]]) {
+  Tile<float, 2> t;
+  t.frag = float4(1, 2, 3, 4) * float(i + 1);
+  vec<float, 2> sums{0};
+  vec<float, 3> partial{5};
+  t.row_sums(sums);
+  logger.log_debug("row sums %f", sums.x);
+  out[i * 4 + 0] = sums.x;
+  out[i * 4 + 1] = sums.y;
+  out[i * 4 + 2] = partial.x;
+  out[i * 4 + 3] = partial.y + partial.z;
+}
+"""
+    out = torch.full((8,), -1.0)
+    emulator.compile_shader(src, name="nax_tiles.metal", language_version="3.2").k(out, grid=2, threadgroup=2)
+    assert out.tolist() == [3.0, 7.0, 5.0, 0.0, 6.0, 14.0, 5.0, 0.0]

@@ -49,7 +49,7 @@ from typing import Optional
 from . import analysis, prepass, rules, syntax
 from .errors import CompileError, CompilerNotFoundError
 
-PREPASS_VERSION = "12"  # bump when the pre-pass, glue or pass flags change
+PREPASS_VERSION = "13"  # bump when the pre-pass, glue or pass flags change
 
 _compile_seconds = 0.0
 _compile_lock = threading.Lock()

@@ -465,16 +465,19 @@ def _init_edit(text: str, init: dict) -> Optional[tuple]:
     if not vector or not name_end:
         return None
     begin, end = init["init"] or _rejected_field_initialiser(text, name_end.end())
-    if text[name_end.end():begin].strip() != "=":
+    between = text[name_end.end():begin].strip()
+    direct = between == "" and text[begin:begin + 1] == "{"  # `vec<T, N> v{0}`
+    if between != "=" and not direct:
         return None  # an array / reference / pointer of vectors
     element, lanes = vector.split(", ")
     if init["init"] is None:
         elements = len([1 for a, b in _split_top(text[begin + 1:end - 1]) if text[begin + 1 + a:begin + 1 + b].strip()])
         init = dict(init, elements=elements)
     if init["elements"] is not None:
-        if not lanes.isdigit() or init["elements"] >= int(lanes) or text[begin] != "{" or text[end - 1] != "}":
+        # a lane count that is a template argument: brace_vec zeroes whatever the list leaves out
+        if (lanes.isdigit() and init["elements"] >= int(lanes)) or text[begin] != "{" or text[end - 1] != "}":
             return None
-        return begin, begin + 1, end - 1, end, f"__mtl::brace_vec<{vector}>(", ")"
+        return begin, begin + 1, end - 1, end, f"{'= ' if direct else ''}__mtl::brace_vec<{vector}>(", ")"
     if element != "bool" or words[-1].startswith("packed_"):
         return None
     return begin, begin, end, end, f"__mtl::make_vec<{vector}>(", ")"
@@ -504,6 +507,10 @@ def _rewrite_syntax(text: str, masked: str, facts: dict) -> tuple:
     edits = {e for e in (_cast_edit(text, c) for c in facts["casts"]) if e}
     edits |= {e for e in (_init_edit(text, i) for i in facts["inits"]) if e}
     edits |= {e for e in (_threadgroup_edit(text, d, counter) for d in facts["threadgroup"]) if e}
+    # `thread T*` parameters: the pointee is in the thread address space, so T deduces without one
+    # (C++ for OpenCL would deduce T = __generic float from a generic pointer)
+    edits |= {(p, p + 6, p + 6, p + 6, "__mtl_thread_param", "") for p in facts.get("thread_params", ())
+              if text.startswith("thread", p)}
     edits = sorted(edits, key=lambda e: (e[0], -e[3], e[1]))  # an edit around another first
 
     kept = []  # (offset in the text, offset in the rewritten text) of each piece kept as it was

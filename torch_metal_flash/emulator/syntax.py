@@ -31,6 +31,8 @@ the order of the output.
 """
 from __future__ import annotations
 
+import re
+
 import bisect
 import itertools
 from typing import Optional
@@ -77,6 +79,23 @@ class _Walk:
         begin = self.location(rng["begin"]) if "begin" in rng else None
         end = self.location(rng["end"], end=True) if "end" in rng else None
         return loc, begin, end
+
+
+_THREAD_WORD = re.compile(r"(?<![\w])thread(?![\w])")
+
+
+def _qualifiers_before(view: str, at: int) -> set:
+    """Where the word `thread` is among the qualifiers just before `at` (`const thread T* p`: an empty
+    macro is not part of clang's source range)."""
+    found, i = set(), at
+    while True:
+        j = len(view[:i].rstrip())
+        m = re.search(r"(?<![\w])(thread|const|volatile)$", view[max(0, j - 8):j])
+        if not m:
+            return found
+        i = j - len(m.group(1))
+        if m.group(1) == "thread":
+            found.add(i)
 
 
 def _local_object(qual_type: str) -> bool:
@@ -145,7 +164,7 @@ def facts(ast: dict, view: str, main_file: str) -> dict:
     the module docstring)."""
     walk = _Walk(main_file, _offset_map(view))
     extent, params = {}, {id(None): frozenset()}
-    casts, declarators, declarations, function_pointers = [], [], [], []
+    casts, declarators, declarations, function_pointers, thread_params = [], [], [], [], set()
     namespaces, globals_ = [], []
     for node, parent in _nodes(ast):
         extent[id(node)] = walk.extent(node)
@@ -154,12 +173,17 @@ def facts(ast: dict, view: str, main_file: str) -> dict:
         kind = node.get("kind")
         if kind in CAST_KINDS or (kind == "DeclStmt" and _starts_with_word(view, extent[id(node)][1], "threadgroup")):
             (casts if kind in CAST_KINDS else declarations).append(node)
-        elif (kind in ("VarDecl", "ParmVarDecl") and node.get("init") == "c" and node.get("inner")) or \
+        elif (kind in ("VarDecl", "ParmVarDecl") and node.get("init") in ("c", "list") and node.get("inner")) or \
                 (kind == "FieldDecl" and node.get("hasInClassInitializer")):
             declarators.append(node)
         elif kind in ("NonTypeTemplateParmDecl", "TypedefDecl", "TypeAliasDecl") and \
                 "*)(" in node.get("type", {}).get("qualType", ""):  # void (*)(int), void (__generic *)(int)
             function_pointers.append(node)
+        if kind == "ParmVarDecl" and re.search(r"\*\s*(const\s*)?$", node.get("type", {}).get("qualType", "")):
+            loc, begin, _ = extent[id(node)]
+            if loc is not None and begin is not None:
+                thread_params |= {begin + m.start() for m in _THREAD_WORD.finditer(view[begin:loc])}
+                thread_params |= _qualifiers_before(view, begin)
         if kind == "NamespaceDecl":
             namespaces.append((*extent[id(node)][1:], node.get("name", "")))
         elif kind == "VarDecl" and (parent or {}).get("kind") in ("TranslationUnitDecl", "NamespaceDecl",
@@ -169,7 +193,7 @@ def facts(ast: dict, view: str, main_file: str) -> dict:
            "function_pointers": sorted({(node["kind"], *extent[id(node)]) for node in function_pointers
                                         if None not in extent[id(node)]}),
            "namespaces": [n for n in namespaces if None not in n],  # outer ones first
-           "globals": sorted(g for g in globals_ if None not in g)}
+           "globals": sorted(g for g in globals_ if None not in g), "thread_params": sorted(thread_params)}
     for node in casts:
         _, begin, end = extent[id(node)]
         operands = [extent[id(_written(c, begin, extent))][1:] for c in node.get("inner", ()) if isinstance(c, dict)]

@@ -38,6 +38,14 @@
 #define thread
 #endif
 #define constant __constant
+// `thread` in a parameter's pointer type (the pre-pass spells it so): explicitly
+// generic, so that a template parameter deduces without an address space (`thread T* p` from a
+// `thread float*` gives T = float, as in Metal).
+#ifdef __MTL_RULES_THIS__
+#define __mtl_thread_param __private
+#else
+#define __mtl_thread_param __generic
+#endif
 // Member functions of shim types exist for `this` in every address space:
 // unqualified (generic; __private without a generic address space) and
 // qualified for the spaces a generic `this` does not cover.
@@ -170,6 +178,7 @@ MTL_INLINE vec_of<T, N> make_vec(A... a) {
 // rewrites brace initialisers with fewer elements than lanes to this).
 template <class T, int N, class... A>
 MTL_INLINE vec_of<T, N> brace_vec(A... a) {
+  static_assert((vn<A> + ... + 0) <= N, "vector initialiser: more elements than the vector has lanes");
   vec_of<T, N> r = vec_of<T, N>(T(0));
   int i = 0;
   (put<T>(r, i, a), ...);

@@ -191,3 +191,19 @@ struct matmul2d {
 }  // namespace tensor_ops
 }  // namespace mpp
 }  // namespace __mtl
+
+namespace metal {
+// <metal_logging> (MSL 3.2): shader logging.  The emulator drops the messages.
+struct os_log {
+  constexpr os_log(const constant char*, const constant char*) constant {}
+  constexpr os_log(const constant char*, const constant char*) {}
+#define MTL_OS_LOG(AS)                                                              \
+  template <class... A> MTL_INLINE void log(const constant char*, A...) const AS {}       \
+  template <class... A> MTL_INLINE void log_debug(const constant char*, A...) const AS {} \
+  template <class... A> MTL_INLINE void log_info(const constant char*, A...) const AS {}  \
+  template <class... A> MTL_INLINE void log_error(const constant char*, A...) const AS {} \
+  template <class... A> MTL_INLINE void log_fault(const constant char*, A...) const AS {}
+  MTL_EACH_ADDRESS_SPACE(MTL_OS_LOG)
+#undef MTL_OS_LOG
+};
+}  // namespace metal
