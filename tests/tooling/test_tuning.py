@@ -225,6 +225,42 @@ def test_tuner_picks_the_fastest_persists_and_a_fresh_process_plans_with_it(tuni
     assert out.stdout.split("\n")[:2] == [repr((fastest, "tuned")), repr([fastest])]
 
 
+def test_tuner_never_chooses_a_variant_with_wrong_results(tuning_cache, launched, monkeypatch):
+    """The gate runs each variant against the oracle first: one that fails (injected here: the
+    emulator runs every variant right) is not timed, not chosen, and reported."""
+    from torch_metal_flash.tuning import cli, gate
+
+    names = tuning.variants("fwd", dtype=torch.float16, head_dim=64)
+    bad = names[-1]
+    real = gate.wrong_result
+
+    def gate_with_one_wrong_variant(op, problem, device):
+        launched.clear()
+        why = real(op, problem, device)
+        assert why is None and launched, "the gate runs the forced variant, which matches the oracle"
+        return "out: max error 1.0e+00 > allowed 1.0e-03 (injected)" if launched[-1] == bad else None
+
+    monkeypatch.setattr(gate, "wrong_result", gate_with_one_wrong_variant)
+    with tmf.backend("emulator"):
+        result = tuning.tune([PROBLEM], timer=lambda variant, run: 0.5 if variant == bad else 1.0)
+    (r,) = result
+    assert r["variant"] != bad and bad not in r["seconds"] and list(r["rejected"]) == [bad]
+    assert "REJECTED: out: max error" in cli.table(result)
+
+
+def test_tuning_on_an_m5_times_the_accelerator_variants(tuning_cache, launched):
+    with emulator.settings(family="apple10"):
+        names = tuning.variants("fwd", dtype=torch.float16, head_dim=128)
+        nax = [n for n in names if "_nax_" in n]
+        assert names[0] == nax[0] and len(nax) >= 3
+        result = tuning.tune([{**PROBLEM, "head_dim": 128}],
+                             timer=lambda variant, run: 0.5 if variant == nax[-1] else 1.0)
+        assert result[0]["variant"] == nax[-1] and not result[0]["rejected"]
+        assert set(nax) <= set(launched)  # the gate ran each of them
+        assert tuning.choice("fwd", dtype=torch.float16, head_dim=128, seqlen_q=48, seqlen_k=48,
+                             causal=True) == (nax[-1], "tuned")
+
+
 @pytest.mark.parametrize("content", ["{not json", json.dumps({"format": 99, "entries": []}),
                                      json.dumps({"format": 1, "entries": [{"op": "fwd"}]})])
 def test_corrupt_cache_gives_one_warning_and_the_defaults(tuning_cache, content, launched):

@@ -26,6 +26,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from . import cache as _cache
+from . import gate
 from .cache import TuningCacheWarning, feature_class, seq_class
 from .space import OPS, PARTS, accepts, as_dtype, catalog, check_family, check_op, part_variants
 
@@ -330,7 +331,8 @@ def _runner(problem: dict, device: torch.device) -> Callable[[], None]:
                                              *rest, 0, 0)
 
 
-def tune(problems, *, timer: Optional[Callable] = None, cache=None, progress: Optional[Callable] = None) -> list:
+def tune(problems, *, timer: Optional[Callable] = None, cache=None, progress: Optional[Callable] = None,
+         verify: bool = True) -> list:
     """Time every variant of every part of each problem, keep the fastest in the cache
     and return the choices: dicts with the problem, ``part``, ``variant`` (the winner),
     ``default``, ``seconds`` (variant -> seconds) and ``speedup`` (default / winner).
@@ -338,7 +340,10 @@ def tune(problems, *, timer: Optional[Callable] = None, cache=None, progress: Op
     ``problems``: dicts with ``op`` plus the keyword arguments of :func:`choice`
     (optionally ``batch``, ``heads`` and ``kv_heads``, default 1, 8 and ``heads``).  ``timer(variant, run)``
     returns the seconds of one run (default :func:`gpu_timer`); ``cache``: the file
-    to update (default :func:`cache_path`).  ``progress(i, n, text)`` is told of each step."""
+    to update (default :func:`cache_path`).  ``progress(i, n, text)`` is told of each step.
+    ``verify``: each variant first runs a small problem of the class against the float64
+    oracle (:mod:`.gate`); one that fails is not timed, never chosen, and listed in the
+    result's ``rejected`` (variant -> what differs); ``variant`` is None when all fail."""
     timer = timer or gpu_timer()
     device = torch.device("mps") if torch.backends.mps.is_available() else torch.device("cpu")
     from .. import backends
@@ -363,22 +368,33 @@ def tune(problems, *, timer: Optional[Callable] = None, cache=None, progress: Op
     c = _cache.Cache(Path(cache), _cache.gpu_name(here)) if cache is not None else _current_cache(here)
     for op, part, dtype, fam, features, problem, names in steps:
         run = _runner({**problem, "op": op}, device)
-        seconds = {}
+        seconds, rejected = {}, {}
         with backends.backend(backend_name, strict=True):
             for name in names:
                 if progress is not None:
                     progress(done, total, f"{op}/{part} {name}")
                 with use(op, name):
-                    seconds[name] = float(timer(name, run))
+                    why = gate.wrong_result(op, problem, device) if verify else None
+                    if why is None:
+                        seconds[name] = float(timer(name, run))
+                    else:
+                        rejected[name] = why
                 done += 1
-        winner = min(names, key=lambda n: (seconds[n], names.index(n)))
+        timed = [n for n in names if n in seconds]
+        if not timed:
+            results.append({**problem, "op": op, "part": part, "family": fam, "variant": None, "default": names[0],
+                            "seconds": {}, "speedup": 1.0, "rejected": rejected})
+            continue
+        winner = min(timed, key=lambda n: (seconds[n], names.index(n)))
         seconds = {n: s for n, s in seconds.items() if s != float("inf")}  # not timed (a time budget)
         key = _key(op, part, dtype, problem["head_dim"], problem.get("head_dim_v"), problem["seqlen_q"],
                    problem["seqlen_k"], problem["causal"], features)
         entry = dict(zip(_cache._KEY, key), variant=winner, seconds=seconds)
         c.put(entry)
+        base = seconds.get(names[0])
         results.append({**problem, "op": op, "part": part, "family": fam, "variant": winner, "default": names[0],
-                        "seconds": seconds, "speedup": seconds[names[0]] / seconds[winner] if seconds[winner] else 1.0})
+                        "seconds": seconds, "speedup": base / seconds[winner] if base and seconds[winner] else 1.0,
+                        "rejected": rejected})
     if progress is not None:
         progress(total, total, "done")
     c.save()

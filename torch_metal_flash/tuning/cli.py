@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from ..planner.tiles import HEAD_DIM_BUCKETS
+from ..planner.tiles import FAMILIES, HEAD_DIM_BUCKETS
 from . import cache_path, tune, variants
 from .space import OPS
 
@@ -68,6 +68,10 @@ def table(results: list) -> str:
             lines.append(f"| {r['op']} | {r['part']} | {str(r['dtype'])[6:]} | {r['head_dim']} | "
                          f"{r['seqlen_q']} x {r['seqlen_k']} | {r['causal']} | {name} | {s * 1e3:.3f} | "
                          f"{rate(r, s)} | {mark} |")
+        for name, why in r.get("rejected", {}).items():  # wrong results on this GPU: never chosen
+            lines.append(f"| {r['op']} | {r['part']} | {str(r['dtype'])[6:]} | {r['head_dim']} | "
+                         f"{r['seqlen_q']} x {r['seqlen_k']} | {r['causal']} | {name} | — | — | "
+                         f"REJECTED: {why.splitlines()[0]} |")
     return "\n".join(lines)
 
 
@@ -106,7 +110,8 @@ def verify(ops, dtypes, head_dims, report=print) -> int:
         for op in ops:
             for dtype in dtypes:
                 for d in head_dims:
-                    for name in variants(op, dtype=dtype, head_dim=d, family="apple8"):
+                    for family, name in ((f, n) for f in FAMILIES for n in variants(op, dtype=dtype, head_dim=d,
+                                                                                 family=f)):
                         if name in done:
                             continue  # a smaller head dim of the same bucket ran it
                         done.add(name)
@@ -122,8 +127,8 @@ def verify(ops, dtypes, head_dims, report=print) -> int:
                             dout = torch.randn(q.shape, generator=g).to(dtype)
                             for order in ("forward", "reverse"):
                                 names_seen.clear()
-                                with use(op, name), tmf.backend("emulator", strict=True), \
-                                        emulator.settings(order=order, checked=True):
+                                with emulator.settings(order=order, checked=True, family=family), \
+                                        use(op, name), tmf.backend("emulator", strict=True):
                                     out, lse, _ = tmf.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
                                     if op == "bwd":
                                         grads = torch.autograd.grad(out, (q, k, v), dout)
