@@ -62,15 +62,19 @@ inline std::string gpu_reason(const std::string& name) {
   return "";
 }
 
-// Why the OS is too old, for a process that sees macOS `major`.`minor`.
-// macOS 26 reports itself as 16.x to programs built with an older SDK.
+// Why the OS does not pass `@available(macOS 26.2, *)`, for a process that sees
+// macOS `major`.`minor`.  macOS 26 reports itself as 16.x to programs built
+// with an older SDK (its compatibility version), and then the availability
+// check fails even on 26.2: that case is named, with the way out.
 inline std::string os_reason(long major, long minor) {
+  const std::string need = " (the neural-accelerator path needs macOS " + std::to_string(kMacosMajor) + "." +
+                           std::to_string(kMacosMinor) + ")";
   if (major == 16) {
-    major = 26;
+    return "macOS 26." + std::to_string(minor) + ", which this process sees as 16." + std::to_string(minor) +
+           " (its compatibility version for programs built with an SDK older than macOS 26: run a Python built "
+           "with the macOS 26 SDK, or set SYSTEM_VERSION_COMPAT=0)" + (minor < kMacosMinor ? need : "");
   }
-  return "macOS " + std::to_string(major) + "." + std::to_string(minor) +
-         " (the neural-accelerator path needs macOS " + std::to_string(kMacosMajor) + "." +
-         std::to_string(kMacosMinor) + ")";
+  return "macOS " + std::to_string(major) + "." + std::to_string(minor) + need;
 }
 
 // Shader files of the path are compiled as Metal Shading Language 4.0.

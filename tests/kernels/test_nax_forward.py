@@ -51,7 +51,7 @@ def _check_face(q, k, v, out, lse, causal, window=(-1, -1)):
 
 
 @pytest.mark.parametrize("dtype", list(HALF.values()), ids=list(HALF))
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 160, 192, 256])
 def test_every_variant_forced(dtype, head_dim):
     q, k, v = _qkv(dtype, D=head_dim, Lq=45, Lk=70)
     names = [n for n in tuning.variants("fwd", dtype=dtype, head_dim=head_dim, family=NAX) if "_nax_" in n]

@@ -68,10 +68,13 @@ def test_names_that_are_not_apple_gpu_architectures_have_no_path(rule):
 
 
 def test_os_reason_names_the_version_macos_26_reporting_as_16_to_older_sdks(rule):
-    assert rule("os:26.1", "os:15.6", "os:16.1") == [
+    compat = ("(its compatibility version for programs built with an SDK older than macOS 26: run a Python built "
+              "with the macOS 26 SDK, or set SYSTEM_VERSION_COMPAT=0)")
+    assert rule("os:26.1", "os:15.6", "os:16.1", "os:16.2") == [
         "macOS 26.1 (the neural-accelerator path needs macOS 26.2)",
         "macOS 15.6 (the neural-accelerator path needs macOS 26.2)",
-        "macOS 26.1 (the neural-accelerator path needs macOS 26.2)"]
+        f"macOS 26.1, which this process sees as 16.1 {compat} (the neural-accelerator path needs macOS 26.2)",
+        f"macOS 26.2, which this process sees as 16.2 {compat}"]
 
 
 def test_only_nax_sources_are_msl4(rule):
