@@ -31,6 +31,7 @@ import torch
 import harness
 
 import torch_metal_flash as tmf
+from torch_metal_flash import emulator
 from torch_metal_flash.planner import forward_variants
 from torch_metal_flash.problem.spec import make_spec
 from torch_metal_flash.testing import forward_cases as fc
@@ -117,8 +118,9 @@ def variant_table() -> list[dict]:
         dtype = {"f32": "f32", "f16": "f16", "bf16": "bf16"}[t.dtype]
         case = dict(dtype=dtype, d=t.bd, lq=8, lk=8, masking="none", hq=1, hkv=1, feature="none",
                     layout="bhld", batch=1)
-        with tmf.tuning.use("fwd", t.kernel):  # the tuning space's tiles too, each forced
-            st = fc.build_stats_for(fc.build_spec(case), checked=False)
+        family = fc.tile_family(t)  # the accelerator tiles run planned as apple10
+        with emulator.settings(family=family), tmf.tuning.use("fwd", t.kernel):  # every tile, each forced
+            st = fc.build_stats_for(fc.build_spec(case), checked=False, family=family)
         rows.append(dict(kernel=t.kernel, bq=t.bq, bk=t.bk, sg=t.simdgroups, threads=t.threads,
                          table=t.threadgroup_memory, measured=st["threadgroup_memory"]))
     return rows
