@@ -31,8 +31,9 @@ def test_rejected(path):
     text = path.read_text()
     rule = re.search(r"// expect: (\S+)", text).group(1)
     line = next(i for i, l in enumerate(text.splitlines(), 1) if l.rstrip().endswith("// error"))
+    version = re.search(r"// language_version: (\S+)", text)  # a kernel that states the version it is compiled as
     with pytest.raises(emulator.CompileError) as ei:
-        emulator.compile_shader(path)
+        emulator.compile_shader(path, language_version=version.group(1) if version else None)
     e = ei.value
     assert (e.rule, Path(e.file).name, e.line) == (rule, path.name, line), str(e)
     head = str(e).splitlines()[0]

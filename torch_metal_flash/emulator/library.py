@@ -406,7 +406,7 @@ def _make_error(build: _Build, kname: str, err: rt.Error, code: int) -> Emulator
 
 def compile_shader(source: Union[str, Path], *, include_dirs=(), defines=None, function_constants=None,
                    name: Optional[str] = None, math_mode: str = "fast",
-                   language_version: str = compiler.DEFAULT_LANGUAGE_VERSION) -> Library:
+                   language_version: Optional[str] = None) -> Library:
     """Compile the text of a .metal file (or a pathlib.Path to one) for the emulator.
 
     The source must be valid Metal: it is preprocessed without host headers
@@ -415,15 +415,19 @@ def compile_shader(source: Union[str, Path], *, include_dirs=(), defines=None, f
     and the rule.  ``function_constants`` maps ``[[function_constant(i)]]``
     names or indices to values.  ``math_mode`` is Metal's ``MTLMathMode``:
     "fast" (the default of ``newLibraryWithSource``), "relaxed" or "safe".
-    ``language_version`` is MTLCompileOptions' languageVersion ("3.0", "3.1"
-    (default), "3.2", "4.0"): it sets ``__METAL_VERSION__``, and Metal 4's
-    tensor ops (<MetalPerformancePrimitives/MetalPerformancePrimitives.h>)
-    need "4.0".
+    ``language_version`` is MTLCompileOptions' languageVersion ("3.0", "3.1",
+    "3.2", "4.0"): it sets ``__METAL_VERSION__``, and Metal 4's tensor ops
+    (<MetalPerformancePrimitives/MetalPerformancePrimitives.h>) need "4.0" (a
+    source that includes them under an older version is a CompileError).
+    None (the default): "3.1", the version the package's launcher compiles
+    with, or "4.0" for a source that includes the tensor ops (Metal's own
+    default is the newest version the OS has).
     The kernels are built lazily per checked / fast mode, cached in memory
     and on disk.
     """
     math_mode = config.check_math_mode(math_mode)
-    language_version = compiler.check_language_version(language_version)
+    if language_version is not None:
+        language_version = compiler.check_language_version(language_version)
     path = None
     if isinstance(source, Path):
         path = source.resolve()
@@ -439,7 +443,13 @@ def compile_shader(source: Union[str, Path], *, include_dirs=(), defines=None, f
         cached = _pre_cache.get(key)
     if cached is None:
         comp = find_compiler()
-        pre_text = preprocess(comp, text, name, path, include_dirs, dict(_norm_defines(defines)), language_version)
+        args = (comp, text, name, path, include_dirs, dict(_norm_defines(defines)))
+        try:
+            pre_text = preprocess(*args, language_version or compiler.DEFAULT_LANGUAGE_VERSION)
+        except CompileError as e:
+            if language_version is not None or e.rule != "language-version":
+                raise
+            pre_text = preprocess(*args, "4.0")  # the version the source needs
         pre = prepass.run(pre_text, default_file=name, syntax=_syntax(comp))
         cached = (pre_text, pre)
         with _cache_lock:

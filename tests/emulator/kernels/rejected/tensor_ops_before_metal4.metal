@@ -1,5 +1,6 @@
 // expect: language-version
-// Metal 4's tensor ops under the default language version (MSL 3.1): Apple's compiler needs -std=metal4.0.
+// language_version: 3.1
+// Metal 4's tensor ops under MSL 3.1: Apple's compiler needs -std=metal4.0.
 #include <metal_stdlib>
 #include <MetalPerformancePrimitives/MetalPerformancePrimitives.h>  // error
 using namespace metal;
