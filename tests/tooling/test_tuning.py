@@ -228,7 +228,8 @@ def test_tuner_picks_the_fastest_persists_and_a_fresh_process_plans_with_it(tuni
 def test_tuner_never_chooses_a_variant_with_wrong_results(tuning_cache, launched, monkeypatch):
     """The gate runs each variant against the oracle first: one that fails (injected here: the
     emulator runs every variant right) is not timed, not chosen, and reported."""
-    from torch_metal_flash.tuning import cli, gate
+    from torch_metal_flash.testing import tuning_gate as gate
+    from torch_metal_flash.tuning import cli
 
     names = tuning.variants("fwd", dtype=torch.float16, head_dim=64)
     bad = names[-1]

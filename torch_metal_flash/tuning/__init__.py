@@ -26,7 +26,6 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from . import cache as _cache
-from . import gate
 from .cache import TuningCacheWarning, feature_class, seq_class
 from .space import OPS, PARTS, accepts, as_dtype, catalog, check_family, check_op, part_variants
 
@@ -331,6 +330,16 @@ def _runner(problem: dict, device: torch.device) -> Callable[[], None]:
                                              *rest, 0, 0)
 
 
+# Checks a variant's results on this machine before it is timed: (op, problem, device) -> None, or
+# what differs.  The package installs it (the oracle lives in torch_metal_flash.testing, a layer up).
+_result_check: Optional[Callable[[str, dict, torch.device], Optional[str]]] = None
+
+
+def install_result_check(check: Callable[[str, dict, torch.device], Optional[str]]) -> None:
+    global _result_check
+    _result_check = check
+
+
 def tune(problems, *, timer: Optional[Callable] = None, cache=None, progress: Optional[Callable] = None,
          verify: bool = True) -> list:
     """Time every variant of every part of each problem, keep the fastest in the cache
@@ -342,8 +351,9 @@ def tune(problems, *, timer: Optional[Callable] = None, cache=None, progress: Op
     returns the seconds of one run (default :func:`gpu_timer`); ``cache``: the file
     to update (default :func:`cache_path`).  ``progress(i, n, text)`` is told of each step.
     ``verify``: each variant first runs a small problem of the class against the float64
-    oracle (:mod:`.gate`); one that fails is not timed, never chosen, and listed in the
-    result's ``rejected`` (variant -> what differs); ``variant`` is None when all fail."""
+    oracle (:mod:`torch_metal_flash.testing.tuning_gate`); one that fails is not timed, never
+    chosen, and listed in the result's ``rejected`` (variant -> what differs); ``variant`` is
+    None when all fail."""
     timer = timer or gpu_timer()
     device = torch.device("mps") if torch.backends.mps.is_available() else torch.device("cpu")
     from .. import backends
@@ -374,7 +384,7 @@ def tune(problems, *, timer: Optional[Callable] = None, cache=None, progress: Op
                 if progress is not None:
                     progress(done, total, f"{op}/{part} {name}")
                 with use(op, name):
-                    why = gate.wrong_result(op, problem, device) if verify else None
+                    why = _result_check(op, problem, device) if verify and _result_check else None
                     if why is None:
                         seconds[name] = float(timer(name, run))
                     else:

@@ -1,5 +1,6 @@
-"""The tuner's correctness gate: before a variant is timed, it must match the float64 oracle
-on this GPU, on a small problem of the class being tuned.
+"""The tuner's correctness gate (installed into :func:`torch_metal_flash.tuning.tune` by the
+package): before a variant is timed, it must match the float64 oracle on this GPU, on a small
+problem of the class being tuned.
 
 Every variant is verified in the emulator, but the emulator cannot vouch for what it does
 not model (the neural accelerators' lane layout and precision, Apple's compiler): a variant
@@ -25,8 +26,8 @@ def wrong_result(op: str, problem: dict, device: torch.device) -> Optional[str]:
     """None when ``op`` (with whatever variant is forced) matches the oracle on ``small_problem``,
     else what differs."""
     from ..problem.spec import make_spec
-    from ..testing import check_backward, check_forward, randn
-    from .space import as_dtype
+    from ..tuning.space import as_dtype
+    from .oracle import check_backward, check_forward, randn
 
     p = small_problem(problem)
     H, Lq, Lk, D = p["heads"], p["seqlen_q"], p["seqlen_k"], int(p["head_dim"])
