@@ -96,6 +96,49 @@ inline void load_bt(thread Frag<T>* b, const threadgroup T* src, Coord c) {
   }
 }
 
+// A 16 x (16 NF) operand from device rows (row stride ld, contiguous columns)
+// into a lane's fragments: zero at rows >= rows_valid and columns >= cols_valid.
+template <typename T, int NF>
+inline void load_device(thread Frag<T>* f, const device T* src, long ld, int rows_valid, int cols_valid, Coord c) {
+  for (short h = 0; h < 2; ++h) {
+    const int r = c.row + 8 * h;
+    const device T* row = src + long(r) * ld;
+    for (int dd = 0; dd < NF; ++dd) {
+      for (short j = 0; j < 4; ++j) {
+        const int d = dd * 16 + c.col + j;
+        f[dd].e[4 * h + j] = r < rows_valid && d < cols_valid ? row[d] : T(0);
+      }
+    }
+  }
+}
+
+// Float fragments of a 16 x (16 NF) block to device rows in T, rows < rows_valid and
+// columns < cols_valid only.
+template <typename T, int NF>
+inline void store_device(const thread Frag<float>* f, device T* dst, long ld, int rows_valid, int cols_valid,
+                         Coord c) {
+  for (short h = 0; h < 2; ++h) {
+    const int r = c.row + 8 * h;
+    if (r >= rows_valid) continue;
+    device T* row = dst + long(r) * ld;
+    for (int dd = 0; dd < NF; ++dd) {
+      for (short j = 0; j < 4; ++j) {
+        const int d = dd * 16 + c.col + j;
+        if (d < cols_valid) row[d] = T(f[dd].e[4 * h + j]);
+      }
+    }
+  }
+}
+
+inline void zero(thread Frag<float>& f) {
+  for (short i = 0; i < 8; ++i) f.e[i] = 0.0f;
+}
+
+// a += b, element-wise.
+inline void add(thread Frag<float>& a, const thread Frag<float>& b) {
+  for (short i = 0; i < 8; ++i) a.e[i] += b.e[i];
+}
+
 // One key block of the online softmax for a lane's two rows (running max m[h],
 // sum l[h]; -FLT_MAX while a row has seen nothing): S[kk] (16 rows x 16 keys)
 // becomes P = exp(S - m_new), 0 where bit 8 * kk + e of `hidden` is set; l and

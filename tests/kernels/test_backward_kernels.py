@@ -216,6 +216,15 @@ def test_every_table_entry_is_instantiated():
         for t, bd, bk, bq, m in re.findall(r"^FLASH_BWD_DKV_INSTANTIATE\((\w+), \w+, (\d+), (\d+), (\d+), (\d)\)",
                                            src, re.M):
             declared[f"flash_bwd_dkv_{t}_d{bd}_k{bk}_q{bq}_m{m}"] = source
+    # the accelerator file instantiates one tile list per dtype
+    src = (shaders_dir() / "flash_bwd_nax.metal").read_text()
+    dq_rows = re.findall(r"^\s*FLASH_BWD_DQ_NAX_INSTANTIATE(_SHARED)?\(tname, T, (\d+), (\d+), (\d+)\)", src, re.M)
+    dkv_rows = re.findall(r"^\s*FLASH_BWD_DKV_NAX_INSTANTIATE\(tname, T, (\d+), (\d+), (\d+), (\d)\)", src, re.M)
+    for t in re.findall(r"^FLASH_BWD_NAX_TILES\((\w+), \w+\)", src, re.M):
+        for shared, bd, bq, bk in dq_rows:
+            declared[f"flash_bwd_dq_nax_{t}_d{bd}_q{bq}_k{bk}{'_s' if shared else ''}"] = "flash_bwd_nax.metal"
+        for bd, bk, bq, m in dkv_rows:
+            declared[f"flash_bwd_dkv_nax_{t}_d{bd}_k{bk}_q{bq}_m{m}"] = "flash_bwd_nax.metal"
     assert {t.kernel: t.source for t in backward_variants()} == declared
 
 

@@ -14,6 +14,13 @@ Two tiled kernels of ``shaders/flash_bwd.metal`` per problem:
   in registers and spills (a fused kernel of this shape was reported at 4 KB of spills, 111
   temporary registers, at head dim 64).
 
+On GPUs with neural accelerators (family apple10) half/bfloat problems run the
+accelerator kernels of ``shaders/flash_bwd_nax.metal`` where the register budget
+allows (:data:`NAX_DQ`, :data:`NAX_DKV`): ``flash_bwd_dq_nax_<dt>_d<BD>_q<BQ>_k<BK>[_s]``
+(``_s``: K and V take turns in one buffer) and
+``flash_bwd_dkv_nax_<dt>_d<BD>_k<BK>_q<BQ>_m<MODE>``, 16 rows per simdgroup
+(``BQ / 16`` resp. ``BK / 16`` simdgroups).  The simdgroup tiles stay among the variants there.
+
 Plus two fixed kernels: ``flash_bwd_pre_<dt>`` (8 rows per threadgroup of
 256 threads) and ``flash_bwd_dsinks`` (one threadgroup of 256 per head,
 1 KiB of threadgroup memory).
@@ -36,7 +43,7 @@ import dataclasses
 
 import torch
 
-from .tiles import DTYPE_NAMES, FAMILIES, HEAD_DIM_BUCKETS, MAX_HEAD_DIM, head_dim_bucket, table_family
+from .tiles import DTYPE_NAMES, FAMILIES, HEAD_DIM_BUCKETS, MAX_HEAD_DIM, NAX_FAMILY, head_dim_bucket, table_family
 
 _ELEM_SIZE = {"f32": 4, "f16": 2, "bf16": 2}
 PRE_THREADS = 256
@@ -47,6 +54,7 @@ FUSED_MAX_BD = 64
 THREADGROUP_BYTES = 32768  # every Apple GPU's maxThreadgroupMemoryLength
 SOURCE = "flash_bwd.metal"
 VARIANTS_SOURCE = "flash_bwd_variants.metal"
+NAX_SOURCE = "flash_bwd_nax.metal"
 # Buckets with a second dQ and dK/dV tile for the tuner: the owned block halved (half the
 # threads, twice the threadgroups: better for short problems and small GPUs; the same
 # threadgroup memory, as the streamed tiles do not depend on the owned block).
@@ -66,22 +74,28 @@ class DQTile:
     bd: int
     bq: int
     bk: int
+    nax: bool = False  # the neural-accelerator kernel (16 rows per simdgroup)
+    shared_kv: bool = False  # (nax) K and V take turns in one tile buffer
 
     @property
     def threads(self) -> int:
-        return 4 * self.bq
+        return (2 if self.nax else 4) * self.bq
 
     @property
     def kernel(self) -> str:
-        return f"flash_bwd_dq_{self.dtype}_d{self.bd}_q{self.bq}_k{self.bk}"
+        return (f"flash_bwd_dq_{'nax_' if self.nax else ''}{self.dtype}_d{self.bd}_q{self.bq}_k{self.bk}"
+                f"{'_s' if self.shared_kv else ''}")
 
     @property
     def source(self) -> str:
+        if self.nax:
+            return NAX_SOURCE
         return SOURCE if (self.bq, self.bk) == _DQ[self.dtype][self.bd] else VARIANTS_SOURCE
 
     @property
     def threadgroup_memory(self) -> int:
-        return 2 * self.bk * tile_ld(self.dtype, self.bd, 2 * self.bk) * _ELEM_SIZE[self.dtype]
+        tiles = 1 if self.shared_kv else 2
+        return tiles * self.bk * tile_ld(self.dtype, self.bd, tiles * self.bk) * _ELEM_SIZE[self.dtype]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,17 +105,21 @@ class DKVTile:
     bk: int
     bq: int
     mode: int  # 0 fused dK+dV, 1 dK only, 2 dV only
+    nax: bool = False  # the neural-accelerator kernel (16 rows per simdgroup)
 
     @property
     def threads(self) -> int:
-        return 4 * self.bk
+        return (2 if self.nax else 4) * self.bk
 
     @property
     def kernel(self) -> str:
-        return f"flash_bwd_dkv_{self.dtype}_d{self.bd}_k{self.bk}_q{self.bq}_m{self.mode}"
+        return (f"flash_bwd_dkv_{'nax_' if self.nax else ''}{self.dtype}_d{self.bd}_k{self.bk}_q{self.bq}"
+                f"_m{self.mode}")
 
     @property
     def source(self) -> str:
+        if self.nax:
+            return NAX_SOURCE
         return SOURCE if (self.bk, self.bq) == _DKV[self.dtype][self.bd] else VARIANTS_SOURCE
 
     @property
@@ -142,6 +160,31 @@ _DKV["bf16"] = dict(_DKV["f16"])
 
 BACKWARD_TILES = {family: {"dq": _DQ, "dkv": _DKV} for family in FAMILIES}
 
+# The neural-accelerator tiles of apple10 (shaders/flash_bwd_nax.metal) per bucket, half and
+# bfloat alike, the default first.  dQ (BQ, BK, shared_kv): 64 query rows (4 simdgroups of 16),
+# 32 keys per step, K and V taking turns in one buffer from head dim 160 (about 17 KiB); dK/dV
+# (BK, BQ): 64 key rows, 32 queries per step, up to head dim 128 (the register budget of 16 key
+# rows per simdgroup: flash_bwd_nax.metal's header), split into dK and dV above 64 as the
+# simdgroup kernels.  The bucket 80 (not a multiple of 32), float32 and the buckets past these
+# keep the simdgroup kernels, which stay among the variants.
+NAX_DQ = {32: [(64, 32, False)], 64: [(64, 32, False), (32, 32, False)], 96: [(64, 32, False)],
+          128: [(64, 32, False), (32, 32, False)], 160: [(32, 32, True)], 192: [(32, 32, True)],
+          256: [(32, 32, True), (64, 32, True)]}
+NAX_DKV = {32: [(64, 32)], 64: [(64, 32), (32, 32)], 96: [(64, 32)], 128: [(64, 32), (32, 32)]}
+NAX_DTYPES = ("f16", "bf16")
+
+
+def _nax_dq(dt: str, bd: int, family: str) -> list[DQTile]:
+    if table_family(family) != NAX_FAMILY or dt not in NAX_DTYPES:
+        return []
+    return [DQTile(dt, bd, bq, bk, nax=True, shared_kv=s) for bq, bk, s in NAX_DQ.get(bd, ())]
+
+
+def _nax_dkv(dt: str, bd: int, family: str) -> list[tuple[DKVTile, ...]]:
+    if table_family(family) != NAX_FAMILY or dt not in NAX_DTYPES:
+        return []
+    return [tuple(DKVTile(dt, bd, bk, bq, m, nax=True) for m in _modes(bd)) for bk, bq in NAX_DKV.get(bd, ())]
+
 
 def _modes(bd: int) -> tuple[int, ...]:
     return (0,) if bd <= FUSED_MAX_BD else (1, 2)
@@ -150,21 +193,32 @@ def _modes(bd: int) -> tuple[int, ...]:
 def dq_variants(dtype: torch.dtype, head_dim: int, family: str = "apple8") -> list[DQTile]:
     """The dQ tiles the tuner may choose, the family's default first."""
     first = backward_tiles(dtype, head_dim, family).dq
-    out = [first]
+    simd = _table_tiles(first.dtype, first.bd, family).dq
+    out = [first, *_nax_dq(first.dtype, first.bd, family), simd]
     if first.bd in EXTRA_BUCKETS:
-        out.append(DQTile(first.dtype, first.bd, first.bq // 2, first.bk))
-    return out
+        out.append(DQTile(first.dtype, first.bd, simd.bq // 2, simd.bk))
+    return list({t.kernel: t for t in out}.values())
 
 
 def dkv_variants(dtype: torch.dtype, head_dim: int, family: str = "apple8") -> list[tuple[DKVTile, ...]]:
     """The dK/dV tiles (one fused kernel, or the dK and the dV kernel) the tuner may choose,
     the family's default first."""
     first = backward_tiles(dtype, head_dim, family).dkv
-    out = [first]
-    t = first[0]
+    simd = _table_tiles(first[0].dtype, first[0].bd, family).dkv
+    out = [first, *_nax_dkv(first[0].dtype, first[0].bd, family), simd]
+    t = simd[0]
     if t.bd in EXTRA_BUCKETS:
         out.append(tuple(DKVTile(t.dtype, t.bd, t.bk // 2, t.bq, m) for m in _modes(t.bd)))
-    return out
+    return list({pair[0].kernel: pair for pair in out}.values())
+
+
+def _table_tiles(dt: str, bd: int, family: str) -> BackwardTiles:
+    """The family table's simdgroup tiles."""
+    # appleN newer than the tables -> the newest table; no simdgroup matrices -> ValueError.
+    table = BACKWARD_TILES[table_family(family)]
+    bq, bk = table["dq"][dt][bd]
+    kbk, kbq = table["dkv"][dt][bd]
+    return BackwardTiles(DQTile(dt, bd, bq, bk), tuple(DKVTile(dt, bd, kbk, kbq, m) for m in _modes(bd)))
 
 
 def backward_tiles(dtype: torch.dtype, head_dim: int, family: str = "apple8", dq_variant: str | None = None,
@@ -176,11 +230,9 @@ def backward_tiles(dtype: torch.dtype, head_dim: int, family: str = "apple8", dq
     bd = head_dim_bucket(head_dim)
     if bd is None:
         raise ValueError(f"head dim {head_dim} > {MAX_HEAD_DIM}")
-    # appleN newer than the tables -> the newest table; no simdgroup matrices -> ValueError.
-    table = BACKWARD_TILES[table_family(family)]
-    bq, bk = table["dq"][dt][bd]
-    kbk, kbq = table["dkv"][dt][bd]
-    tiles = BackwardTiles(DQTile(dt, bd, bq, bk), tuple(DKVTile(dt, bd, kbk, kbq, m) for m in _modes(bd)))
+    tiles = _table_tiles(dt, bd, family)
+    accel_dq, accel_dkv = _nax_dq(dt, bd, family), _nax_dkv(dt, bd, family)
+    tiles = BackwardTiles(accel_dq[0] if accel_dq else tiles.dq, accel_dkv[0] if accel_dkv else tiles.dkv)
     if dq_variant is not None:
         tiles = dataclasses.replace(tiles, dq=next(
             x for x in dq_variants(dtype, head_dim, family) if x.kernel == dq_variant))
@@ -218,4 +270,5 @@ def backward_variants() -> list:
                 for x in (t.dq, *t.dkv, *dq_variants(dtype, bd, family),
                           *(y for pair in dkv_variants(dtype, bd, family) for y in pair)):
                     seen[x.kernel] = x
-    return sorted(seen.values(), key=lambda t: (type(t).__name__, t.dtype, t.bd, getattr(t, "mode", 0), t.bq, t.bk))
+    return sorted(seen.values(), key=lambda t: (type(t).__name__, t.nax, t.dtype, t.bd, getattr(t, "mode", 0), t.bq,
+                                                t.bk))

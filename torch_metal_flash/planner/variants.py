@@ -53,7 +53,8 @@ def planned_threads() -> dict[str, int]:
 
 
 _PLANNERS = {forward.SOURCE: forward, backward.SOURCE: backward, decode.SOURCE: decode, kvcache.SOURCE: kvcache,
-             tiles.VARIANTS_SOURCE: forward, tiles.NAX_SOURCE: forward, backward_tiles_module.VARIANTS_SOURCE: backward,
+             tiles.VARIANTS_SOURCE: forward, backward_tiles_module.VARIANTS_SOURCE: backward,
+             tiles.NAX_SOURCE: forward, backward_tiles_module.NAX_SOURCE: backward,
              decode.VARIANTS_SOURCE: decode}
 
 

@@ -25,18 +25,18 @@ GQA_BWD = ((1, 1), (2, 1), (4, 2), (4, 1), (8, 1), (8, 4), (6, 3))
 # ---------------------------------------------------------------------------
 # The forward state the backward starts from.
 # ---------------------------------------------------------------------------
-def saved_forward(spec: AttentionSpec):
+def saved_forward(spec: AttentionSpec, family: str = "apple8"):
     """What the forward saved for the backward: ``out`` and ``aux`` (row max and
-    sum; the float32 output for fp16/bf16), from the forward kernel in the
-    emulator (fast mode) -- the backward rebuilds P from the very same scores."""
+    sum; the float32 output for fp16/bf16), from the forward kernel of ``family``'s
+    plan in the emulator (fast mode) -- the backward rebuilds P from the very same scores."""
     from torch_metal_flash import emulator
     from torch_metal_flash.ops.attention import _fwd_buffers
     from torch_metal_flash.planner import plan_forward
 
     out, lse, aux = _fwd_buffers(spec.q, spec.v, True)
-    plan = plan_forward(spec, out, lse, aux)
+    plan = plan_forward(spec, out, lse, aux, family=family)
     assert isinstance(plan, Plan), f"unsupported: {plan}"
-    with emulator.settings(checked=False):
+    with emulator.settings(checked=False, family=family):
         fc.backend().run(plan)
     return out, aux
 
@@ -49,13 +49,15 @@ _LIBS: dict = {}
 
 def _library(source: str, constants: dict):
     from torch_metal_flash import emulator
+    from torch_metal_flash._paths import shader_language
     from torch_metal_flash.emulator import config
     math_mode = config.backend_math_mode()  # the Metal launcher's, as the emulator backend compiles
     key = (source, tuple(sorted(constants.items())), math_mode)
     lib = _LIBS.get(key)
     if lib is None:
         lib = emulator.compile_shader(shaders_dir() / source, include_dirs=(str(shaders_dir()),),
-                                      function_constants=dict(constants), math_mode=math_mode)
+                                      function_constants=dict(constants), math_mode=math_mode,
+                                      language_version=shader_language(source))
         _LIBS[key] = lib
     return lib
 
@@ -90,8 +92,9 @@ def plan_for(spec, dout, out, aux, dlse=None, compute_dbias=False, family="apple
     return plan, grads
 
 
-def run_backward(spec, dout, out, aux, dlse=None, compute_dbias=False, order="forward", checked=True):
-    plan, grads = plan_for(spec, dout, out, aux, dlse, compute_dbias)
+def run_backward(spec, dout, out, aux, dlse=None, compute_dbias=False, order="forward", checked=True,
+                 family="apple8"):
+    plan, grads = plan_for(spec, dout, out, aux, dlse, compute_dbias, family)
     stats = run_plan(plan, order=order, checked=checked)
     return grads, stats
 
@@ -99,12 +102,12 @@ def run_backward(spec, dout, out, aux, dlse=None, compute_dbias=False, order="fo
 # ---------------------------------------------------------------------------
 # Cases.
 # ---------------------------------------------------------------------------
-def build_case(c: dict, seed: Optional[int] = None):
+def build_case(c: dict, seed: Optional[int] = None, family: str = "apple8"):
     """spec, dout, out, aux, dlse for a case dict (forward_cases' axes plus
-    ``dlse`` and ``dbias`` flags)."""
+    ``dlse`` and ``dbias`` flags), the forward run as ``family`` plans it."""
     seed = zlib.crc32(case_id(c).encode()) if seed is None else seed
     spec = fc.build_spec(c, seed=seed)
-    out, aux = saved_forward(spec)
+    out, aux = saved_forward(spec, family)
     g = torch.Generator().manual_seed(seed + 1)
     dout = empty_in_layout(out).copy_(randn(out.shape, generator=g))
     dlse = randn(aux.shape[:3], generator=g) if c.get("dlse") else None
@@ -121,12 +124,15 @@ def check_grads(spec, dout, dlse, grads, compute_dbias: bool):
     check_backward(spec, dout, dlse, grads, compute_dbias)
 
 
-def run_and_check(c: dict, orders=("forward", "reverse"), checked: bool = True):
-    spec, dout, out, aux, dlse = build_case(c)
+def run_and_check(c: dict, orders=("forward", "reverse"), checked: bool = True, family: str = "apple8"):
+    """The case's forward and backward as ``family`` plans them, checked against the oracle,
+    bit-identical over ``orders``."""
+    spec, dout, out, aux, dlse = build_case(c, family=family)
     compute_dbias = bool(c.get("dbias")) and spec.mask is not None and spec.mask.is_floating_point()
     first = None
     for order in orders:
-        grads, _ = run_backward(spec, dout, out, aux, dlse, compute_dbias, order=order, checked=checked)
+        grads, _ = run_backward(spec, dout, out, aux, dlse, compute_dbias, order=order, checked=checked,
+                                family=family)
         for name, t in zip(("dq", "dk", "dv", "dbias", "dsinks"), grads):
             assert not t.isnan().any(), f"{name} has NaN (unwritten or computed)"
         if first is None:
