@@ -569,8 +569,9 @@ def main(argv=None) -> int:
     if args.pytorch:
         inc = pk.pytorch_include(args.pytorch)
         peers.append(lambda p, inc=inc: pytorch_kernel(inc, p))
-        sources.append(f"PyTorch MPS prefill attention (`{pk.PREFILL_HEADER}`): `--pytorch DIR`, the torch 2.13.0 "
-                       "macOS arm64 wheel unzipped (its torch/include)")
+        sources.append(f"PyTorch MPS prefill attention (`{pk.PREFILL_HEADER}`): `--pytorch DIR`, a torch 2.13.0 "
+                       "wheel's torch/include (the macOS arm64 wheel unzipped, or an installed torch of any "
+                       "platform: every wheel ships the header)")
     tuning = _tuning()
     sources.append("ours: " + ("every variant of `tmf.tuning.variants('fwd', ...)`, forced with `tmf.tuning.use`"
                                if tuning else "the default plan (this checkout has no `tmf.tuning`)"))
