@@ -2,11 +2,15 @@
 problems in the emulator (checked mode: every device and threadgroup byte is counted exactly).
 
     python bench/vs_peers.py --mlx DIR --pytorch DIR [--rows 1K-d64-causal-f16,...] [--quick] [--heads N]
-                             [--json FILE] [--out FILE]
+                             [--family apple10] [--json FILE] [--out FILE]
     python bench/vs_peers.py --render FILE... [--out FILE]
 
 --mlx DIR      an mlx-metal wheel unpacked (or its mlx/include): MLX's steel attention
 --pytorch DIR  a torch macOS wheel unpacked (or its torch/include): ATen/native/mps/kernels/PrefillAttention.h
+--family F     the GPU family to plan and run on (default: the emulator's, apple8).  apple10 (M5) lists
+               our neural-accelerator variants (Metal 4 tensor ops) before the simdgroup ones, and
+               MLX's peer becomes the kernel its host picks there: attention_nax
+               (steel_attention_nax.h, MSL 4.0) instead of steel attention
 
 Nothing is fetched and no third-party code is in this repository (bench/peer_kernels.py launches
 the peers' kernels from your folders).  Problems: B 1, H 8, L 1K and 4K (Lq = Lk), D 64 and 128,
@@ -22,8 +26,10 @@ bench/forward_bytes.py):
 * TG B / out: threadgroup-memory bytes read + written per output element;
 * barriers / key block: threadgroup barriers over the (threadgroup, key block) pairs the
   kernel's own BQ x BK blocking must visit (key blocks wholly above the causal diagonal skipped);
-* MMA / needed: 8x8x8 simdgroup multiplies x 512 over the QK^T and PV multiply-adds of the
-  visible (query, key) pairs;
+* MMA / needed: matrix-unit work in 8x8x8 simdgroup multiplies (512 multiply-adds each) x 512
+  over the QK^T and PV multiply-adds of the visible (query, key) pairs.  Tensor-op (neural
+  accelerator) matmuls count as their multiply-adds / 512 (m * n * k per run, the emulator's
+  ``tensor_matmul_macs``), so accelerator and simdgroup kernels share the unit: "MMA-equivalents";
 * threadgroups, threadgroup memory per threadgroup.
 
 Emulation cost grows like L^2 x D: the 4K rows dominate (tens of minutes each with every variant
@@ -31,7 +37,8 @@ on the shared 2-core machine).  --rows or --quick (the 1K rows) run a subset; --
 one of the 8 heads and scales the counts, which is exact (every head runs the same code on the
 same shapes; tests/tooling/test_vs_peers.py checks it); --json FILE saves each problem's counters and
 --render FILE... writes one report from several runs (split a long table over processes).  A full
-run with both peers writes bench/results/vs_peers.md (re-written after each problem).
+run with both peers writes bench/results/vs_peers.md (re-written after each problem); a full
+--family F run with --mlx writes bench/results/vs_peers_F.md.
 """
 from __future__ import annotations
 
@@ -51,15 +58,18 @@ import harness
 
 import torch_metal_flash as tmf
 from torch_metal_flash import emulator
+from torch_metal_flash.planner import FAMILIES
 from torch_metal_flash.planner.forward import BUF_LSE, BUF_PARAMS
 from torch_metal_flash.testing import randn
 
 import peer_kernels as pk
 
 RESULTS = harness.RESULTS / "vs_peers.md"
+
 DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
 BATCH, HEADS = 1, 8
 TENSORS = {0: "Q", 1: "K", 2: "V", 3: "O"}  # every kernel here binds Q, K, V, O at buffers 0-3
+SIMDGROUP_MMA_MACS = 8 * 8 * 8  # multiply-adds of one simdgroup_multiply_accumulate: the MMA column's unit
 
 # Published peaks of the largest GPU of each Max chip.  FP16 runs at the FP32 rate on these GPUs
 # (one FMA per ALU per clock), so the FP32 figure is the matrix peak too.  Where sources differ
@@ -92,6 +102,7 @@ class Problem:
     causal: bool
     dtype: str  # "f16" | "bf16"
     heads: int = HEADS
+    family: Optional[str] = None  # the GPU family planned and emulated (None: the emulator's default)
 
     @property
     def name(self) -> str:
@@ -146,9 +157,11 @@ def our_blocks(kernel_name: str) -> Optional[tuple]:
 
 
 def our_kernels(p: Problem) -> list[Kernel]:
-    """Every forward variant the package lists for the problem (the default plan alone without tmf.tuning)."""
+    """Every forward variant the package lists for the problem on its family (the default plan alone
+    without tmf.tuning); measure() runs them inside ``emulator.settings(family=p.family)``."""
     tuning = _tuning()
-    variants = [None] if tuning is None else list(tuning.variants("fwd", dtype=DTYPES[p.dtype], head_dim=p.head_dim))
+    variants = [None] if tuning is None else list(tuning.variants("fwd", dtype=DTYPES[p.dtype], head_dim=p.head_dim,
+                                                                  family=p.family))
 
     def runner(variant):
         def run(q, k, v, scale, causal):
@@ -175,6 +188,14 @@ def mlx_kernel(inc: Path, p: Problem) -> Kernel:
     return Kernel("MLX", "steel attention", run, pk.mlx_steel_blocks(p.head_dim), pk.MLX_PARAM_BUFFERS)
 
 
+def mlx_nax_kernel(inc: Path, p: Problem) -> Kernel:
+    """MLX's accelerator attention, the kernel its host picks on apple10 (M5) parts."""
+    def run(q, k, v, scale, causal):
+        out, st = pk.run_mlx_nax_attention(inc, q, k, v, scale, causal=causal, checked=True)
+        return out, [st]
+    return Kernel("MLX", "attention_nax", run, pk.MLX_NAX_BLOCKS[:2], pk.MLX_PARAM_BUFFERS)
+
+
 def pytorch_kernel(inc: Path, p: Problem) -> Kernel:
     def run(q, k, v, scale, causal):
         out, st = pk.run_pytorch_prefill(inc, q, k, v, scale, causal=causal, checked=True)
@@ -197,13 +218,23 @@ def reference(p: Problem, q, k, v, scale) -> torch.Tensor:
                       for h in range(q.shape[1])], 1)
 
 
+def mma_equivalents(st) -> float:
+    """Matrix-unit work of one launch in 8x8x8 simdgroup multiplies: those it ran plus its tensor-op
+    multiply-adds / 512 (exact for the tensor ops here, whose m, n and k are multiples of 8)."""
+    return st.simdgroup_matrix_multiplies + st.tensor_matmul_macs / SIMDGROUP_MMA_MACS
+
+
+def _whole(x: float):
+    return int(x) if float(x).is_integer() else x
+
+
 def measure(kernel: Kernel, p: Problem, q, k, v, ref, scale, full: Optional[Problem] = None) -> dict:
     """Counters of one kernel on ``p``; absolute counts are given for ``full`` (the same problem
     with more heads: every head runs the same code on the same shapes, so they scale exactly)."""
     full = full or p
     times = full.heads // p.heads
     t0 = time.perf_counter()
-    with emulator.settings(checked=True):
+    with emulator.settings(checked=True, family=p.family):
         out, launches = kernel.run(q, k, v, scale, p.causal)
     seconds = time.perf_counter() - t0
     err, ok = pk.max_error(out, ref)
@@ -218,7 +249,9 @@ def measure(kernel: Kernel, p: Problem, q, k, v, ref, scale, full: Optional[Prob
     if blocks is None and len(names) == 1:
         blocks = our_blocks(names[0])
     barriers = sum(st.barriers for st in launches)
-    mma = sum(st.simdgroup_matrix_multiplies for st in launches)
+    mma = _whole(sum(mma_equivalents(st) for st in launches))
+    simdgroup_mma = sum(st.simdgroup_matrix_multiplies for st in launches)
+    tensor_macs = sum(st.tensor_matmul_macs for st in launches)
     tensor_names = {**TENSORS, **kernel.extra_tensors}
     return dict(
         problem=p.name, side=kernel.side, label=kernel.label, kernels=names, ok=ok, err=err, heads=p.heads,
@@ -227,7 +260,9 @@ def measure(kernel: Kernel, p: Problem, q, k, v, ref, scale, full: Optional[Prob
         tg_per_out=sum(st.threadgroup_bytes_read + st.threadgroup_bytes_written for st in launches) / out.numel(),
         blocks=blocks, barriers=barriers * times,
         barriers_per_block=barriers / p.key_blocks(*blocks) if blocks else None,
-        mma=mma * times, mma_ratio=mma * 512 / (p.visible_pairs() * 2 * p.head_dim),
+        mma=mma * times, mma_ratio=mma * SIMDGROUP_MMA_MACS / (p.visible_pairs() * 2 * p.head_dim),
+        simdgroup_mma=simdgroup_mma * times, tensor_macs=tensor_macs * times,
+        tensor_matmuls=sum(st.tensor_matmuls for st in launches) * times,
         threadgroups=sum(st.threadgroups for st in launches) * times,
         tg_memory=max(st.threadgroup_memory for st in launches), seconds=seconds)
 
@@ -256,10 +291,17 @@ def best(rows: list[dict], key: str) -> dict:
     return min(rows, key=lambda r: (r[key], r["mma"] if key == "device" else r["device"]))
 
 
-def verdict(p: Problem, rows: list[dict]) -> dict:
-    """Our best variant against the best peer, on device bytes and on MMA work, and why where worse."""
+def best_barriers(rows: list[dict]) -> Optional[dict]:
+    """The row with the fewest barriers per key block its blocking visits (None: no row knows its blocks)."""
+    known = [r for r in rows if r["barriers_per_block"] is not None]
+    return min(known, key=lambda r: (r["barriers_per_block"], r["barriers"])) if known else None
+
+
+def verdict(p: Problem, rows: list[dict], peer: Optional[str] = None) -> dict:
+    """Our best variant against the best peer (or the best kernel of side ``peer``), on device bytes,
+    MMA work and barriers, and why where worse."""
     ours = [r for r in rows if r["side"] == "ours" and r["ok"]]
-    peers = [r for r in rows if r["side"] != "ours" and r["ok"]]
+    peers = [r for r in rows if r["side"] != "ours" and r["ok"] and peer in (None, r["side"])]
     if not ours or not peers:
         return dict(bytes="n/a", mma="n/a", why="no passing kernel on one side")
     ob, pb = best(ours, "device"), best(peers, "device")
@@ -267,6 +309,10 @@ def verdict(p: Problem, rows: list[dict]) -> dict:
     mma_peers = [r for r in peers if r["mma"]]  # a scalar kernel does no matrix-unit work to compare
     pm = best(mma_peers, "mma") if mma_peers else None
     why = reasons(p, ob, pb, om, pm)
+    obar, pbar = best_barriers(ours), best_barriers(peers)
+    bwhy = barrier_reason(obar, pbar)
+    if bwhy:
+        why = bwhy if why == "--" else f"{why}; {bwhy}"
     both = [r for r in ours if r["device"] <= pb["device"] and (pm is None or r["mma"] <= pm["mma"])]
     default = default_variant(p)
     dflt = next((r for r in ours if r["kernels"] == [default]), None)
@@ -275,6 +321,7 @@ def verdict(p: Problem, rows: list[dict]) -> dict:
         if dwhy != "--":
             why = (why if why != "--" else "best variant: --") + f"; default plan: {dwhy}"
     return dict(ours_bytes=ob, peer_bytes=pb, ours_mma=om, peer_mma=pm, bytes=ob["device"] / pb["device"],
+                ours_barriers=obar, peer_barriers=pbar,
                 mma=om["mma"] / pm["mma"] if pm is not None else None, why=why,
                 both=both[0]["kernels"][0] if both else None, default=dflt,
                 default_bytes=dflt["device"] / pb["device"] if dflt else None,
@@ -302,14 +349,28 @@ def reasons(p: Problem, ob: dict, pb: dict, om: dict, pm: Optional[dict]) -> str
     return "; ".join(why) or "--"
 
 
+def barrier_reason(ours: Optional[dict], peer: Optional[dict]) -> Optional[str]:
+    """Why our fewest barriers per key block are more than the peer's fewest (None: they are not)."""
+    if ours is None or peer is None or ours["barriers_per_block"] <= peer["barriers_per_block"]:
+        return None
+    why = f"barriers / key block {ours['barriers_per_block']:.2f} vs {peer['barriers_per_block']:.2f}"
+    if peer["tg_memory"] == 0 and ours["tg_memory"] > 0:
+        why += (f": {peer['side']} `{peer['kernels'][0]}` stages no tile in threadgroup memory (each simdgroup "
+                "loads its own K and V from device memory"
+                + (f", {peer['device'] / ours['device']:.1f}x the device bytes of `{ours['kernels'][0]}`)"
+                   if peer["device"] > ours["device"] else ")"))
+    return why
+
+
 def default_variant(p: Problem) -> Optional[str]:
-    """The forward variant the planner picks for ``p`` on the emulator's family without a tuning cache entry."""
+    """The forward variant the planner picks for ``p`` on its family without a tuning cache entry."""
     tuning = _tuning()
     if tuning is None:
         return None
     try:
-        variant, _ = tuning.choice("fwd", dtype=DTYPES[p.dtype], head_dim=p.head_dim, seqlen_q=p.seqlen,
-                                   seqlen_k=p.seqlen, causal=p.causal)
+        with emulator.settings(family=p.family):
+            variant, _ = tuning.choice("fwd", dtype=DTYPES[p.dtype], head_dim=p.head_dim, seqlen_q=p.seqlen,
+                                       seqlen_k=p.seqlen, causal=p.causal)
     except ValueError:
         return None
     return variant
@@ -319,10 +380,64 @@ def _kernel_cell(r: dict) -> str:
     return f"{r['side']}: " + ", ".join(f"`{k}`" for k in r["kernels"])
 
 
+def family_of(done: list[tuple]) -> Optional[str]:
+    """The one GPU family the problems of a report ran on (None: the emulator's default)."""
+    families = {p.family for p, _ in done}
+    if len(families) > 1:
+        raise ValueError(f"one report per GPU family; got {sorted(map(str, families))}")
+    return families.pop() if families else None
+
+
+def _ratio_cell(v: dict, ours: str, peer: str, key: str, fmt: str) -> str:
+    if v[ours] is None or v[peer] is None or not v[peer][key]:
+        return "n/a"
+    return f"{v[ours][key] / v[peer][key]:{fmt}} (`{v[ours]['kernels'][0]}` vs {v[peer]['side']})"
+
+
+def _matrix_cell(r: dict) -> str:
+    """How a kernel's MMA-equivalents split between simdgroup multiplies and tensor ops."""
+    tensor = r.get("tensor_macs", 0)
+    if not tensor:
+        return f"{r.get('simdgroup_mma', r['mma']):,} simdgroup"
+    cell = f"{r['tensor_matmuls']:,} tensor ops, {tensor:,} MACs = {_whole(tensor / SIMDGROUP_MMA_MACS):,}"
+    return cell + (f" + {r['simdgroup_mma']:,} simdgroup" if r.get("simdgroup_mma") else "")
+
+
+def headline(done: list[tuple], peer: Optional[str] = None) -> list[str]:
+    """The headline table's lines: ours against the best peer, or the best kernel of side ``peer``."""
+    lines = ["| problem | device bytes, ours / best peer | MMA work, ours / best peer | barriers per key block, "
+             "ours / best peer | one variant at or below both bytes and MMA | default plan: bytes, MMA / best "
+             "peer | where ours is above, why |",
+             "|---|---|---|---|---|---|---|"]
+    if peer is not None:
+        lines[0] = lines[0].replace("best peer", peer)
+    for p, rows in done:
+        v = verdict(p, rows, peer)
+        if "ours_bytes" not in v:
+            lines.append(f"| {p.name} | n/a | n/a | n/a | n/a | n/a | {v['why']} |")
+            continue
+        mma = "n/a (no peer uses the matrix units)" if v["mma"] is None else \
+            f"{v['mma']:.3f} (`{v['ours_mma']['kernels'][0]}` vs {v['peer_mma']['side']})"
+        bar = _ratio_cell(v, "ours_barriers", "peer_barriers", "barriers_per_block", ".2f")
+        both = f"`{v['both']}`" if v["both"] else "none"
+        if v["default"] is None:
+            dflt = "n/a"
+        else:
+            dflt = f"`{v['default']['kernels'][0]}`: {v['default_bytes']:.4f}, " + \
+                ("n/a" if v["default_mma"] is None else f"{v['default_mma']:.3f}")
+        lines.append(f"| {p.name} | {v['bytes']:.4f} (`{v['ours_bytes']['kernels'][0]}` vs "
+                     f"{v['peer_bytes']['side']}) | {mma} | {bar} | {both} | {dflt} | {v['why']} |")
+    return lines
+
+
 def render(done: list[tuple], sources: list[str], command: str, missing: list[str], minutes: float,
            heads: int = HEADS) -> str:
     """The markdown report; ``missing``: names of problems of the table not measured (yet)."""
-    lines = ["# Our forward kernels next to MLX's and PyTorch's Metal attention (emulator counters)", "",
+    family = family_of(done)
+    tensor = any(r.get("tensor_macs") for _, rows in done for r in rows)
+    title = "# Our forward kernels next to MLX's and PyTorch's Metal attention (emulator counters)" if family is None \
+        else f"# Our forward kernels next to the peers' on {family} (emulator counters)"
+    lines = [title, "",
              f"Generated by {command} (checked mode: exact byte counts; {minutes:.0f} min of emulation on the shared "
              "2-core machine)." + ("" if not missing else f" **Not measured: {', '.join(missing)}** (`--rows` "
                                    "measures them)."),
@@ -334,33 +449,32 @@ def render(done: list[tuple], sources: list[str], command: str, missing: list[st
                   "" if heads == HEADS else f" The run emulated the first {heads} of the {HEADS} heads (`--heads`): "
                   "every head runs the same code on the same shapes, so byte, barrier, MMA and threadgroup counts "
                   f"are those x {HEADS // heads} and the ratios are the same (tests/tooling/test_vs_peers.py checks the "
-                  "scaling exactly)."), "",
-              "Device bytes are the kernels' device-memory requests: on the GPU many of the K and V re-reads "
+                  "scaling exactly)."), ""]
+    if family is not None:
+        lines += [f"Every kernel planned and ran inside `emulator.settings(family=\"{family}\")`: ours are every "
+                  f"variant `tmf.tuning.variants(\"fwd\", ..., family=\"{family}\")` lists.", ""]
+    if tensor:
+        lines += ["MMA work is counted in 8x8x8 simdgroup multiplies (512 multiply-adds each): a tensor-op "
+                  "(neural accelerator) matmul counts as its m x n x k multiply-adds / 512, so the accelerator and "
+                  "simdgroup kernels share one unit (\"MMA-equivalents\"; the *matrix work* column of the kernel "
+                  "table shows the split).", ""]
+    lines += ["Device bytes are the kernels' device-memory requests: on the GPU many of the K and V re-reads "
               "(once per query block) hit the cache, so they bound DRAM traffic from above; a kernel with taller "
               "query blocks (BQ 64) requests half as many.", "",
-              "## Headline: our best variant against the best peer", "",
-              "| problem | device bytes, ours / best peer | MMA work, ours / best peer | one variant at or below "
-              "both | default plan: bytes, MMA / best peer | where ours is above, why |",
-              "|---|---|---|---|---|---|"]
-    for p, rows in done:
-        v = verdict(p, rows)
-        if "ours_bytes" not in v:
-            lines.append(f"| {p.name} | n/a | n/a | n/a | n/a | {v['why']} |")
-            continue
-        mma = "n/a (no peer uses simdgroup matrices)" if v["mma"] is None else \
-            f"{v['mma']:.3f} (`{v['ours_mma']['kernels'][0]}` vs {v['peer_mma']['side']})"
-        both = f"`{v['both']}`" if v["both"] else "none"
-        if v["default"] is None:
-            dflt = "n/a"
-        else:
-            dflt = f"`{v['default']['kernels'][0]}`: {v['default_bytes']:.4f}, " + \
-                ("n/a" if v["default_mma"] is None else f"{v['default_mma']:.3f}")
-        lines.append(f"| {p.name} | {v['bytes']:.4f} (`{v['ours_bytes']['kernels'][0]}` vs "
-                     f"{v['peer_bytes']['side']}) | {mma} | {both} | {dflt} | {v['why']} |")
+              "## Headline: our best variant against the best peer", ""]
+    lines += headline(done)
+    peer_sides = {}  # side -> its kernels' labels, in table order
+    for _, rows in done:
+        for r in rows:
+            if r["side"] != "ours":
+                peer_sides.setdefault(r["side"], dict.fromkeys([]))[r["label"]] = None
+    for side, labels in peer_sides.items() if len(peer_sides) > 1 else []:
+        lines += ["", f"## Headline: our best variant against {side} ({', '.join(labels)})", ""] + headline(done, side)
     lines += ["", "## Every kernel", "",
               "| problem | kernel | max err (ok) | device B / compulsory | per tensor (B) | TG B / out | BQ x BK "
-              "| barriers / key block | MMA / needed | threadgroups | TG mem / TG (B) | emulator s |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| barriers / key block | MMA / needed | " + ("matrix work (MMA-equivalents) | " if tensor else "") +
+              "threadgroups | TG mem / TG (B) | emulator s |",
+              "|---|---|---|---|---|---|---|---|---|" + ("---|" if tensor else "") + "---|---|---|"]
     for p, rows in done:
         for r in rows:
             tens = ", ".join(f"{t} {b:,}" for t, b in r["tensors"].items())
@@ -368,7 +482,11 @@ def render(done: list[tuple], sources: list[str], command: str, missing: list[st
             bpb = f"{r['barriers_per_block']:.2f}" if r["barriers_per_block"] is not None else "?"
             lines.append(f"| {p.name} | {_kernel_cell(r)} | {r['err']:.1e} ({'ok' if r['ok'] else 'FAIL'}) | "
                          f"{r['device_ratio']:.4f} | {tens} | {r['tg_per_out']:.1f} | {blocks} | {bpb} | "
-                         f"{r['mma_ratio']:.3f} | {r['threadgroups']} | {r['tg_memory']} | {r['seconds']:.0f} |")
+                         f"{r['mma_ratio']:.3f} | " + (f"{_matrix_cell(r)} | " if tensor else "") +
+                         f"{r['threadgroups']} | {r['tg_memory']} | {r['seconds']:.0f} |")
+    if family is not None:
+        # the peaks below are the M1-M4 Max's; no published matrix peak of the M5's accelerators is tabulated
+        return "\n".join(lines) + "\n"
     lines += ["", "## Roofline lower bound of the time", "",
               "max(FLOPs / peak, compulsory bytes / bandwidth) for the problem itself (QK^T and PV FLOPs of the "
               "visible pairs; Q, K, V, O once), on each chip's largest GPU; whichever kernel runs can only be "
@@ -388,7 +506,12 @@ def render(done: list[tuple], sources: list[str], command: str, missing: list[st
     return "\n".join(lines) + "\n"
 
 
-def select(rows_arg: Optional[str], quick: bool) -> list[Problem]:
+def results_file(family: Optional[str]) -> Path:
+    """Where a full run writes its report: vs_peers.md on the default family, vs_peers_<family>.md otherwise."""
+    return RESULTS if family is None else harness.RESULTS / f"vs_peers_{family}.md"
+
+
+def select(rows_arg: Optional[str], quick: bool, family: Optional[str] = None) -> list[Problem]:
     problems = [p for p in PROBLEMS if p.seqlen == 1024] if quick else PROBLEMS
     if rows_arg:
         wanted = [w.strip() for w in rows_arg.split(",") if w.strip()]
@@ -397,7 +520,22 @@ def select(rows_arg: Optional[str], quick: bool) -> list[Problem]:
         if bad:
             raise SystemExit(f"--rows: unknown problem(s) {', '.join(bad)}; known: {', '.join(known)}")
         problems = [known[w] for w in wanted]
-    return problems
+    return [dataclasses.replace(p, family=family) for p in problems]
+
+
+def mlx_peer(family: Optional[str]) -> tuple[Callable, str]:
+    """(Kernel maker, source line) of the MLX kernel its host runs on ``family``'s GPUs: attention_nax
+    where the neural accelerators are (apple10), steel attention elsewhere."""
+    if family == "apple10":
+        return mlx_nax_kernel, ("MLX attention_nax (`steel_attention_nax.h`, Metal 4 tensor ops, compiled as MSL "
+                                "4.0, launched as `sdpa_full_self_attention_nax`: BQ 64, BK 32, 4 simdgroups of 16 "
+                                "query rows): `--mlx DIR`, an mlx-metal 0.32.4 wheel (`pip download mlx-metal==0.32.4 "
+                                "--no-deps --platform macosx_14_0_arm64`, unzipped).  It keeps no tile in threadgroup "
+                                "memory: each simdgroup loads its Q rows and the whole K and V block from device memory "
+                                "at every key block, and its few threadgroup barriers fence no memory (at D 128 one "
+                                "per key block, inside the PV product)")
+    return mlx_kernel, ("MLX steel attention (`steel_attention.h`): `--mlx DIR`, an mlx-metal 0.32.4 wheel "
+                        "(`pip download mlx-metal==0.32.4 --no-deps --platform macosx_14_0_arm64`, unzipped)")
 
 
 def main(argv=None) -> int:
@@ -409,35 +547,41 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, default=HEADS,
                     help=f"emulate the first N of the {HEADS} heads and scale the counts (exact: every head runs "
                          "the same code on the same shapes; ratios do not depend on it)")
+    ap.add_argument("--family", choices=FAMILIES,
+                    help="GPU family to plan and emulate on (default: the emulator's); apple10 adds our "
+                         "neural-accelerator variants and makes MLX's peer attention_nax")
     ap.add_argument("--json", type=Path, help="append each problem's raw counters to this file (JSON lines)")
     ap.add_argument("--render", type=Path, nargs="+", metavar="JSON",
                     help="run nothing: write the report of the problems in these --json files")
     ap.add_argument("--out", type=Path, help=f"markdown output (default: {RESULTS.relative_to(harness.ROOT)} for a "
-                                              "full run with both peers, none otherwise)")
+                                              "full run with both peers, vs_peers_F.md for a full --family F run "
+                                              "with --mlx, none otherwise)")
     args = ap.parse_args(argv)
     if args.render:
-        return render_saved(args.render, args.out or RESULTS)
-    problems = select(args.rows, args.quick)
+        return render_saved(args.render, args.out)
+    problems = select(args.rows, args.quick, args.family)
     peers, sources = [], []
     if args.mlx:
         inc = args.mlx / "mlx" / "include" if (args.mlx / "mlx" / "include").is_dir() else args.mlx
-        peers.append(lambda p, inc=inc: mlx_kernel(inc, p))
-        sources.append("MLX steel attention (`steel_attention.h`): `--mlx DIR`, an mlx-metal 0.32.4 wheel "
-                       "(`pip download mlx-metal==0.32.4 --no-deps --platform macosx_14_0_arm64`, unzipped)")
+        make, source = mlx_peer(args.family)
+        peers.append(lambda p, inc=inc, make=make: make(inc, p))
+        sources.append(source)
     if args.pytorch:
         inc = pk.pytorch_include(args.pytorch)
         peers.append(lambda p, inc=inc: pytorch_kernel(inc, p))
-        sources.append(f"PyTorch MPS prefill attention (`{pk.PREFILL_HEADER}`): `--pytorch DIR`, the torch 2.13.0 "
-                       "macOS arm64 wheel unzipped (its torch/include)")
+        sources.append(f"PyTorch MPS prefill attention (`{pk.PREFILL_HEADER}`): `--pytorch DIR`, a torch 2.13.0 "
+                       "wheel's torch/include (the macOS arm64 wheel unzipped, or an installed torch of any "
+                       "platform: every wheel ships the header)")
     tuning = _tuning()
     sources.append("ours: " + ("every variant of `tmf.tuning.variants('fwd', ...)`, forced with `tmf.tuning.use`"
                                if tuning else "the default plan (this checkout has no `tmf.tuning`)"))
     out = args.out
-    if out is None and not args.rows and not args.quick and args.mlx and args.pytorch:
-        out = RESULTS
+    if out is None and not args.rows and not args.quick and args.mlx and (args.pytorch or args.family):
+        out = results_file(args.family)
     command = "`python bench/vs_peers.py" + (" --mlx DIR" if args.mlx else "") + \
         (" --pytorch DIR" if args.pytorch else "") + (f" --rows {args.rows}" if args.rows else "") + \
-        (" --quick" if args.quick else "") + (f" --heads {args.heads}" if args.heads != HEADS else "") + "`"
+        (" --quick" if args.quick else "") + (f" --heads {args.heads}" if args.heads != HEADS else "") + \
+        (f" --family {args.family}" if args.family else "") + "`"
     t0 = time.time()
     done, failed = [], []
     for p in problems:
@@ -458,19 +602,25 @@ def main(argv=None) -> int:
     return 1 if failed else 0
 
 
-def render_saved(files: list[Path], out: Path) -> int:
-    """The report of the problems saved by --json runs (several runs may share the table)."""
-    saved = {}
+def render_saved(files: list[Path], out: Optional[Path] = None) -> int:
+    """The report of the problems saved by --json runs (several runs may share the table); ``out``
+    defaults to the results file of the runs' family."""
+    saved, families = {}, set()
     for path in files:
         for line in path.read_text().splitlines():
             if line.strip():
                 entry = json.loads(line)
-                saved[Problem(**entry["problem"]).name] = entry
+                p = Problem(**entry["problem"])
+                saved[p.name] = entry
+                families.add(p.family)
     if not saved:
         raise SystemExit(f"--render: no problems in {', '.join(map(str, files))}")
-    order = [p for p in PROBLEMS if p.name in saved] + \
-        [Problem(**e["problem"]) for n, e in saved.items() if n not in {p.name for p in PROBLEMS}]
-    entries = [saved[p.name] for p in order]
+    if len(families) != 1:
+        raise SystemExit(f"--render: runs on different GPU families ({', '.join(sorted(map(str, families)))}); "
+                         "render each family's runs separately")
+    out = out or results_file(families.pop())
+    order = [p.name for p in PROBLEMS if p.name in saved] + [n for n in saved if n not in {p.name for p in PROBLEMS}]
+    entries = [saved[n] for n in order]
     heads = {e["heads"] for e in entries}
     if len(heads) != 1:
         raise SystemExit(f"--render: runs emulated different numbers of heads ({sorted(heads)})")

@@ -111,3 +111,78 @@ def test_saved_runs_render_into_one_report(tmp_path):
     assert vs_peers.main(["--render", str(saved), "--out", str(out)]) == 0
     text = out.read_text()
     assert p.name in text and "naive_attention" in text and "Not measured: 1K-d64-full-f16" in text
+
+
+def test_tensor_op_work_counts_in_simdgroup_multiplies():
+    from types import SimpleNamespace
+    st = SimpleNamespace(simdgroup_matrix_multiplies=3, tensor_matmul_macs=2 * 16 * 16 * 16)
+    assert vs_peers.SIMDGROUP_MMA_MACS == 512
+    assert vs_peers.mma_equivalents(st) == 3 + 16  # one 16x16x16 tensor op = eight 8x8x8 multiplies
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_apple10_runs_every_accelerator_and_simdgroup_variant(causal):
+    p = vs_peers.Problem(seqlen=64, head_dim=64, causal=causal, dtype="f16", heads=1, family="apple10")
+    rows = vs_peers.run_problem(p, [naive_peer], log=lambda *_: None)
+    ours, naive = rows[:-1], rows[-1]
+    assert all(r["ok"] for r in rows), [(r["kernels"], r["err"]) for r in rows]
+    import torch
+    import torch_metal_flash as tmf
+    listed = tmf.tuning.variants("fwd", dtype=torch.float16, head_dim=64, family="apple10")
+    assert [r["kernels"] for r in ours] == [[v] for v in listed]
+    nax = [r for r in ours if "_nax_" in r["kernels"][0]]
+    simd = [r for r in ours if "_nax_" not in r["kernels"][0]]
+    assert nax and simd
+    for r in nax:  # accelerator work only, in the simdgroup unit
+        assert r["simdgroup_mma"] == 0 and r["tensor_matmuls"] > 0
+        assert r["mma"] == r["tensor_macs"] / 512 and r["mma_ratio"] >= 1
+    for r in simd:
+        assert r["tensor_macs"] == 0 and r["mma"] == r["simdgroup_mma"] > 0
+    # the same BQ x BK blocking does the same matrix work on either unit, in the shared unit
+    simd_work = {tuple(r["blocks"]): r["mma"] for r in simd}
+    shared = [r for r in nax if tuple(r["blocks"]) in simd_work]
+    assert shared and all(r["mma"] == simd_work[tuple(r["blocks"])] for r in shared)
+    assert naive["mma"] == 0 and naive["tensor_macs"] == 0
+
+    v = vs_peers.verdict(p, rows)
+    assert v["default"] is not None and "_nax_" in v["default"]["kernels"][0]  # apple10's plan: an accelerator tile
+    text = vs_peers.render([(p, rows)], ["synthetic"], "pytest", [], 0.0, heads=1)
+    assert "on apple10" in text and "MMA-equivalents" in text and "tensor ops" in text
+    assert "Roofline" not in text  # the peaks tabulated are the M1-M4 Max's
+
+
+def test_family_selects_the_peer_and_the_results_file():
+    assert vs_peers.mlx_peer("apple10")[0] is vs_peers.mlx_nax_kernel
+    assert "attention_nax" in vs_peers.mlx_peer("apple10")[1]
+    assert vs_peers.mlx_peer(None)[0] is vs_peers.mlx_kernel
+    assert vs_peers.results_file(None) == vs_peers.RESULTS
+    assert vs_peers.results_file("apple10").name == "vs_peers_apple10.md"
+    assert {p.family for p in vs_peers.select(None, True, "apple10")} == {"apple10"}
+    assert {p.family for p in vs_peers.select("1K-d64-causal-f16", False)} == {None}
+    with pytest.raises(SystemExit):
+        vs_peers.main(["--family", "apple11"])
+
+
+def _row(side, kernel, barriers_per_block, tg_memory, device):
+    return dict(side=side, kernels=[kernel], barriers_per_block=barriers_per_block, barriers=1, tg_memory=tg_memory,
+                device=device)
+
+
+def test_barrier_reason_names_a_peer_without_threadgroup_tiles():
+    ours = _row("ours", "a", 2.0, 9216, 100)
+    peer = _row("MLX", "b", 0.25, 0, 400)
+    why = vs_peers.barrier_reason(ours, peer)
+    assert why.startswith("barriers / key block 2.00 vs 0.25") and "4.0x the device bytes of `a`" in why
+    assert vs_peers.barrier_reason(peer, ours) is None
+    assert vs_peers.barrier_reason(ours, None) is None
+    assert vs_peers.best_barriers([ours, peer, _row("x", "c", None, 0, 1)]) is peer
+
+
+def test_saved_runs_of_different_families_are_not_mixed(tmp_path):
+    import json
+    saved = tmp_path / "run.jsonl"
+    lines = [json.dumps(dict(problem=vars(vs_peers.Problem(32, 64, True, "f16", 1, fam)), rows=[], sources=[],
+                             command="`x`", heads=1, minutes=0.0)) for fam in (None, "apple10")]
+    saved.write_text("\n".join(lines) + "\n")
+    with pytest.raises(SystemExit, match="different GPU families"):
+        vs_peers.main(["--render", str(saved), "--out", str(tmp_path / "r.md")])
