@@ -16,7 +16,10 @@
 //
 // Template parameters: T half or bfloat; BD head-dim tile (a multiple of 32);
 // BQ query rows per threadgroup (16 per simdgroup); BK keys per step (a
-// multiple of 32); SHARED_KV as in flash_fwd.
+// multiple of 32); SHARED_KV as in flash_fwd; DIRECT: no K/V tiles, each
+// simdgroup reads its K/V fragments straight from device memory (as MLX's
+// accelerator attention does): no barriers, every simdgroup reading the
+// block for itself (the GPU's caches, not threadgroup memory, share it).
 //
 // Every feature of flash_fwd but has_probs (the debug S_dmask output): the
 // planner sends such calls to flash_fwd.
@@ -24,12 +27,34 @@
 #include "flash_fwd.metal"
 #include "flash_nax.h"
 
-template <typename T, int BD, int BQ, int BK, bool SHARED_KV>
+namespace fwd_nax_detail {
+
+// Key rows of one sequence and KV head in device memory, contiguous from row
+// k0 or paged through the block-table row (the DIRECT loads' row source).
+template <typename T>
+struct KeyRows {
+  const device T* head;
+  long stride_b, stride_l;
+  int k0;
+  bool paged;
+  const device int* bt_row;  // read when paged
+  int page, num_blocks;
+
+  const device T* row(int key) const {
+    return paged ? head + flash::paged_row(bt_row, key, page, num_blocks, stride_b, stride_l)
+                 : head + long(k0 + key) * stride_l;
+  }
+};
+
+}  // namespace fwd_nax_detail
+
+template <typename T, int BD, int BQ, int BK, bool SHARED_KV, bool DIRECT>
 [[kernel]] void flash_fwd_nax(FLASH_FWD_ARGS(T)) {
   constexpr int WM = BQ / 16;            // simdgroups
   constexpr int NT = WM * 32;            // threads
   constexpr int LD = BD + flash::TilePad<T>::value;
-  constexpr int TG_ELEMS = (SHARED_KV ? 1 : 2) * BK * LD;
+  // DIRECT keeps one 16-byte placeholder (a kernel's threadgroup array cannot be empty)
+  constexpr int TG_ELEMS = DIRECT ? 16 / int(sizeof(T)) : (SHARED_KV ? 1 : 2) * BK * LD;
   constexpr int NF = BD / 16;            // fragments along the head dim
   constexpr int NK = BK / 16;            // fragments along the keys
   static_assert(BQ % 16 == 0 && BK % 32 == 0 && BD % 32 == 0, "tile sizes");
@@ -67,6 +92,10 @@ template <typename T, int BD, int BQ, int BK, bool SHARED_KV>
   const device T* kh = k + long(sq.bt) * p.k_stride_b + long(kvh) * p.k_stride_h;
   const device T* vh = v + long(sq.bt) * p.v_stride_b + long(kvh) * p.v_stride_h;
   const device int* bt_row = is_paged ? block_table + long(b) * p.bt_stride_b : nullptr;
+  const fwd_nax_detail::KeyRows<T> krows{kh, p.k_stride_b, p.k_stride_l, sq.k0, is_paged, bt_row, p.page_size,
+                                         p.num_blocks};
+  const fwd_nax_detail::KeyRows<T> vrows{vh, p.v_stride_b, p.v_stride_l, sq.k0, is_paged, bt_row, p.page_size,
+                                         p.num_blocks};
 
   // Q fragments (zero past Lq and past head_dim), unscaled.
   flash::nax::Frag<T> Qf[NF];
@@ -108,13 +137,15 @@ template <typename T, int BD, int BQ, int BK, bool SHARED_KV>
   const bool vec_ok = kv_vec_aligned;
   for (int kb = (k_lo / BK) * BK; kb < k_hi; kb += BK) {
     const int k_valid = Lk - kb;
-    fwd_detail::load_keys<T, BK, BD, NT>(Ks, LD, kh, p.k_stride_b, p.k_stride_l, sq.k0, bt_row, p, kb, k_valid,
-                                        p.head_dim, cols_aligned, vec_ok, ushort(tid));
-    if (!SHARED_KV) {
-      fwd_detail::load_keys<T, BK, BD, NT>(Vs, LD, vh, p.v_stride_b, p.v_stride_l, sq.k0, bt_row, p, kb, k_valid,
-                                          p.head_dim_v, cols_aligned, vec_ok, ushort(tid));
+    if (!DIRECT) {
+      fwd_detail::load_keys<T, BK, BD, NT>(Ks, LD, kh, p.k_stride_b, p.k_stride_l, sq.k0, bt_row, p, kb, k_valid,
+                                          p.head_dim, cols_aligned, vec_ok, ushort(tid));
+      if (!SHARED_KV) {
+        fwd_detail::load_keys<T, BK, BD, NT>(Vs, LD, vh, p.v_stride_b, p.v_stride_l, sq.k0, bt_row, p, kb,
+                                            k_valid, p.head_dim_v, cols_aligned, vec_ok, ushort(tid));
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
     }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
 
     // Simdgroup-uniform skip of rows past Lq or outside the band (flash_fwd's rule).
     bool sg_active = r0 < rows;
@@ -133,7 +164,11 @@ template <typename T, int BD, int BQ, int BK, bool SHARED_KV>
         for (int e = 0; e < 8; ++e) S[kk].e[e] = S[kk + 1].e[e] = 0.0f;
         for (int dd = 0; dd < NF; ++dd) {
           flash::nax::Frag<T> Kt[2];
-          flash::nax::load_bt<T, LD>(Kt, Ks + kk * 16 * LD + dd * 16, fc);
+          if (DIRECT) {
+            flash::nax::load_rows<true>(Kt, krows, kb + kk * 16, dd * 16, Lk, p.head_dim, fc);
+          } else {
+            flash::nax::load_bt<T, LD>(Kt, Ks + kk * 16 * LD + dd * 16, fc);
+          }
           flash::nax::mma<true>(S[kk], S[kk + 1], Qf[dd], Kt);
         }
       }
@@ -163,7 +198,7 @@ template <typename T, int BD, int BQ, int BK, bool SHARED_KV>
       }
     }
 
-    if (SHARED_KV) {  // every simdgroup is done with K: bring V into the same buffer
+    if (SHARED_KV && !DIRECT) {  // every simdgroup is done with K: bring V into the same buffer
       threadgroup_barrier(mem_flags::mem_threadgroup);
       fwd_detail::load_keys<T, BK, BD, NT>(Vs, LD, vh, p.v_stride_b, p.v_stride_l, sq.k0, bt_row, p, kb, k_valid,
                                           p.head_dim_v, cols_aligned, vec_ok, ushort(tid));
@@ -175,12 +210,16 @@ template <typename T, int BD, int BQ, int BK, bool SHARED_KV>
       for (int kk = 0; kk < NK; ++kk) {
         for (int dd = 0; dd < NF; dd += 2) {
           flash::nax::Frag<T> Vf[2];
-          flash::nax::load_b<T, LD>(Vf, Vs + kk * 16 * LD + dd * 16, fc);
+          if (DIRECT) {
+            flash::nax::load_rows<false>(Vf, vrows, kb + kk * 16, dd * 16, Lk, p.head_dim_v, fc);
+          } else {
+            flash::nax::load_b<T, LD>(Vf, Vs + kk * 16 * LD + dd * 16, fc);
+          }
           flash::nax::mma<false>(Of[dd], Of[dd + 1], S[kk], Vf);
         }
       }
     }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (!DIRECT) threadgroup_barrier(mem_flags::mem_threadgroup);
   }
 
   // Epilogue (flash_fwd's): O / l (and 1 / (1 - p)), lse = m + ln(l), the backward's row state.
@@ -213,15 +252,19 @@ template <typename T, int BD, int BQ, int BK, bool SHARED_KV>
 }
 
 // ---------------------------------------------------------------------------
-// Instantiations: flash_fwd_nax_<dtype>_d<BD>_q<BQ>_k<BK>[_s]; every NAX tile
-// of torch_metal_flash/planner/tiles.py must appear here (a test checks).
+// Instantiations: flash_fwd_nax_<dtype>_d<BD>_q<BQ>_k<BK>[_s|_r] ("_r": DIRECT,
+// K/V read into registers); every NAX tile of torch_metal_flash/planner/tiles.py
+// must appear here (a test checks).
 // ---------------------------------------------------------------------------
 #define FLASH_FWD_NAX_INSTANTIATE(tname, T, BD, BQ, BK)                                       \
   template [[host_name("flash_fwd_nax_" #tname "_d" #BD "_q" #BQ "_k" #BK)]] [[kernel]] void \
-  flash_fwd_nax<T, BD, BQ, BK, false>(FLASH_FWD_ARGS(T));
+  flash_fwd_nax<T, BD, BQ, BK, false, false>(FLASH_FWD_ARGS(T));
 #define FLASH_FWD_NAX_INSTANTIATE_SHARED(tname, T, BD, BQ, BK)                                       \
   template [[host_name("flash_fwd_nax_" #tname "_d" #BD "_q" #BQ "_k" #BK "_s")]] [[kernel]] void \
-  flash_fwd_nax<T, BD, BQ, BK, true>(FLASH_FWD_ARGS(T));
+  flash_fwd_nax<T, BD, BQ, BK, true, false>(FLASH_FWD_ARGS(T));
+#define FLASH_FWD_NAX_INSTANTIATE_DIRECT(tname, T, BD, BQ, BK)                                       \
+  template [[host_name("flash_fwd_nax_" #tname "_d" #BD "_q" #BQ "_k" #BK "_r")]] [[kernel]] void \
+  flash_fwd_nax<T, BD, BQ, BK, false, true>(FLASH_FWD_ARGS(T));
 
 #define FLASH_FWD_NAX_TILES(tname, T)                  \
   FLASH_FWD_NAX_INSTANTIATE(tname, T, 32, 64, 32)      \
@@ -241,7 +284,14 @@ template <typename T, int BD, int BQ, int BK, bool SHARED_KV>
   FLASH_FWD_NAX_INSTANTIATE_SHARED(tname, T, 192, 32, 32) \
   FLASH_FWD_NAX_INSTANTIATE_SHARED(tname, T, 192, 64, 32) \
   FLASH_FWD_NAX_INSTANTIATE_SHARED(tname, T, 256, 32, 32) \
-  FLASH_FWD_NAX_INSTANTIATE_SHARED(tname, T, 256, 64, 32)
+  FLASH_FWD_NAX_INSTANTIATE_SHARED(tname, T, 256, 64, 32) \
+  FLASH_FWD_NAX_INSTANTIATE_DIRECT(tname, T, 32, 64, 32) \
+  FLASH_FWD_NAX_INSTANTIATE_DIRECT(tname, T, 64, 64, 32) \
+  FLASH_FWD_NAX_INSTANTIATE_DIRECT(tname, T, 96, 64, 32) \
+  FLASH_FWD_NAX_INSTANTIATE_DIRECT(tname, T, 128, 64, 32) \
+  FLASH_FWD_NAX_INSTANTIATE_DIRECT(tname, T, 160, 64, 32) \
+  FLASH_FWD_NAX_INSTANTIATE_DIRECT(tname, T, 192, 64, 32) \
+  FLASH_FWD_NAX_INSTANTIATE_DIRECT(tname, T, 256, 64, 32)
 
 FLASH_FWD_NAX_TILES(f16, half)
 FLASH_FWD_NAX_TILES(bf16, bfloat)

@@ -139,6 +139,23 @@ inline void add(thread Frag<float>& a, const thread Frag<float>& b) {
   for (short i = 0; i < 8; ++i) a.e[i] += b.e[i];
 }
 
+// B^T (32 keys x 16 columns, TRANSPOSED: Q K^T) or B (16 keys x 32 columns: P V)
+// straight from device memory: key rows through `rows.row(key)` (contiguous or
+// paged), zero at keys >= keys_end and columns >= cols_valid.  No threadgroup
+// memory and no barrier: each simdgroup reads its own operands.
+template <bool TRANSPOSED, typename T, typename Rows>
+inline void load_rows(thread Frag<T>* b, Rows rows, int key0, int col0, int keys_end, int cols_valid, Coord c) {
+  for (short f = 0; f < 2; ++f) {
+    for (short h = 0; h < 2; ++h) {
+      const int key = key0 + (TRANSPOSED ? f * 16 : 0) + c.row + 8 * h;
+      const int col = col0 + (TRANSPOSED ? 0 : f * 16) + c.col;
+      const bool live = key < keys_end;
+      const device T* p = rows.row(live ? key : 0);  // key 0: an address that exists, never read
+      for (short j = 0; j < 4; ++j) b[f].e[4 * h + j] = live && col + j < cols_valid ? p[col + j] : T(0);
+    }
+  }
+}
+
 // One key block of the online softmax for a lane's two rows (running max m[h],
 // sum l[h]; -FLT_MAX while a row has seen nothing): S[kk] (16 rows x 16 keys)
 // becomes P = exp(S - m_new), 0 where bit 8 * kk + e of `hidden` is set; l and

@@ -66,3 +66,24 @@ kernel void k(device float* out [[buffer(0)]], uint i [[thread_position_in_grid]
     with pytest.raises(emulator.CompileError, match="emulator limitation: a vector of bool") as ei:
         emulator.compile_shader(direct, name="bools.metal")
     assert (ei.value.rule, ei.value.file, ei.value.line) == ("bool-vector", "bools.metal", 3)
+
+
+def test_a_call_that_returns_a_pointer_is_not_a_function_pointer():
+    """`call ptr @f(...)` in the IR is a direct call whose return type is a pointer (here a member
+    function returning a device pointer, kept out of line at -O0), not a function's address."""
+    src = """#include <metal_stdlib>
+using namespace metal;
+struct Rows {
+  const device float* head;
+  long stride;
+  const device float* row(int key) const { return head + long(key) * stride; }
+};
+kernel void k(const device float* x [[buffer(0)]], device float* y [[buffer(1)]],
+              uint i [[thread_position_in_grid]]) {
+  const Rows rows{x, 2};
+  y[i] = *rows.row(int(i));
+}
+"""
+    y = torch.zeros(4)
+    emulator.compile_shader(src, name="rows.metal").k(torch.arange(8.0), y, grid=4, threadgroup=4)
+    assert y.tolist() == [0.0, 2.0, 4.0, 6.0]

@@ -188,10 +188,12 @@ def test_instantiations_match_tile_table():
             declared[f"flash_fwd_{t}_d{bd}_q{bq}_k{bk}{'_s' if shared else ''}"] = source
     # the accelerator file instantiates one tile list per dtype
     src = (shaders_dir() / "flash_fwd_nax.metal").read_text()
-    rows = re.findall(r"^\s*FLASH_FWD_NAX_INSTANTIATE(_SHARED)?\(tname, T, (\d+), (\d+), (\d+)\)", src, re.M)
+    rows = re.findall(r"^\s*FLASH_FWD_NAX_INSTANTIATE(_SHARED|_DIRECT)?\(tname, T, (\d+), (\d+), (\d+)\)", src,
+                      re.M)
+    suffix = {"": "", "_SHARED": "_s", "_DIRECT": "_r"}
     for t in re.findall(r"^FLASH_FWD_NAX_TILES\((\w+), \w+\)", src, re.M):
-        for shared, bd, bq, bk in rows:
-            declared[f"flash_fwd_nax_{t}_d{bd}_q{bq}_k{bk}{'_s' if shared else ''}"] = "flash_fwd_nax.metal"
+        for kind, bd, bq, bk in rows:
+            declared[f"flash_fwd_nax_{t}_d{bd}_q{bq}_k{bk}{suffix[kind]}"] = "flash_fwd_nax.metal"
     needed = {t.kernel: t.source for t in forward_variants()}
     assert needed == declared
 

@@ -97,11 +97,14 @@ def test_varlen_and_paged_on_the_accelerators():
             rows = slice(int(cu_k[b]) + j * page, min(int(cu_k[b]) + (j + 1) * page, int(cu_k[b + 1])))
             kc[blk, :rows.stop - rows.start] = k[rows]
             vc[blk, :rows.stop - rows.start] = v[rows]
-    with emulator.settings(family=NAX), tmf.backend("emulator", strict=True), emulator.recording() as launches:
-        paged = tmf.flash_attn_varlen_func(q, kc, vc, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
-                                           block_table=table)
-    assert [s.kernel for s in launches] == ["flash_fwd_nax_f16_d64_q64_k32"]
-    assert torch.equal(paged, out)
+    # through the threadgroup tiles and, forced, straight from device memory: the same bits
+    for kernel in ("flash_fwd_nax_f16_d64_q64_k32", "flash_fwd_nax_f16_d64_q64_k32_r"):
+        with emulator.settings(family=NAX), tmf.backend("emulator", strict=True), tuning.use("fwd", kernel), \
+                emulator.recording() as launches:
+            paged = tmf.flash_attn_varlen_func(q, kc, vc, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
+                                               block_table=table)
+        assert [s.kernel for s in launches] == [kernel]
+        assert torch.equal(paged, out)
 
 
 def test_dropout_on_the_accelerators_uses_the_generators_mask():

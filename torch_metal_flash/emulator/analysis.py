@@ -105,7 +105,9 @@ def analyze_ir(ir: str) -> dict:
 
 
 _DECLARE = re.compile(r"^declare [^@]*@(\"[^\"]+\"|[\w.$]+)\(", re.M)
-_FUNCTION_VALUE = re.compile(r"\bptr (?:noundef )?@(\"[^\"]+\"|[\w.$]+)")
+# A function as a value (stored, passed): `ptr @f` not followed by `(`; in `call ptr @f(...)` the
+# `ptr` is the return type of a direct call.
+_FUNCTION_VALUE = re.compile(r"\bptr (?:noundef )?@(\"[^\"]+\"|[\w.$]+)(?![\w.$\"(])")
 _INDIRECT_CALL = re.compile(r"\b(?:call|invoke)\b[^@(]*\s%[\w.$]+\(")
 
 

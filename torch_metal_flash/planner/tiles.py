@@ -56,6 +56,7 @@ class ForwardTile:
     bk: int
     shared_kv: bool = False
     nax: bool = False  # the neural-accelerator kernel (16 rows per simdgroup)
+    direct: bool = False  # (nax) K/V fragments read from device memory, no threadgroup tiles
 
     @property
     def rows_per_simdgroup(self) -> int:
@@ -72,7 +73,7 @@ class ForwardTile:
     @property
     def kernel(self) -> str:
         return (f"flash_fwd_{'nax_' if self.nax else ''}{self.dtype}_d{self.bd}_q{self.bq}_k{self.bk}"
-                f"{'_s' if self.shared_kv else ''}")
+                f"{'_s' if self.shared_kv else ''}{'_r' if self.direct else ''}")
 
     @property
     def source(self) -> str:
@@ -88,7 +89,10 @@ class ForwardTile:
 
     @property
     def threadgroup_memory(self) -> int:
-        """Bytes of threadgroup memory per threadgroup (K and V tiles)."""
+        """Bytes of threadgroup memory per threadgroup (K and V tiles; a direct tile's
+        16-byte placeholder)."""
+        if self.direct:
+            return 16
         tiles = 1 if self.shared_kv else 2
         return tiles * self.bk * (self.bd + self.row_pad) * _ELEM_SIZE[self.dtype]
 
@@ -138,7 +142,9 @@ EXTRA_TILES["bf16"] = {bd: list(rows) for bd, rows in EXTRA_TILES["f16"].items()
 
 # The neural-accelerator tiles of apple10 per (dtype, bucket), its default first: 64 query rows
 # (4 simdgroups of 16) and 32 keys per step as MLX's accelerator attention runs, K/V sharing a
-# buffer from head dim 160 (to stay near 17 KiB); variants with 32 or 128 rows, or 64 keys.
+# buffer from head dim 160 (to stay near 17 KiB); variants with 32 or 128 rows, or 64 keys, and
+# the direct one (`_r`: every simdgroup reads its K/V fragments from device memory, no tiles and
+# no barriers, as MLX's kernel does: the caches share the block instead).
 # Float32 and the buckets 80, 384 and 512 keep the simdgroup kernels (the multiplies take 32
 # head-dim columns at a time; 384+ wide accumulators of 16 rows do not fit the registers).
 _NAX_ROWS = {32: [(64, 32, False), (64, 64, False)],
@@ -148,7 +154,8 @@ _NAX_ROWS = {32: [(64, 32, False), (64, 64, False)],
              160: [(64, 32, True), (32, 32, True)],
              192: [(64, 32, True), (32, 32, True)],
              256: [(64, 32, True), (32, 32, True)]}
-NAX_TILES: dict[str, dict[int, list[tuple[int, int, bool]]]] = {"f16": _NAX_ROWS, "bf16": _NAX_ROWS}
+_NAX_ROWS = {bd: [(*row, False) for row in rows] + [(64, 32, False, True)] for bd, rows in _NAX_ROWS.items()}
+NAX_TILES: dict[str, dict[int, list[tuple[int, int, bool, bool]]]] = {"f16": _NAX_ROWS, "bf16": _NAX_ROWS}
 
 
 def head_dim_bucket(head_dim: int) -> int | None:
@@ -177,7 +184,8 @@ def _nax_tiles(dt: str, bd: int, family: str) -> list[ForwardTile]:
     """The neural-accelerator tiles of ``family`` for (dtype name, bucket), default first."""
     if table_family(family) != NAX_FAMILY:
         return []
-    return [ForwardTile(dt, bd, *row, nax=True) for row in NAX_TILES.get(dt, {}).get(bd, ())]
+    return [ForwardTile(dt, bd, bq, bk, shared, nax=True, direct=direct)
+            for bq, bk, shared, direct in NAX_TILES.get(dt, {}).get(bd, ())]
 
 
 def forward_tile(dtype: torch.dtype, head_dim: int, family: str = "apple8", nax: bool = True) -> ForwardTile:
@@ -236,4 +244,4 @@ def forward_variants() -> list[ForwardTile]:
             for family in FAMILIES:
                 for t in tile_variants(dtype, bd, family):
                     seen[t.kernel] = t
-    return sorted(seen.values(), key=lambda t: (t.nax, t.dtype, t.bd, t.bq, t.bk, t.shared_kv))
+    return sorted(seen.values(), key=lambda t: (t.nax, t.dtype, t.bd, t.bq, t.bk, t.shared_kv, t.direct))
