@@ -54,8 +54,6 @@ def unavailable_reason(device: Optional[torch.device] = None) -> Optional[str]:
     return None
 
 
-
-
 def planning_family(hw_family: str, accelerator_reason: str) -> str:
     """The family whose tile tables the Metal backend plans with, given the GPU's family
     (``_C.gpu_family()``) and ``_C.neural_accelerators()`` ("" when that path can run).
