@@ -30,11 +30,12 @@ struct Coord {
   short col;
 };
 
+// The 8x8 layout's row, and its first column doubled (four columns a lane, not two).
 inline Coord coord(ushort lane) {
-  const short qid = short(lane / 4);
+  const FragCoord f = frag_coord(lane);
   Coord c;
-  c.row = short((qid & 4) + (lane / 2) % 4);
-  c.col = short(((qid & 2) + lane % 2) * 4);
+  c.row = f.row;
+  c.col = short(2 * f.col);
   return c;
 }
 

@@ -28,7 +28,7 @@ from torch_metal_flash.problem import philox
 from torch_metal_flash._paths import shaders_dir
 from torch_metal_flash.problem.layout import empty_in_layout
 from torch_metal_flash.problem.spec import make_spec
-from torch_metal_flash.testing import check_backward, check_forward, randn
+from torch_metal_flash.testing import check_backward, check_forward, generator_keep_mask, randn
 
 KAT = [  # Random123 philox4x32-10 known-answer vectors: (counter, key) -> output
     ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
@@ -111,9 +111,7 @@ def test_against_oracle_with_the_kernels_mask(case):
     first = _run(spec, dout, dlse, compute_dbias)
     keep = ~torch.signbit(first["probs"])
     # The mask is Philox's (the host generator) wherever an element is seen.
-    B, H, Lq, Lk = first["probs"].shape
-    host = philox.keep_mask(spec.dropout.rng_state, spec.dropout.p, (torch.arange(B) * H)[:, None, None, None] +
-                            torch.arange(H)[:, None, None], torch.arange(Lq)[:, None], torch.arange(Lk))
+    host = generator_keep_mask(spec)
     seen = first["probs"] != 0
     assert seen.any() and torch.equal(keep[seen], host[seen])
     check_forward(spec, first["out"], first["lse"], keep)

@@ -18,10 +18,9 @@ import torch_metal_flash as tmf
 from torch_metal_flash import emulator, tuning
 from torch_metal_flash.planner import backward_tiles as bt
 from torch_metal_flash.planner import tiles
-from torch_metal_flash.problem import philox
 from torch_metal_flash.problem.spec import make_spec
 from torch_metal_flash.testing import backward_cases as bk
-from torch_metal_flash.testing import check_backward, randn
+from torch_metal_flash.testing import check_backward, generator_keep_mask, randn
 
 NAX = "apple10"
 SEED = 20261203
@@ -132,10 +131,7 @@ def test_dropout_on_the_accelerators_uses_the_generators_mask():
         kernels = [s.kernel for s in launches]
         assert "flash_bwd_dq_nax_bf16_d64_q64_k32" in kernels and "flash_bwd_dkv_nax_bf16_d64_k64_q32_m0" in kernels
         runs.append(grads)
-    B, H, Lq, Lk = 1, 2, 33, 40
-    keep = philox.keep_mask(spec.dropout.rng_state, 0.25, (torch.arange(B) * H)[:, None, None, None] +
-                            torch.arange(H)[:, None, None], torch.arange(Lq)[:, None], torch.arange(Lk))
-    check_backward(spec, dout, None, runs[0], False, keep=keep)
+    check_backward(spec, dout, None, runs[0], False, keep=generator_keep_mask(spec))
     for a, b in zip(*runs):
         assert a is None and b is None or torch.equal(a, b), "the backward is not bitwise reproducible"
 

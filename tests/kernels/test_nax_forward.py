@@ -17,9 +17,8 @@ import torch
 import torch_metal_flash as tmf
 from torch_metal_flash import emulator, tuning
 from torch_metal_flash.planner import tiles
-from torch_metal_flash.problem import philox
 from torch_metal_flash.problem.spec import make_spec
-from torch_metal_flash.testing import check_backward, check_forward, randn
+from torch_metal_flash.testing import check_backward, check_forward, generator_keep_mask, randn
 from torch_metal_flash.testing import forward_cases as fc
 
 NAX = "apple10"
@@ -118,10 +117,7 @@ def test_dropout_on_the_accelerators_uses_the_generators_mask():
                                                 spec.diag_offset, spec.window_left, spec.window_right, 0.0,
                                                 False, 0.25, spec.dropout.rng_state)
     assert launches[0].kernel.startswith("flash_fwd_nax_bf16_d96")
-    B, H, Lq, Lk = 1, 2, 33, 40
-    keep = philox.keep_mask(spec.dropout.rng_state, 0.25, (torch.arange(B) * H)[:, None, None, None] +
-                            torch.arange(H)[:, None, None], torch.arange(Lq)[:, None], torch.arange(Lk))
-    check_forward(spec, out, lse, keep)
+    check_forward(spec, out, lse, generator_keep_mask(spec))
 
 
 def test_what_stays_on_the_simdgroup_kernels():

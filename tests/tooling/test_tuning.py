@@ -82,7 +82,7 @@ def test_variant_space_sizes_and_limits():
                 assert len(tuning.variants("decode", dtype=dtype, head_dim=bd, family=family)) >= 2
     # every variant within 32 KiB and the threads its pipeline allows (the limits the planner checks)
     for t in [*tiles.forward_variants(), *backward_tiles.backward_variants()]:
-        with emulator.settings(family="apple10" if getattr(t, "nax", False) else None):
+        with emulator.settings(family=fc.tile_family(t)):
             info = backend.pipeline_info(t.source, t.kernel, {})
         assert t.threadgroup_memory == info["static_threadgroup_memory_length"] <= 32 * 1024, t
         assert t.threads <= info["max_total_threads_per_threadgroup"], t

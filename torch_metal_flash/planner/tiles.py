@@ -147,14 +147,15 @@ EXTRA_TILES["bf16"] = {bd: list(rows) for bd, rows in EXTRA_TILES["f16"].items()
 # no barriers, as MLX's kernel does: the caches share the block instead).
 # Float32 and the buckets 80, 384 and 512 keep the simdgroup kernels (the multiplies take 32
 # head-dim columns at a time; 384+ wide accumulators of 16 rows do not fit the registers).
-_NAX_ROWS = {32: [(64, 32, False), (64, 64, False)],
-             64: [(64, 32, False), (32, 32, False), (128, 32, False), (64, 64, False)],
-             96: [(64, 32, False), (32, 32, False), (128, 32, False)],
-             128: [(64, 32, False), (32, 32, False), (128, 32, False)],
-             160: [(64, 32, True), (32, 32, True)],
-             192: [(64, 32, True), (32, 32, True)],
-             256: [(64, 32, True), (32, 32, True)]}
-_NAX_ROWS = {bd: [(*row, False) for row in rows] + [(64, 32, False, True)] for bd, rows in _NAX_ROWS.items()}
+_NAX_TILED = {32: [(64, 32, False), (64, 64, False)],
+              64: [(64, 32, False), (32, 32, False), (128, 32, False), (64, 64, False)],
+              96: [(64, 32, False), (32, 32, False), (128, 32, False)],
+              128: [(64, 32, False), (32, 32, False), (128, 32, False)],
+              160: [(64, 32, True), (32, 32, True)],
+              192: [(64, 32, True), (32, 32, True)],
+              256: [(64, 32, True), (32, 32, True)]}
+# (BQ, BK, shared_kv, direct): the tiled ones, then the direct one
+_NAX_ROWS = {bd: [(*row, False) for row in rows] + [(64, 32, False, True)] for bd, rows in _NAX_TILED.items()}
 NAX_TILES: dict[str, dict[int, list[tuple[int, int, bool, bool]]]] = {"f16": _NAX_ROWS, "bf16": _NAX_ROWS}
 
 

@@ -11,10 +11,10 @@
 """
 from .oracle import (FLOOR_ROUNDINGS, GRAD_NAMES, SATURATED, UNIT_ROUNDOFF, Arith, Attention, allowed_error,
                      assert_matches_oracle, backward_reference, check_backward, check_forward, error_budget,
-                     forward_reference, grad_errors, plain_attention, randn)
+                     forward_reference, generator_keep_mask, grad_errors, plain_attention, randn)
 
 __all__ = [
     "FLOOR_ROUNDINGS", "GRAD_NAMES", "SATURATED", "UNIT_ROUNDOFF", "Arith", "Attention", "allowed_error",
     "assert_matches_oracle", "backward_reference", "check_backward", "check_forward", "error_budget",
-    "forward_reference", "grad_errors", "plain_attention", "randn",
+    "forward_reference", "generator_keep_mask", "grad_errors", "plain_attention", "randn",
 ]

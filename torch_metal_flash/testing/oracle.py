@@ -404,6 +404,15 @@ def assert_matches_oracle(name: str, got: torch.Tensor, ref64: torch.Tensor, pla
                              f"(2 x plain {str(dtype)[6:]} math error + rounding floor; torch_metal_flash.testing)")
 
 
+def generator_keep_mask(spec: AttentionSpec) -> torch.Tensor:
+    """The dropout mask the host Philox generator gives a padded problem with dropout: bool
+    (B, H, Lq, Lk), what the kernels must draw (and the oracle's ``keep``)."""
+    d = spec.dropout
+    B, H, Lq, Lk = spec.batch, spec.heads, spec.seqlen_q, spec.seqlen_k
+    bh = ((torch.arange(B) + d.batch_offset) * H)[:, None, None, None] + torch.arange(H)[None, :, None, None]
+    return philox.keep_mask(d.rng_state, d.p, bh, torch.arange(Lq)[:, None], torch.arange(Lk))
+
+
 def forward_reference(spec: AttentionSpec, keep: Optional[torch.Tensor] = None) -> tuple[Attention, Attention]:
     """(oracle, plain math in the inputs' dtype) of the forward (``keep``: the dropout mask)."""
     return plain_attention(spec, torch.float64, keep=keep), plain_attention(spec, spec.q.dtype, keep=keep)
