@@ -55,6 +55,7 @@
 // bench/results/backward.md (all <= 17.4 KiB).
 #include "flash_common.h"
 #include "flash_bwd_params.h"
+#include "flash_flex.h"
 #include "function_constants.h"
 
 constant bool has_mask [[function_constant(FC_ATTN_HAS_MASK)]];
@@ -141,7 +142,8 @@ template <typename T>
   const device int* cu_q [[buffer(11), function_constant(is_varlen)]],           \
       const device int* cu_k [[buffer(12), function_constant(is_varlen)]],       \
       const device int* seqused [[buffer(13), function_constant(has_seqused_k)]], \
-      const device long* rng [[buffer(14), function_constant(has_dropout)]],
+      const device long* rng [[buffer(14), function_constant(has_dropout)]],     \
+      FLEX_KERNEL_PARAMS
 
 // ---------------------------------------------------------------------------
 // 2. dQ (and dbias).
@@ -229,8 +231,15 @@ template <typename T, int BD, int BQ, int BK>
   if (has_band) band.key_range(q0, i_last, Lk, k_lo, k_hi);
   const int kb_begin = (k_lo / BK) * BK;
   int kb_end = kb_begin;
+  // The key blocks: the band's range, or (FlexAttention) the BlockMask's lists.
+  const flash::InnerSteps steps = kFlex ? flash::flex_steps(FLEX_LISTS, b, h, q0, BK)
+                                        : flash::InnerSteps::range(kb_begin, k_hi, BK);
+  const flex::Captured cap = FLEX_CAPTURED;
 
-  for (int kb = kb_begin; kb < k_hi; kb += BK) {
+  for (int t = 0; t < steps.count; ++t) {
+    bool full;
+    const int kb = steps.at(t, full);
+    if (kFlex && (kb < 0 || kb >= Lk)) continue;  // uniform: past the keys of a last, partial block
     kb_end = kb + BK;
     const int k_valid = Lk - kb;
     flash::load_tile<T, BK, BD, NT>(Ks, LD, kp + long(kb) * f.k_stride_l, f.k_stride_l, k_valid, f.head_dim,
@@ -285,13 +294,17 @@ template <typename T, int BD, int BQ, int BK>
           const flash::Score sc =
               flash::transform_score(S[kk].thread_elements()[e], my_row, j, sq.diag, slope, f.softcap, feat, mask,
                                      mask_row + long(j) * f.m_stride_k, row_ok, vis);
+          float s = sc.s;
+          float grad = 1.0f;  // d score / d x of the flex score_mod
+          if (kFlex) s = flash::flex_score<true>(s, b, h, my_row, j, full, cap, vis, grad);
           float ds = 0.0f;
           if (vis) {
-            const float pr = flash_bwd::prob(sc.s, my_stats);
+            const float pr = flash_bwd::prob(s, my_stats);
             ds = pr * (dP[kk].thread_elements()[e] * zs[e] - my_delta);
           }
           if (has_dbias && row_ok && j < Lk) db_row[j] = ds;
           if (has_softcap) ds *= 1.0f - sc.th * sc.th;
+          if (kFlex) ds *= grad;
           S[kk].thread_elements()[e] = ds * p.scale;
         }
       }
@@ -430,8 +443,15 @@ template <typename T, int BD, int BK, int BQ, int MODE>
     if (has_alibi) slope = alibi[long(b) * f.a_stride_b + long(h) * f.a_stride_h];
     long mask_base = 0;
     if (has_mask) mask_base = long(b) * f.m_stride_b + long(h) * f.m_stride_h + long(my_key) * f.m_stride_k;
+    // The query blocks: the band's range, or (FlexAttention) the BlockMask's lists of this key block.
+    const flash::InnerSteps steps = kFlex ? flash::flex_steps(FLEX_LISTS, b, h, kb0, BQ)
+                                          : flash::InnerSteps::range(qb_begin, q_hi, BQ);
+    const flex::Captured cap = FLEX_CAPTURED;
 
-    for (int qb = qb_begin; qb < q_hi; qb += BQ) {
+    for (int t = 0; t < steps.count; ++t) {
+      bool full;
+      const int qb = steps.at(t, full);
+      if (kFlex && (qb < 0 || qb >= Lq)) continue;  // uniform: past the rows of a last, partial block
       const int q_valid = Lq - qb;
       flash::load_tile<T, BQ, BD, NT>(Qs, LD, qp + long(qb) * f.q_stride_l, f.q_stride_l, q_valid, f.head_dim,
                                       aligned, false, tid);
@@ -492,15 +512,19 @@ template <typename T, int BD, int BK, int BQ, int MODE>
             const flash::Score sc =
                 flash::transform_score(St[qq].thread_elements()[e], i, my_key, sq.diag, slope, f.softcap, feat, mask,
                                        mask_base + long(i) * f.m_stride_q, true, vis);
+            float s = sc.s;
+            float grad = 1.0f;  // d score / d x of the flex score_mod
+            if (kFlex) s = flash::flex_score<true>(s, b, h, i, my_key, full, cap, vis, grad);
             float pr = 0.0f;
             float ds = 0.0f;
             if (vis) {
-              pr = flash_bwd::prob(sc.s, kStatsStaged ? stat_tile[ii] : stats[stat_base + i]);
+              pr = flash_bwd::prob(s, kStatsStaged ? stat_tile[ii] : stats[stat_base + i]);
               const float zs = has_dropout ? (drop.keep(i, my_key) ? f.dropout_scale : 0.0f) : 1.0f;
               if (kDK) {
                 const float row_delta = kStatsStaged ? delta_tile[ii] : delta[stat_base + i];
                 ds = pr * (dPt[qq].thread_elements()[e] * zs - row_delta);
                 if (has_softcap) ds *= 1.0f - sc.th * sc.th;
+                if (kFlex) ds *= grad;
                 ds *= p.scale;
               }
               pr *= zs;  // dV takes the dropped probabilities

@@ -46,6 +46,7 @@
 // 13 block_table (int, (num_seqs, max_blocks)), 14 rng_state (seed, offset
 // as two int64), 15 probs (T).
 #include "flash_common.h"
+#include "flash_flex.h"
 #include "function_constants.h"
 
 constant bool has_mask [[function_constant(FC_ATTN_HAS_MASK)]];
@@ -83,6 +84,7 @@ constant bool has_probs [[function_constant(FC_FWD_HAS_PROBS)]];
       const device int* block_table [[buffer(13), function_constant(is_paged)]], \
       const device long* rng [[buffer(14), function_constant(has_dropout)]], \
       device T* probs [[buffer(15), function_constant(has_probs)]],         \
+      FLEX_KERNEL_PARAMS                                                    \
       uint3 tgid [[threadgroup_position_in_grid]],                          \
       uint tid [[thread_index_in_threadgroup]],                             \
       uint sg [[simdgroup_index_in_threadgroup]],                           \
@@ -109,16 +111,18 @@ inline void load_keys(threadgroup T* dst, int ld, const device T* head, long str
 // (flash::qk_block, flash::transform_score: the backward's dQ kernel computes
 // them through the same two); invisible elements (past lk, outside the band
 // when need_band, a bool mask or a -inf float mask) hold -FLT_MAX and have
-// their bit 2 * kk + e set in the result.
+// their bit 2 * kk + e set in the result.  FlexAttention (kFlex): flash::flex_score
+// of batch b, query head h for rows inside the problem (row_ok), mask_mod
+// skipped in a fully visible block (`full`).
 template <typename T, int NF, int NK, int LD>
 inline uint block_scores(thread simdgroup_float8x8* S, const thread simdgroup_float8x8* Qf,
                          const threadgroup T* Ks, flash::FragCoord fc, int kb, int i, bool row_ok, int lk,
                          bool need_band, flash::Band band, float slope, const device uchar* mask, long mask_row,
-                         constant FlashFwdParams& p) {
+                         constant FlashFwdParams& p, int b, int h, bool full, thread const flex::Captured& cap) {
   flash::qk_block<NF, NK, LD>(S, Qf, Ks, fc);
   uint hidden = 0;  // bit 2 * kk + e: element e of S[kk] is invisible
   const bool need_bounds = kb + NK * 8 > lk;
-  if (has_softcap || has_alibi || has_mask || need_bounds || need_band) {
+  if (has_softcap || has_alibi || has_mask || need_bounds || need_band || kFlex) {
     const flash::ScoreFeatures feat{has_softcap, has_alibi, has_mask, mask_kind};
     for (int kk = 0; kk < NK; ++kk) {
       for (int e = 0; e < 2; ++e) {
@@ -126,8 +130,10 @@ inline uint block_scores(thread simdgroup_float8x8* S, const thread simdgroup_fl
         bool vis = true;
         if (need_bounds) vis = j < lk;
         if (need_band) vis = vis && band.visible(i, j);
-        const float s = flash::transform_score(S[kk].thread_elements()[e], i, j, band.diag, slope, p.softcap, feat,
-                                               mask, mask_row + long(j) * p.m_stride_k, row_ok, vis).s;
+        float s = flash::transform_score(S[kk].thread_elements()[e], i, j, band.diag, slope, p.softcap, feat,
+                                         mask, mask_row + long(j) * p.m_stride_k, row_ok, vis).s;
+        float unused;
+        if (kFlex && row_ok) s = flash::flex_score<false>(s, b, h, i, j, full, cap, vis, unused);
         S[kk].thread_elements()[e] = vis ? s : -FLT_MAX;
         hidden |= vis ? 0u : 1u << (2 * kk + e);
       }
@@ -228,11 +234,20 @@ template <typename T, int BD, int BQ, int BK, bool SHARED_KV>
     band.key_range(i_first, i_last, Lk, k_lo, k_hi);
   }
   const int kb_begin = (k_lo / BK) * BK;
+  // The key blocks: the band's range, or (FlexAttention) the BlockMask's lists
+  // of this threadgroup's query block.
+  const flash::InnerSteps steps = !kFlex ? flash::InnerSteps::range(kb_begin, k_hi, BK)
+                                  : tg_live ? flash::flex_steps(FLEX_LISTS, b, h0, q0, BK)
+                                            : flash::InnerSteps::range(0, 0, BK);
+  const flex::Captured cap = FLEX_CAPTURED;
 
   // Plain locals (the tile loader takes them as arguments).
   const bool cols_aligned = dims_aligned;
   const bool vec_ok = kv_vec_aligned;
-  for (int kb = kb_begin; kb < k_hi; kb += BK) {
+  for (int t = 0; t < steps.count; ++t) {
+    bool full;
+    const int kb = steps.at(t, full);
+    if (kFlex && (kb < 0 || kb >= Lk)) continue;  // uniform: past the keys of a last, partial block
     const int k_valid = Lk - kb;
     fwd_detail::load_keys<T, BK, BD, NT>(Ks, LD, kh, p.k_stride_b, p.k_stride_l, sq.k0, bt_row, p, kb, k_valid,
                                         p.head_dim, cols_aligned, vec_ok, ushort(tid));
@@ -259,7 +274,7 @@ template <typename T, int BD, int BQ, int BK, bool SHARED_KV>
     simdgroup_float8x8 S[NK];
     if (sg_active) {
       const uint hidden = fwd_detail::block_scores<T, NF, NK, LD>(S, Qf, Ks, fc, kb, i, row_ok, Lk, need_band,
-                                                                  band, slope, mask, mask_row, p);
+                                                                  band, slope, mask, mask_row, p, b, h, full, cap);
 
       flash::softmax_step<NK, NF>(S, hidden, m_i, l_i, Of);
       if (has_dropout) {  // after the sum: the softmax sums every probability, dropped or not
@@ -337,7 +352,7 @@ template <typename T, int BD, int BQ, int BK, bool SHARED_KV>
       uint hidden = ~0u;
       if (r0 < rows) {
         hidden = fwd_detail::block_scores<T, NF, NK, LD>(S, Qf, Ks, fc, kb, i, row_ok, Lk, has_band, band, slope,
-                                                        mask, mask_row, p);
+                                                        mask, mask_row, p, b, h, false, cap);
       }
       for (int kk = 0; kk < NK; ++kk) {
         for (int e = 0; e < 2; ++e) {

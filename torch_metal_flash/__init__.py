@@ -20,6 +20,7 @@ from .faces.functional import (flash_attn_func, flash_attn_kvpacked_func, flash_
                                flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
                                flash_attn_varlen_qkvpacked_func, scaled_dot_product_attention)
 from .faces.kvcache import flash_attn_with_kvcache
+from .flex import disable_flex, enable_flex, flex_attention, flex_override, is_flex_enabled
 from .faces.sdpa_override import (disable_sdpa, enable_sdpa, is_sdpa_enabled, reset_sdpa_stats, sdpa_override,
                                   sdpa_stats)
 from .problem.quant import QuantizedTensor, quantize, quantized_zeros
@@ -31,7 +32,9 @@ __all__ = [
     "backend",
     "cache_info",
     "clear_caches",
+    "disable_flex",
     "disable_sdpa",
+    "enable_flex",
     "enable_sdpa",
     "flash_attn_func",
     "flash_attn_kvpacked_func",
@@ -40,8 +43,11 @@ __all__ = [
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
     "flash_attn_with_kvcache",
+    "flex_attention",
+    "flex_override",
     "install_flash_attn_shim",
     "is_flash_attn_shim_installed",
+    "is_flex_enabled",
     "is_sdpa_enabled",
     "nn",
     "plan_cache_clear",

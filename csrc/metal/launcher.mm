@@ -38,6 +38,7 @@
 // Python API (see torch_metal_flash/backends/metal.py and torch_metal_flash/core):
 //   core.*                           the C++ op core (csrc/core/bridge.cpp)
 //   set_shader_dir(path)             where the .metal/.h sources (and .metallib files) live
+//   register_source(name, text)      a source generated at run time (FlexAttention), read as shader_dir/name
 //   gpu_family() -> "apple7" | "apple8" | "apple9" | ... | "mac2" | "unknown"
 //   neural_accelerators() -> "" when the neural-accelerator path can run, else why not
 //   pipeline_info(source, kernel, function_constants) -> dict
@@ -228,9 +229,27 @@ bool is_pragma_once(const std::string& line) {
   return p != std::string::npos && line.compare(p, 4, "once") == 0;
 }
 
+// Sources generated at run time (register_source), by name: read instead of a file of the shader directory.
+std::mutex generated_mutex;
+std::unordered_map<std::string, std::string>& generated_sources() {
+  static auto* sources = new std::unordered_map<std::string, std::string>();
+  return *sources;
+}
+
+std::string shader_text(const std::string& dir, const std::string& name) {
+  {
+    std::lock_guard<std::mutex> lock(generated_mutex);
+    auto it = generated_sources().find(name);
+    if (it != generated_sources().end()) {
+      return it->second;
+    }
+  }
+  return read_text_file(dir + "/" + name);
+}
+
 void inline_includes(const std::string& dir, const std::string& name, std::set<std::string>& seen, std::string& out) {
   check_shader_name(name);
-  const std::string text = read_text_file(dir + "/" + name);
+  const std::string text = shader_text(dir, name);
   std::istringstream lines(text);
   std::string line;
   size_t lineno = 0;
@@ -722,6 +741,13 @@ void set_shader_dir(const std::string& path) {
   }
 }
 
+void register_source(const std::string& name, const std::string& text) {
+  check_shader_name(name);
+  py::gil_scoped_release no_gil;
+  std::lock_guard<std::mutex> lock(generated_mutex);
+  generated_sources()[name] = text;
+}
+
 std::string neural_accelerators() {
   py::gil_scoped_release no_gil;
   return neural_accelerators_reason();
@@ -797,6 +823,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }
   m.def("set_shader_dir", &tmfl::set_shader_dir, py::arg("path"),
         "Directory of the .metal/.h shader sources and .metallib files (caches are dropped when it changes).");
+  m.def("register_source", &tmfl::register_source, py::arg("name"), py::arg("text"),
+        "A shader source generated at run time, compiled as if it were the file `name` of the shader directory.");
   m.def("gpu_family", &tmfl::gpu_family, "Highest Apple GPU family the device supports, e.g. 'apple8'.");
   m.def("neural_accelerators", &tmfl::neural_accelerators,
         "'' when the neural-accelerator path (MSL 4.0 *_nax.metal kernels: macOS 26.2+, GPU generation 17+) can "

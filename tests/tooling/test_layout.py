@@ -25,7 +25,7 @@ LAYERS = [
     {"core"},
     {"ops"},
     {"tuning"},
-    {"faces"},
+    {"faces", "flex"},
     {"integrations", "nn"},
     {"diagnostics", "testing"},
     {"doctor", "__main__", ""},  # "" is the package's __init__

@@ -1,7 +1,8 @@
 """The emulator backend: executes a plan by running the shaders/ kernels on the CPU.
 
-Each launch compiles ``shaders_dir() / launch.source`` (include dir: the
-shaders folder; one build serves every function-constant value) in the math
+Each launch compiles ``shaders_dir() / launch.source``, or the text of a
+source generated at run time under that name (``_paths.generated_source``;
+include dir: the shaders folder; one build serves every function-constant value) in the math
 mode the Metal launcher uses (``TORCH_METAL_FLASH_MATH_MODE``, default
 relaxed; ``emulator.settings(math_mode=...)`` overrides it) and runs
 ``launch.kernel`` over ``launch.grid_threads``, binding the launch's buffers
@@ -27,7 +28,7 @@ from __future__ import annotations
 import threading
 
 from .. import emulator
-from .._paths import is_nax_source, shader_language, shaders_dir
+from .._paths import generated_source, is_nax_source, shader_language, shaders_dir
 from ..caches import LRU
 from ..emulator import config
 from ..planner.plan import Plan
@@ -71,8 +72,14 @@ class EmulatorBackend:
                                "emulator.settings(family='apple10'))")
         lib = _libraries.get(key)
         if lib is None:
-            lib = emulator.compile_shader(shaders_dir() / source, function_constants=dict(function_constants),
-                                          math_mode=math_mode, language_version=shader_language(source))
+            text = generated_source(source)
+            if text is not None:  # a run-time source: compiled as if it sat in shaders/
+                lib = emulator.compile_shader(text, include_dirs=(shaders_dir(),), name=source,
+                                              function_constants=dict(function_constants), math_mode=math_mode,
+                                              language_version=shader_language(source))
+            else:
+                lib = emulator.compile_shader(shaders_dir() / source, function_constants=dict(function_constants),
+                                              math_mode=math_mode, language_version=shader_language(source))
             _libraries.put(key, lib)
         return lib
 

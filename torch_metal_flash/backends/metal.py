@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .._paths import shaders_dir
+from .._paths import on_generated_source, shaders_dir
 from ..caches import LRU
 from ..native import launcher, load_launcher
 from ..planner.plan import Plan
@@ -82,6 +82,7 @@ class MetalBackend:
     def __init__(self):
         self._C = launcher()
         self._C.set_shader_dir(str(shaders_dir()))
+        on_generated_source(self._C.register_source)  # run-time sources (FlexAttention) next to shaders/
         self.hardware_family = self._C.gpu_family()
         # "" when the neural-accelerator path (MSL 4.0 *_nax.metal kernels) can run, else why not
         self.neural_accelerators_reason = self._C.neural_accelerators()

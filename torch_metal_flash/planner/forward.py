@@ -216,7 +216,7 @@ def effective_band(spec: AttentionSpec) -> tuple[int, int, bool]:
 
 def plan_forward(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor, aux: Optional[torch.Tensor] = None,
                  family: str = "apple8", pipeline_info: Optional[PipelineInfo] = None,
-                 probs: Optional[torch.Tensor] = None) -> Union[Plan, Unsupported]:
+                 probs: Optional[torch.Tensor] = None, pack_heads: bool = True) -> Union[Plan, Unsupported]:
     """The ``flash_fwd.metal`` launch for the op's forward (the prefill kernel).
 
     ``aux`` (see :mod:`torch_metal_flash.problem.spec`), when given, receives the row
@@ -227,7 +227,8 @@ def plan_forward(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor, aux:
     one of larger buckets taken when it does not fit (:mod:`.limits`).
     ``probs`` (debug: flash-attn's ``S_dmask``, (num_seqs, Hq, max_seqlen_q,
     max_seqlen_k) in q's dtype) receives every element's ``exp(s - m)`` with the
-    row's final max ``m``, its sign bit set when dropout drops it.
+    row's final max ``m``, its sign bit set when dropout drops it.  ``pack_heads=False``
+    keeps one query head per threadgroup (FlexAttention's block lists are per head).
     """
     reason = _check(spec, out, lse, aux) or _check_probs(spec, probs)
     if reason is not None:
@@ -243,7 +244,8 @@ def plan_forward(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor, aux:
         return Unsupported(str(e))
     if spec.num_seqs == 0 or spec.heads == 0 or spec.seqlen_q == 0 or max_q == 0:
         return Plan(launches=())
-    return first_fitting((_plan_tile(spec, out, lse, aux, tile, probs) for tile in tiles), pipeline_info)
+    return first_fitting((_plan_tile(spec, out, lse, aux, tile, probs, pack_heads) for tile in tiles),
+                         pipeline_info)
 
 
 def is_causal(spec: AttentionSpec) -> bool:
@@ -305,7 +307,7 @@ FEATURE_VALUES = {"mask_kind": (0, *MASK_KINDS.values()), "alibi": (False, True)
 
 
 def _plan_tile(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor, aux: Optional[torch.Tensor],
-               tile: ForwardTile, probs: Optional[torch.Tensor] = None) -> Plan:
+               tile: ForwardTile, probs: Optional[torch.Tensor] = None, pack_heads: bool = True) -> Plan:
     q, k, v = spec.q, spec.k, spec.v
     B, Hq, Lq, D = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -322,7 +324,8 @@ def _plan_tile(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor, aux: O
     p.seqlen_q, p.seqlen_k, p.head_dim, p.head_dim_v = Lq, Lk, D, Dv
     p.diag_offset, p.window_left, p.window_right = spec.diag_offset, wl, wr
     G = Hq // Hkv
-    p.pack = 1 if probs is not None else gqa_pack(G, max_q, tile.bq)  # the probs pass writes unpacked rows
+    # (the probs pass writes unpacked rows)
+    p.pack = gqa_pack(G, max_q, tile.bq) if probs is None and pack_heads else 1
     p.num_q_blocks = -(-(p.pack * max_q) // tile.bq)
     p.num_seqs, p.max_seqlen_q, p.max_seqlen_k = spec.num_seqs, max_q, max_k
     p.qk_scale, p.softcap = score_scale(spec)
