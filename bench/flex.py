@@ -11,6 +11,12 @@
    block density x dense.  Target: at most 1.2 x density x dense.
 2. Causal as a mask_mod against the plain kernels' causal flag: device bytes
    and 8x8 multiplies of the forward and the backward.  Target: at most 1.15x.
+3. Extra memory of a training step (forward and backward, a sliding window and a
+   learned relative bias, whose gradient the kernels sum along diagonals) as L
+   doubles: the peak of torch's CPU allocator beyond the inputs and the results
+   (out, lse and the gradients), against the dense definition (the math of
+   torch's eager flex_attention, which has no CPU backward).  Target: O(L) --
+   the ratio per doubling stays near 2.
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ import harness
 import torch_metal_flash as tmf
 from torch_metal_flash import emulator
 from torch.nn.attention.flex_attention import create_block_mask
+from torch_metal_flash.flex.reference import dense_flex_attention
 
 BUF_Q, BUF_K, BUF_V, BUF_DOUT = 0, 1, 2, 3  # buffer indices of the forward and backward kernels
 
@@ -91,11 +98,46 @@ def causal(L: int, D: int, dtype) -> list[str]:
     return rows
 
 
+def _dense(q, k, v, score_mod, block_mask, return_lse):
+    """FlexAttention's dense definition (the math of torch's eager flex_attention, which has no CPU backward)."""
+    return dense_flex_attention(q, k, v, score_mod, block_mask.mask_mod)
+
+
+def memory(lengths, window: int, D: int, dtype) -> list[str]:
+    H = 2
+    rows, last = [], None
+    for L in lengths:
+        bm = create_block_mask(lambda b, h, q, kv: (q >= kv) & (q - kv < window), 1, 1, L, L, device="cpu")
+        q, k, v = _inputs(L, D, dtype, True)
+        q, k, v = (t.detach().expand(1, H, L, D).contiguous().requires_grad_() for t in (q, k, v))
+        bias = torch.zeros(H, 2 * L - 1, requires_grad=True)
+
+        def score_mod(s, b, h, qi, kv):
+            return s + bias[h, qi - kv + L - 1]
+
+        def step(fn):
+            def run():
+                out, lse = fn(q, k, v, score_mod=score_mod, block_mask=bm, return_lse=True)
+                (out.float().square().sum() + lse.sum()).backward()
+            return run
+
+        results = sum(t.numel() * t.element_size() for t in (q, k, v, bias)) * 2  # their grads, and out ~ q
+        ours = harness.allocations(step(tmf.flex_attention))[0] - results
+        dense = harness.allocations(step(_dense))[0] - results
+        for t in (q, k, v, bias):
+            t.grad = None
+        growth = "" if last is None else f"{ours / last:.2f}"
+        rows.append(f"| {L} | {ours:,} | {growth} | {dense:,} | {dense / max(ours, 1):.1f} |")
+        last = ours
+    return rows
+
+
 def main() -> int:
     ap = harness.parser(__doc__, results=True)
     ap.add_argument("--quick", action="store_true", help="L = 2K window 256 (dense at 512), causal at 512")
     args = ap.parse_args()
     L, L_dense, L_causal = (2048, 512, 512) if args.quick else (8192, 1024, 1024)
+    L_memory = (256, 512, 1024) if args.quick else (512, 1024, 2048, 4096)
     D, dtype = 64, torch.float16
     lines = ["# FlexAttention block skipping (emulator byte counts)", "",
              f"`python bench/flex.py{' --quick' if args.quick else ''}`; float16, head dim {D}, B = H = 1, "
@@ -109,6 +151,10 @@ def main() -> int:
                   "| pass | L | flex bytes | plain bytes | ratio | flex MMAs | plain MMAs | ratio | <= 1.15 |",
                   "|---|---|---|---|---|---|---|---|---|"]
         lines += causal(L_causal, D, dtype)
+        lines += ["", f"## Extra memory of a training step (window {128}, learned relative bias, H = 2)", "",
+                  "| L | torch_metal_flash bytes | x per doubling | dense definition bytes | ratio |",
+                  "|---|---|---|---|---|"]
+        lines += memory(L_memory, 128, D, dtype)
     text = "\n".join(lines) + "\n"
     print(text)
     if not args.quick:

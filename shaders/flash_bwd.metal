@@ -34,6 +34,12 @@
 //     MODE 2 only dV (split variants for large head dims, against spills).
 //  4. flash_bwd_dsinks: one threadgroup per head, a fixed-order reduction
 //     dsinks[h] = -sum_{b,i} exp(sink[h] - m[b,h,i]) / l[b,h,i] * delta[b,h,i].
+//  5. flash_bwd_diag_<dt>_d<BD>_q<BQ>_k<BK> (FlexAttention sources only): the
+//     gradient sums of captured tensors read at q - kv, one threadgroup per
+//     block of diagonals (flash_flex.h); the dQ and dK/dV kernels sum the reads
+//     along rows and columns.
+//  6. flash_bwd_segment_sum (FlexAttention sources only): those sums added per index
+//     of the captured tensor.
 //
 // Element (row i, key j) of the score (the forward's definition):
 //   x = scale * q.k; x = cap * tanh(x / cap); x -= slope |i + diag - j|;
@@ -76,6 +82,25 @@ namespace flash_bwd {
 
 // A row's max below this marks a saturated row (see the preprocess kernel).
 constant constexpr float kSaturated = -1.0e37f;
+
+// dP = dO V^T for a block of NK * 8 keys: two chains (even / odd head-dim
+// fragments) summed at the end, half the rounding-error growth of one chain over BD.
+template <typename T, int NF, int NK, int LD>
+inline void dp_block(thread simdgroup_float8x8* dP, const thread simdgroup_float8x8* dOf, const threadgroup T* Vs,
+                     flash::FragCoord fc) {
+  for (int kk = 0; kk < NK; ++kk) {
+    simdgroup_float8x8 p1 = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    dP[kk] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    for (int dd = 0; dd < NF; dd += 2) {
+      simdgroup_float8x8 Vt;
+      flash::load_frag_t(Vt, Vs + kk * 8 * LD + dd * 8, LD, fc);
+      simdgroup_multiply_accumulate(dP[kk], dOf[dd], Vt, dP[kk]);
+      flash::load_frag_t(Vt, Vs + kk * 8 * LD + dd * 8 + 8, LD, fc);
+      simdgroup_multiply_accumulate(p1, dOf[dd + 1], Vt, p1);
+    }
+    flash::frag_add(dP[kk], p1);
+  }
+}
 
 // P = exp(s - m) / l of a visible score with the row's stats (m, 1 / l).
 // s <= m for the forward's own scores; the clamp keeps the exponent finite
@@ -157,7 +182,7 @@ template <typename T>
       const device float* alibi [[buffer(8), function_constant(has_alibi)]],     \
       device T* dq [[buffer(9)]],                                                \
       device float* dbias [[buffer(10), function_constant(has_dbias)]],          \
-      FLASH_BWD_VARLEN_ARGS                                                      \
+      FLASH_BWD_VARLEN_ARGS FLEX_GRAD_PARAMS                                     \
       uint3 tgid [[threadgroup_position_in_grid]],                               \
       ushort tid [[thread_index_in_threadgroup]],                                \
       ushort sg [[simdgroup_index_in_threadgroup]],                              \
@@ -232,9 +257,11 @@ template <typename T, int BD, int BQ, int BK>
   const int kb_begin = (k_lo / BK) * BK;
   int kb_end = kb_begin;
   // The key blocks: the band's range, or (FlexAttention) the BlockMask's lists.
-  const flash::InnerSteps steps = kFlex ? flash::flex_steps(FLEX_LISTS, b, h, q0, BK)
+  const flash::InnerSteps steps = kFlex ? flash::flex_steps(FLEX_LISTS, b, h, q0, BK, Lk)
                                         : flash::InnerSteps::range(kb_begin, k_hi, BK);
   const flex::Captured cap = FLEX_CAPTURED;
+  float row_acc[flash::kFlexRowSlots];  // (FlexAttention) the row sums of the reads' gradients
+  for (int r = 0; r < flash::kFlexRowSlots; ++r) row_acc[r] = 0.0f;
 
   for (int t = 0; t < steps.count; ++t) {
     bool full;
@@ -260,22 +287,9 @@ template <typename T, int BD, int BQ, int BK>
     if (sg_active) {
       simdgroup_float8x8 S[NK];
       simdgroup_float8x8 dP[NK];
-      // S: the forward's scores bit for bit (the same flash::qk_block).  dP: two
-      // chains (even / odd head-dim fragments), summed at the end: half the
-      // rounding-error growth of one chain over BD.
+      // S: the forward's scores bit for bit (the same flash::qk_block).
       flash::qk_block<NF, NK, LD>(S, Qf, Ks, fc);
-      for (int kk = 0; kk < NK; ++kk) {
-        simdgroup_float8x8 p1 = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-        dP[kk] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-        for (int dd = 0; dd < NF; dd += 2) {
-          simdgroup_float8x8 Vt;
-          flash::load_frag_t(Vt, Vs + kk * 8 * LD + dd * 8, LD, fc);
-          simdgroup_multiply_accumulate(dP[kk], dOf[dd], Vt, dP[kk]);
-          flash::load_frag_t(Vt, Vs + kk * 8 * LD + dd * 8 + 8, LD, fc);
-          simdgroup_multiply_accumulate(p1, dOf[dd + 1], Vt, p1);
-        }
-        flash::frag_add(dP[kk], p1);
-      }
+      flash_bwd::dp_block<T, NF, NK, LD>(dP, dOf, Vs, fc);
       // dS, element-wise (kept in S).
       const bool need_bounds = kb + BK > Lk;
       for (int kk = 0; kk < NK; ++kk) {
@@ -301,6 +315,7 @@ template <typename T, int BD, int BQ, int BK>
           if (vis) {
             const float pr = flash_bwd::prob(s, my_stats);
             ds = pr * (dP[kk].thread_elements()[e] * zs[e] - my_delta);
+            flash::flex_line_grads<0>(row_acc, ds, sc.s, b, h, my_row, j, cap);
           }
           if (has_dbias && row_ok && j < Lk) db_row[j] = ds;
           if (has_softcap) ds *= 1.0f - sc.th * sc.th;
@@ -342,6 +357,8 @@ template <typename T, int BD, int BQ, int BK>
     }
   }
 
+  flash::flex_store_lines<0>(FLEX_GRADS, row_acc, b, h, my_row, row_ok, fc, f, cap);
+
   device T* dqp = dq + long(sq.bt) * p.dq_stride_b + long(h) * p.dq_stride_h + row0 * p.dq_stride_l;
   for (int dd = 0; dd < NF; ++dd) {
     flash::store_frag_device(dQf[dd], dqp + dd * 8, p.dq_stride_l, Lq - r0, f.head_dim - dd * 8, fc, 1.0f);
@@ -359,7 +376,7 @@ template <typename T, int BD, int BQ, int BK>
       const device uchar* mask [[buffer(7), function_constant(has_mask)]],       \
       const device float* alibi [[buffer(8), function_constant(has_alibi)]],     \
       device T* dk [[buffer(9)]], device T* dv [[buffer(10)]],                   \
-      FLASH_BWD_VARLEN_ARGS                                                      \
+      FLASH_BWD_VARLEN_ARGS FLEX_GRAD_PARAMS                                     \
       uint3 tgid [[threadgroup_position_in_grid]],                               \
       ushort tid [[thread_index_in_threadgroup]],                                \
       ushort sg [[simdgroup_index_in_threadgroup]],                              \
@@ -444,9 +461,11 @@ template <typename T, int BD, int BK, int BQ, int MODE>
     long mask_base = 0;
     if (has_mask) mask_base = long(b) * f.m_stride_b + long(h) * f.m_stride_h + long(my_key) * f.m_stride_k;
     // The query blocks: the band's range, or (FlexAttention) the BlockMask's lists of this key block.
-    const flash::InnerSteps steps = kFlex ? flash::flex_steps(FLEX_LISTS, b, h, kb0, BQ)
+    const flash::InnerSteps steps = kFlex ? flash::flex_steps(FLEX_LISTS, b, h, kb0, BQ, Lq)
                                           : flash::InnerSteps::range(qb_begin, q_hi, BQ);
     const flex::Captured cap = FLEX_CAPTURED;
+    float col_acc[flash::kFlexColSlots];  // (FlexAttention) this head's column sums of the reads' gradients
+    for (int r = 0; r < flash::kFlexColSlots; ++r) col_acc[r] = 0.0f;
 
     for (int t = 0; t < steps.count; ++t) {
       bool full;
@@ -523,6 +542,7 @@ template <typename T, int BD, int BK, int BQ, int MODE>
               if (kDK) {
                 const float row_delta = kStatsStaged ? delta_tile[ii] : delta[stat_base + i];
                 ds = pr * (dPt[qq].thread_elements()[e] * zs - row_delta);
+                flash::flex_line_grads<1>(col_acc, ds, sc.s, b, h, i, my_key, cap);
                 if (has_softcap) ds *= 1.0f - sc.th * sc.th;
                 if (kFlex) ds *= grad;
                 ds *= p.scale;
@@ -559,6 +579,7 @@ template <typename T, int BD, int BK, int BQ, int MODE>
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);
     }
+    if (kDK) flash::flex_store_lines<1>(FLEX_GRADS, col_acc, b, h, my_key, key_ok, fc, f, cap);
   }
 
   const int rows_out = sq.lk_rows - c0;  // zeros past seqused_k
@@ -610,6 +631,144 @@ template <int NT>
 }
 
 // ---------------------------------------------------------------------------
+// 5. FlexAttention: the gradient sums of the reads along diagonals.
+// ---------------------------------------------------------------------------
+// Grid (ceil((Lq + Lk - 1) / ND), Hq, B * FLEX_DIAG_READS), BQ / 8 simdgroups.
+// A threadgroup owns ND consecutive diagonals t = i - j + Lk - 1 of one read
+// (slot) and walks every query block: per key tile of the band its diagonals
+// cross, S and dP as the dQ kernel computes them (the BlockMask's blocks that
+// are not listed are skipped, full ones skip mask_mod), the element's
+// dS * d score_mod / d read into a threadgroup tile, then thread t adds its
+// diagonal's elements in row order.  One writer per diagonal, a fixed order:
+// no partial rows per query block (O(B Hq (Lq + Lk)) memory), no atomics.
+#define FLASH_BWD_DIAG_ARGS(T)                                                   \
+  const device T* q [[buffer(0)]], const device T* k [[buffer(1)]],              \
+      const device T* v [[buffer(2)]], const device T* dout [[buffer(3)]],       \
+      const device float2* stats [[buffer(4)]], const device float* delta [[buffer(5)]], \
+      constant FlashBwdParams& p [[buffer(6)]],                                  \
+      FLEX_KERNEL_PARAMS FLEX_GRAD_PARAMS                                        \
+      uint3 tgid [[threadgroup_position_in_grid]],                               \
+      ushort tid [[thread_index_in_threadgroup]],                                \
+      ushort sg [[simdgroup_index_in_threadgroup]],                              \
+      ushort lane [[thread_index_in_simdgroup]]
+
+template <typename T, int BD, int BQ, int BK>
+[[kernel]] void flash_bwd_diag(FLASH_BWD_DIAG_ARGS(T)) {
+  constexpr int NT = BQ / 8 * 32;
+  constexpr int ND = BK < NT ? BK : NT;  // diagonals per threadgroup
+  constexpr int LD = flash::TileLD<T, BD, 2 * BK>::value;
+  constexpr int NF = BD / 8;
+  constexpr int NK = BK / 8;
+  static_assert(BQ % 8 == 0 && BK % 8 == 0 && BD % 16 == 0, "tile sizes (two chains over BD)");
+
+  threadgroup T smem[2 * BK * LD];
+  threadgroup float G[BQ * BK];  // the tile's contributions (0 off the owned diagonals)
+  threadgroup T* Ks = smem;
+  threadgroup T* Vs = smem + BK * LD;
+
+  constant FlashFwdParams& f = p.f;
+  const bool aligned = dims_aligned;
+  const int slot = int(tgid.z) % flash::kFlexDiagSlots;
+  const int b = int(tgid.z) / flash::kFlexDiagSlots;
+  const int h = int(tgid.y);
+  const int kvh = h / f.gqa;
+  const int Lq = f.seqlen_q;
+  const int Lk = f.seqlen_k;
+  const int d0 = int(tgid.x) * ND;  // first owned diagonal
+  const flash::FragCoord fc = flash::frag_coord(lane);
+  const flex::Captured cap = FLEX_CAPTURED;
+  const device T* kp = k + long(b) * f.k_stride_b + long(kvh) * f.k_stride_h;
+  const device T* vp = v + long(b) * f.v_stride_b + long(kvh) * f.v_stride_h;
+
+  float acc = 0.0f;  // thread tid < ND: the sum of diagonal d0 + tid
+  for (int q0 = 0; q0 < Lq; q0 += BQ) {
+    // The keys where rows [q0, q0 + BQ) cross the owned diagonals.
+    const int j_lo = max(q0 - (d0 + ND - 1) + Lk - 1, 0);
+    const int j_hi = min(q0 + BQ - 1 - d0 + Lk - 1, Lk - 1);
+    if (j_lo > j_hi) continue;  // uniform
+    const int r0 = q0 + int(sg) * 8;
+    const int my_row = r0 + fc.row;
+    const bool row_ok = my_row < Lq;
+    const long row0 = long(r0);
+    const device T* qp = q + long(b) * f.q_stride_b + long(h) * f.q_stride_h + row0 * f.q_stride_l;
+    const device T* dop = dout + long(b) * p.do_stride_b + long(h) * p.do_stride_h + row0 * p.do_stride_l;
+    simdgroup_float8x8 Qf[NF];
+    simdgroup_float8x8 dOf[NF];
+    for (int dd = 0; dd < NF; ++dd) {
+      flash::load_frag_device(Qf[dd], qp + dd * 8, f.q_stride_l, Lq - r0, f.head_dim - dd * 8, fc, f.qk_scale);
+      flash::load_frag_device(dOf[dd], dop + dd * 8, p.do_stride_l, Lq - r0, f.head_dim_v - dd * 8, fc, 1.0f);
+    }
+    const long row_idx = (long(b) * f.heads + h) * long(f.seqlen_q) + my_row;
+    const float2 my_stats = row_ok ? stats[row_idx] : float2(0.0f, 0.0f);
+    const float my_delta = row_ok ? delta[row_idx] : 0.0f;
+
+    for (int kb = (j_lo / BK) * BK; kb <= j_hi; kb += BK) {
+      const int state = flash::flex_block_state(FLEX_LISTS, b, h, q0, kb);
+      if (state == 0) continue;  // uniform: a block the BlockMask leaves out
+      const int k_valid = Lk - kb;
+      flash::load_tile<T, BK, BD, NT>(Ks, LD, kp + long(kb) * f.k_stride_l, f.k_stride_l, k_valid, f.head_dim,
+                                      aligned, false, tid);
+      flash::load_tile<T, BK, BD, NT>(Vs, LD, vp + long(kb) * f.v_stride_l, f.v_stride_l, k_valid, f.head_dim_v,
+                                      aligned, false, tid);
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      simdgroup_float8x8 S[NK];
+      simdgroup_float8x8 dP[NK];
+      flash::qk_block<NF, NK, LD>(S, Qf, Ks, fc);
+      flash_bwd::dp_block<T, NF, NK, LD>(dP, dOf, Vs, fc);
+      for (int kk = 0; kk < NK; ++kk) {
+        for (int e = 0; e < 2; ++e) {
+          const int j = kb + kk * 8 + fc.col + e;
+          const int t = my_row - j + Lk - 1 - d0;
+          float contribution = 0.0f;
+          bool vis = row_ok && j < Lk && t >= 0 && t < ND;
+          const float x = S[kk].thread_elements()[e];
+          float unused;
+          const float s = flash::flex_score<false>(x, b, h, my_row, j, state == 2, cap, vis, unused);
+          if (vis) {
+            const float ds = flash_bwd::prob(s, my_stats) * (dP[kk].thread_elements()[e] - my_delta);
+            float g[flash::kFlexDiagSlots];
+            flex::diag_grads(x, b, h, my_row, j, cap, g);
+            contribution = ds * g[slot];
+          }
+          G[(my_row - q0) * BK + kk * 8 + fc.col + e] = contribution;
+        }
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      if (tid < ND) {
+        const int c_first = q0 - (d0 + int(tid)) + Lk - 1 - kb;  // column of row 0 on this diagonal
+        for (int r = 0; r < BQ; ++r) {
+          const int c = c_first + r;
+          if (c >= 0 && c < BK) acc += G[r * BK + c];
+        }
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+    }
+  }
+  const int t = d0 + int(tid);
+  if (tid < ND && t < Lq + Lk - 1) {
+    const int i = max(0, t - (Lk - 1));  // an element of the diagonal
+    const int index = flex::diag_index(slot, b, h, i, i - t + Lk - 1, cap);
+    FLEX_GRADS[flash::flex_grad_entry(2, slot, b, h, t, f)] = flash::FlexPartial{index, acc};
+  }
+}
+
+// ---------------------------------------------------------------------------
+// 6. FlexAttention: a captured tensor's gradient from its lines' sums sorted by
+//    index (on the host): element e is the sum of values[bounds[e] .. bounds[e + 1])
+//    in order.  One writer per element, a fixed order.
+// ---------------------------------------------------------------------------
+#ifdef FLASH_FLEX
+[[kernel]] void flash_bwd_segment_sum(const device float* values [[buffer(0)]],
+                                      const device long* bounds [[buffer(1)]], device float* out [[buffer(2)]],
+                                      constant int& n [[buffer(3)]], uint e [[thread_position_in_grid]]) {
+  if (int(e) >= n) return;
+  float acc = 0.0f;
+  for (long i = bounds[e]; i < bounds[e + 1]; ++i) acc += values[i];
+  out[e] = acc;
+}
+#endif  // FLASH_FLEX
+
+// ---------------------------------------------------------------------------
 // Instantiations.  Every entry of torch_metal_flash/planner/backward_tiles.py
 // must appear here (a test checks).
 // ---------------------------------------------------------------------------
@@ -623,6 +782,10 @@ template <int NT>
 #define FLASH_BWD_DKV_INSTANTIATE(tname, T, BD, BK, BQ, MODE)                                           \
   template [[host_name("flash_bwd_dkv_" #tname "_d" #BD "_k" #BK "_q" #BQ "_m" #MODE)]] [[kernel]] void \
   flash_bwd_dkv<T, BD, BK, BQ, MODE>(FLASH_BWD_DKV_ARGS(T));
+
+#define FLASH_BWD_DIAG_INSTANTIATE(tname, T, BD, BQ, BK)                                          \
+  template [[host_name("flash_bwd_diag_" #tname "_d" #BD "_q" #BQ "_k" #BK)]] [[kernel]] void     \
+  flash_bwd_diag<T, BD, BQ, BK>(FLASH_BWD_DIAG_ARGS(T));
 
 #ifndef FLASH_BWD_TEMPLATES_ONLY  // the tuning variants' file includes this one for the templates only
 template [[host_name("flash_bwd_dsinks")]] [[kernel]] void flash_bwd_dsinks<256>(FLASH_BWD_DSINKS_ARGS);

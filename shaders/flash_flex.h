@@ -1,10 +1,12 @@
 // FlexAttention hooks of the attention kernels (flash_fwd.metal, flash_bwd.metal).
 //
-// A FlexAttention source (generated on the host, torch_metal_flash/flex) defines
-// FLASH_FLEX and the namespace `flex` -- score_mod, its derivative score_grad,
-// mask_mod and the Captured tensors they read -- then includes the kernel
-// templates and instantiates the tiles it needs.  Without FLASH_FLEX the hooks
-// below are inert (kFlex is false: the plain kernels compile as before).
+// A FlexAttention source (generated on the host, torch_metal_flash/planner/flex.py)
+// defines FLASH_FLEX and the namespace `flex` -- score_mod, its derivative
+// score_grad, mask_mod, the Captured tensors they read, and for the reads of
+// captured tensors that need a gradient, per line (row, col, diag) their
+// derivatives and indices -- then includes the kernel templates and
+// instantiates the tiles it needs.  Without FLASH_FLEX the hooks below are inert
+// (kFlex is false, no reads: the plain kernels compile as before).
 //
 // Block sparsity: a BlockMask lists, per row block of the outer loop (a query
 // block for the forward and dQ kernels, a key block for dK/dV), the inner
@@ -14,18 +16,30 @@
 // block sizes are multiples of every kernel tile (a threadgroup's rows lie in
 // one row block, a step's keys in one inner block).
 //
+// Gradients of captured tensors (the backward): a read whose index depends on
+// q but not kv is summed along each query row by the dQ kernel, one whose index
+// depends on kv but not q along each key column by the dK/dV kernel (per query
+// head), one whose index depends on q and kv through q - kv along each diagonal
+// by flash_bwd_diag.  Each line's sum goes to its own FlexPartial with the
+// line's index into the tensor (flex_grad_entry: rows, then columns, then
+// diagonals, each read a (B, Hq, lines) block); the host adds the partials of
+// one index in a fixed order (flash_bwd_segment_sum).  No atomics.
+//
 // Buffers (indices 16..30, unused by the plain kernels): 16 FlexParams, 17/18
 // partial counts (batch, heads, rows) and indices (batch, heads, rows, cols),
-// 19/20 the full ones, 21 the captured tensors' sizes, 22.. the captured tensors.
+// 19/20 the full ones, 21 the captured tensors' sizes then strides, 22 the gradient
+// partials (backward, when there are reads), 23.. the captured tensors.
 #pragma once
 
 #include <metal_stdlib>
+#include "flash_frag.h"
+#include "flash_params.h"
 
 using namespace metal;
 
 namespace flash {
 
-// Host mirror: torch_metal_flash/flex/params.py.
+// Host mirror: torch_metal_flash/planner/flex.py.
 struct FlexParams {
   int row_block;  // positions per row block of the lists (query or key positions)
   int col_block;  // positions per listed block
@@ -35,6 +49,12 @@ struct FlexParams {
   int heads;      // 1 (broadcast over the query heads) or the query heads
   int has_full;   // whether the full lists are bound
   int pad_i;
+};
+
+// A line's gradient sum and where it goes (index -1: nowhere, a read out of range).
+struct FlexPartial {
+  int index;
+  float value;
 };
 
 struct FlexLists {
@@ -75,30 +95,57 @@ struct InnerSteps {
     const int e = t / per_block;
     is_full = e >= n_partial;
     const int blk = is_full ? full[e - n_partial] : partial[e];
-    return blk < 0 ? -1 : blk * col_block + (t - e * per_block) * tile;
+    const long first = long(blk) * col_block + long(t - e * per_block) * tile;
+    return blk < 0 || first > 0x7fffffffL ? -1 : int(first);
   }
 };
 
-// The steps of the BlockMask row holding position `pos` (of the outer loop) of
-// batch b, query head h, `tile` positions per step.  Counts are clamped to the
-// index columns.
-inline InnerSteps flex_steps(FlexLists l, int b, int h, int pos, int tile) {
-  constant FlexParams& p = *l.p;
+// The list row of BlockMask row block holding position `pos` (of the outer
+// loop) of batch b, query head h, or -1 past the rows.
+inline long flex_list_row(constant FlexParams& p, int b, int h, int pos) {
   const int row = pos / p.row_block;
+  if (row < 0 || row >= p.rows) return -1;
+  return (long(p.batch > 1 ? b : 0) * p.heads + (p.heads > 1 ? h : 0)) * p.rows + row;
+}
+
+// The steps of the BlockMask row holding position `pos`, `tile` positions per
+// step over the `extent` positions of the inner loop (a block larger than the
+// problem, e.g. torch's 2^30 of a BlockMask without sparsity, takes only the
+// steps inside it).  Counts are clamped to the index columns.
+inline InnerSteps flex_steps(FlexLists l, int b, int h, int pos, int tile, int extent) {
+  constant FlexParams& p = *l.p;
   InnerSteps s{};
   s.tile = tile;
-  s.per_block = p.col_block / tile;
+  s.per_block = (min(p.col_block, max(extent, 1)) + tile - 1) / tile;
   s.col_block = p.col_block;
-  if (row < 0 || row >= p.rows) {
-    return s;
-  }
-  const long r = (long(p.batch > 1 ? b : 0) * p.heads + (p.heads > 1 ? h : 0)) * p.rows + row;
+  const long r = flex_list_row(p, b, h, pos);
+  if (r < 0) return s;
   s.n_partial = clamp(l.num[r], 0, p.cols);
   s.partial = l.idx + r * p.cols;
   const int n_full = p.has_full ? clamp(l.full_num[r], 0, p.cols) : 0;
   s.full = p.has_full ? l.full_idx + r * p.cols : s.partial;
   s.count = (s.n_partial + n_full) * s.per_block;
   return s;
+}
+
+// The state of the block holding (pos, col_pos): 0 not listed (never visible),
+// 1 partial, 2 full.
+inline int flex_block_state(FlexLists l, int b, int h, int pos, int col_pos) {
+  constant FlexParams& p = *l.p;
+  const long r = flex_list_row(p, b, h, pos);
+  if (r < 0) return 0;
+  const int blk = col_pos / p.col_block;
+  if (p.has_full) {
+    const int n = clamp(l.full_num[r], 0, p.cols);
+    for (int e = 0; e < n; ++e) {
+      if (l.full_idx[r * p.cols + e] == blk) return 2;
+    }
+  }
+  const int n = clamp(l.num[r], 0, p.cols);
+  for (int e = 0; e < n; ++e) {
+    if (l.idx[r * p.cols + e] == blk) return 1;
+  }
+  return 0;
 }
 
 }  // namespace flash
@@ -112,10 +159,17 @@ constant constexpr bool kFlex = true;
       FLEX_CAPTURED_PARAMS
 #define FLEX_LISTS flash::FlexLists{&flex_p, flex_num, flex_idx, flex_full_num, flex_full_idx}
 #define FLEX_CAPTURED FLEX_CAPTURED_INIT
+#if FLEX_ROW_READS + FLEX_COL_READS + FLEX_DIAG_READS > 0
+#define FLEX_GRAD_PARAMS device flash::FlexPartial* flex_grads [[buffer(22)]],
+#define FLEX_GRADS flex_grads
+#endif
 #else
 constant constexpr bool kFlex = false;
 #define FLEX_HAS_SCORE_MOD 0
 #define FLEX_HAS_MASK_MOD 0
+#define FLEX_ROW_READS 0
+#define FLEX_COL_READS 0
+#define FLEX_DIAG_READS 0
 #define FLEX_KERNEL_PARAMS
 #define FLEX_LISTS flash::FlexLists{nullptr, nullptr, nullptr, nullptr, nullptr}
 #define FLEX_CAPTURED flex::Captured{0}
@@ -126,10 +180,25 @@ struct Captured {
 inline float score_mod(float s, int, int, int, int, thread const Captured&) { return s; }
 inline float score_grad(float, int, int, int, int, thread const Captured&) { return 1.0f; }
 inline bool mask_mod(int, int, int, int, thread const Captured&) { return true; }
+inline void row_grads(float, int, int, int, int, thread const Captured&, thread float*) {}
+inline void col_grads(float, int, int, int, int, thread const Captured&, thread float*) {}
+inline void diag_grads(float, int, int, int, int, thread const Captured&, thread float*) {}
+inline int row_index(int, int, int, int, int, thread const Captured&) { return -1; }
+inline int col_index(int, int, int, int, int, thread const Captured&) { return -1; }
+inline int diag_index(int, int, int, int, int, thread const Captured&) { return -1; }
 }  // namespace flex
+#endif
+#ifndef FLEX_GRAD_PARAMS
+#define FLEX_GRAD_PARAMS
+#define FLEX_GRADS static_cast<device flash::FlexPartial*>(nullptr)
 #endif
 
 namespace flash {
+
+// Slots of the per-line gradient accumulators (arrays need one element).
+constant constexpr int kFlexRowSlots = FLEX_ROW_READS > 0 ? FLEX_ROW_READS : 1;
+constant constexpr int kFlexColSlots = FLEX_COL_READS > 0 ? FLEX_COL_READS : 1;
+constant constexpr int kFlexDiagSlots = FLEX_DIAG_READS > 0 ? FLEX_DIAG_READS : 1;
 
 // The flex part of the score of element (i, j) of batch b, query head h: mask_mod
 // (outside fully visible blocks), then score_mod on the score x.  `vis` in:
@@ -145,6 +214,51 @@ inline float flex_score(float x, int b, int h, int i, int j, bool full, thread c
   vis = s > -FLT_MAX;
   if (GRAD) grad = flex::score_grad(x, b, h, i, j, c);
   return s;
+}
+
+// Lines of a walk (0 rows, 1 columns, 2 diagonals i - j + Lk - 1) and the
+// FlexPartial of line `line` of read `slot` of batch b, query head h.
+inline long flex_grad_entry(int walk, int slot, int b, int h, int line, constant FlashFwdParams& f) {
+  const long bh = long(f.batch) * f.heads;
+  const long rows = bh * f.seqlen_q;
+  const long cols = bh * f.seqlen_k;
+  const int diag_lines = f.seqlen_q + f.seqlen_k - 1;
+  const int lines = walk == 0 ? f.seqlen_q : walk == 1 ? f.seqlen_k : diag_lines;
+  long base = walk == 0 ? 0 : walk == 1 ? FLEX_ROW_READS * rows : FLEX_ROW_READS * rows + FLEX_COL_READS * cols;
+  base += slot * (bh * lines);
+  return base + (long(b) * f.heads + h) * lines + line;
+}
+
+// Add the element's contributions ds * d score_mod / d read to the row (or
+// column) accumulators of the reads of that walk.
+template <int WALK>
+inline void flex_line_grads(thread float* acc, float ds, float x, int b, int h, int i, int j,
+                            thread const flex::Captured& c) {
+  constexpr int n = WALK == 0 ? FLEX_ROW_READS : FLEX_COL_READS;
+  if (n == 0) return;
+  float g[WALK == 0 ? kFlexRowSlots : kFlexColSlots];
+  if (WALK == 0) {
+    flex::row_grads(x, b, h, i, j, c, g);
+  } else {
+    flex::col_grads(x, b, h, i, j, c, g);
+  }
+  for (int r = 0; r < n; ++r) acc[r] += ds * g[r];
+}
+
+// The line sums of a row (WALK 0: row i = `line`) or column (WALK 1: key j =
+// `line`) walk: summed over the 4 lanes that share a fragment row, then
+// written by the first of them (`write`: the line is inside the problem).
+template <int WALK>
+inline void flex_store_lines(device FlexPartial* out, thread const float* acc, int b, int h, int line, bool write,
+                             FragCoord fc, constant FlashFwdParams& f, thread const flex::Captured& c) {
+  constexpr int n = WALK == 0 ? FLEX_ROW_READS : FLEX_COL_READS;
+  for (int r = 0; r < n; ++r) {
+    const float total = row_sum(acc[r]);
+    if (write && fc.col == 0) {
+      const int index = WALK == 0 ? flex::row_index(r, b, h, line, 0, c) : flex::col_index(r, b, h, 0, line, c);
+      out[flex_grad_entry(WALK, r, b, h, line, f)] = FlexPartial{index, total};
+    }
+  }
 }
 
 }  // namespace flash

@@ -122,7 +122,9 @@ inline uint block_scores(thread simdgroup_float8x8* S, const thread simdgroup_fl
   flash::qk_block<NF, NK, LD>(S, Qf, Ks, fc);
   uint hidden = 0;  // bit 2 * kk + e: element e of S[kk] is invisible
   const bool need_bounds = kb + NK * 8 > lk;
-  if (has_softcap || has_alibi || has_mask || need_bounds || need_band || kFlex) {
+  // (FlexAttention: a full block without a score_mod needs nothing per element)
+  const bool flex_elements = kFlex && (FLEX_HAS_SCORE_MOD || (FLEX_HAS_MASK_MOD && !full));
+  if (has_softcap || has_alibi || has_mask || need_bounds || need_band || flex_elements) {
     const flash::ScoreFeatures feat{has_softcap, has_alibi, has_mask, mask_kind};
     for (int kk = 0; kk < NK; ++kk) {
       for (int e = 0; e < 2; ++e) {
@@ -237,7 +239,7 @@ template <typename T, int BD, int BQ, int BK, bool SHARED_KV>
   // The key blocks: the band's range, or (FlexAttention) the BlockMask's lists
   // of this threadgroup's query block.
   const flash::InnerSteps steps = !kFlex ? flash::InnerSteps::range(kb_begin, k_hi, BK)
-                                  : tg_live ? flash::flex_steps(FLEX_LISTS, b, h0, q0, BK)
+                                  : tg_live ? flash::flex_steps(FLEX_LISTS, b, h0, q0, BK, Lk)
                                             : flash::InnerSteps::range(0, 0, BK);
   const flex::Captured cap = FLEX_CAPTURED;
 

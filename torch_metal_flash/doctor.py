@@ -8,7 +8,8 @@ The first command to run after installing, and what to paste into a bug report:
 2. every pipeline the planners can emit, compiled (``planner/variants.py``:
    every kernel of the tile tables, each function-constant value at least once;
    ``--all-variants`` for every combination), with the limits each reports;
-3. a probe grid -- forward, backward, decode; fp32/fp16/bf16; several head
+3. a probe grid -- forward, backward, decode, FlexAttention (a generated
+   kernel: document mask, learned relative bias); fp32/fp16/bf16; several head
    dims; masks, GQA, windows, softcap -- run in strict mode and held to the
    float64 oracle by the acceptance rule (torch_metal_flash/testing/oracle.py);
 4. timing of forward, forward+backward and decode against
@@ -49,7 +50,7 @@ MAX_LISTED = 10  # compile failures listed per shader file
 
 @dataclasses.dataclass(frozen=True)
 class Probe:
-    kind: str  # "forward" | "backward" | "decode"
+    kind: str  # "forward" | "backward" | "decode" | "flex"
     dtype: torch.dtype
     dims: tuple  # (B, Hq, Hkv, Lq, Lk, D)
     causal: bool = False  # bottom-right aligned, as flash-attn
@@ -80,7 +81,8 @@ def probe_grid(full: bool) -> list[Probe]:
                 Probe("backward", torch.float32, (1, 2, 1, 17, 23, 32), causal=True),
                 Probe("backward", torch.float16, (1, 2, 2, 20, 20, 64), mask="float"),
                 Probe("decode", torch.float16, (2, 8, 2, 1, 300, 64), causal=True),
-                Probe("decode", torch.float16, (1, 16, 1, 2, 300, 576), causal=True, dv=512)]
+                Probe("decode", torch.float16, (1, 16, 1, 2, 300, 576), causal=True, dv=512),
+                Probe("flex", torch.float16, (1, 2, 1, 67, 90, 64))]
     grid = []
     for dtype in DTYPES:
         for D in (32, 64, 96, 128, 256, 512):
@@ -96,6 +98,7 @@ def probe_grid(full: bool) -> list[Probe]:
             grid += [Probe("decode", dtype, (4, 32, 8, 1, 1000, D), causal=True),
                      Probe("decode", dtype, (2, 16, 2, 4, 4096, D), causal=True, window=(512, 0))]
         grid += [Probe("decode", dtype, (1, 16, 1, Lq, 4096, 576), causal=True, dv=512) for Lq in (1, 4)]
+        grid += [Probe("flex", dtype, (1, 4, 2, 257, 300, D)) for D in (64, 128)]
     return grid
 
 
@@ -292,6 +295,8 @@ def _spec_of(args):
 def run_probe(p: Probe, name: str, device, seed: int) -> list[tuple[str, float, float]]:
     """(output, error, allowed) rows; raises when the kernels did not run."""
     q, k, v, mask, g = _inputs(p, device, seed)
+    if p.kind == "flex":
+        return _flex_probe(p, name, q, k, v, g)
     with tmf.backend(name, strict=True):
         if p.kind == "decode":
             B, Hq, Hkv, Lq, Lk, D = p.dims
@@ -321,6 +326,30 @@ def run_probe(p: Probe, name: str, device, seed: int) -> list[tuple[str, float, 
     ref, low = forward_reference(spec)
     return [(n, *error_budget(n, got, getattr(ref, n), getattr(low, n), ref.magnitude[n], p.dtype))
             for n, got in (("out", out), ("lse", lse))]
+
+
+def _flex_probe(p: Probe, name: str, q, k, v, g) -> list[tuple[str, float, float]]:
+    """FlexAttention forward and backward: a document + causal BlockMask and a learned relative
+    bias (a source generated from the mods, its gradient summed along diagonals by the kernels)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from .testing.flex_oracle import FlexMods, flex_errors, flex_reference
+    B, Hq, Hkv, Lq, Lk, D = p.dims
+    device = q.device
+    docs = (torch.arange(max(Lq, Lk), device=device) >= max(Lq, Lk) // 3).to(torch.int32)
+    bias = (0.5 * randn(Hq, Lq + Lk - 1, generator=g)).to(device).requires_grad_()
+    mods = FlexMods(score=lambda d, t: (lambda s, b, h, qi, kv: s + t[h, qi - kv + Lk - 1]),
+                    mask=lambda d, t: (lambda b, h, qi, kv: (d[qi] == d[kv]) & (qi + Lk - Lq >= kv)),
+                    captured=(docs, bias))
+    score_mod, mask_mod = mods.build()
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    with tmf.backend(name, strict=True):
+        block_mask = create_block_mask(mask_mod, 1, 1, Lq, Lk, device=device)
+        out, lse = tmf.flex_attention(q, k, v, score_mod, block_mask, enable_gqa=Hq != Hkv, return_lse=True)
+        dout = randn(out.shape, generator=g).to(p.dtype).to(device)
+        dq, dk, dv, dbias = torch.autograd.grad(out, (q, k, v, bias), dout)
+    got = {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv, "dcaptured": [None, dbias]}
+    return [(n, *e) for n, e in flex_errors(q, mods, got, flex_reference(q, k, v, mods, None, dout)).items()]
 
 
 def run_probes(grid, name, device, out=print) -> tuple[list, list]:

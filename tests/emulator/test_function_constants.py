@@ -7,14 +7,13 @@ import torch
 
 from emu_helpers import KERNELS
 from torch_metal_flash import emulator
-from torch_metal_flash.emulator import library
 
 
 @pytest.mark.parametrize("checked", [True, False])
 def test_launch_time_constants_behave_like_compile_time_ones(checked):
     x = torch.randn(64)
     bias = torch.randn(64)
-    builds_before = len(library._build_cache)
+    builds = set()
     cases = [
         (dict(has_bias=False, scale=2.0, mode=0), (), x * 2),
         ({0: True, 1: 3.0, 2: 0}, (bias,), x * 3 + bias),
@@ -26,8 +25,8 @@ def test_launch_time_constants_behave_like_compile_time_ones(checked):
         y = torch.zeros(64)
         lib.fc_kernel(x, y, *extra, grid=64, threadgroup=32, checked=checked)
         torch.testing.assert_close(y, ref)
-    # one shared build for all four combinations
-    assert len(library._build_cache) - builds_before <= 1
+        builds.add(id(lib._build_of("fc_kernel", checked)))
+    assert len(builds) == 1  # one shared build for all four combinations
     lib = emulator.compile_shader(KERNELS / "constants.metal", function_constants=dict(has_bias=True, mode=0))
     assert lib.function_constants == {"has_bias": 0, "scale": 1, "mode": 2}
     with pytest.raises(emulator.LaunchError, match="bias"):
@@ -44,13 +43,14 @@ def test_constants_are_launch_time_values_as_call_arguments():
     float pick(float x, bool f, float s) { return f ? x * s : x; }
     kernel void k(device float* y [[buffer(0)]], uint i [[thread_position_in_grid]]) { y[i] = pick(y[i], flag, 2.0f); }
     """
-    builds_before = len(library._build_cache)
+    builds = set()
     for value in (False, True):
         lib = emulator.compile_shader(src, function_constants={"flag": value})
         y = torch.ones(32)
         lib.k(y, grid=32, threadgroup=32)
         assert torch.all(y == (2.0 if value else 1.0))
-    assert len(library._build_cache) - builds_before == 1
+        builds.add(id(lib._build_of("k", emulator.default_checked())))
+    assert len(builds) == 1
 
 
 @pytest.mark.parametrize("use", ["return pick<flag>(x);", "return pick2<float, flag>(x);",

@@ -1,5 +1,6 @@
-"""tmf.flex_attention in the emulator (strict: every call on the flex kernels) against torch's
-flex_attention on CPU (forward) and the float64 dense definition with autograd (backward)."""
+"""tmf.flex_attention in the emulator (strict: every call on the flex kernels) against the float64
+oracle of FlexAttention (torch_metal_flash.testing.flex_oracle, the suite's acceptance rule), forward and
+backward, gradients of captured tensors included; torch's own flex_attention as a second opinion."""
 from __future__ import annotations
 
 import math
@@ -12,9 +13,10 @@ from torch.nn.attention.flex_attention import and_masks, create_block_mask, or_m
 
 import torch_metal_flash as tmf
 from torch_metal_flash import emulator
+from torch_metal_flash.flex.lowering import CapturedGradientError
 from torch_metal_flash.flex.reference import dense_flex_attention
-
-U32 = 2.0**-24
+from torch_metal_flash.testing import randn
+from torch_metal_flash.testing.flex_oracle import FlexMods, check_flex, flex_reference
 
 
 def causal(b, h, q, kv):
@@ -27,188 +29,198 @@ def window(n):
     return mask
 
 
-def inputs(B, Hq, Hkv, L, S, D, dtype, grad=False, Dv=None, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    make = lambda H, n, d: torch.randn(B, H, n, d, generator=g).to(dtype).requires_grad_(grad)  # noqa: E731
-    return make(Hq, L, D), make(Hkv, S, D), make(Hkv, S, Dv or D)
-
-
-def budget(got, ref64, plain, name):
-    """Error within 2 x the dense float32-accumulated math's (rounded to the dtype) plus a floor."""
-    got, ref64, plain = (t.detach().double() for t in (got, ref64, plain))
-    finite = torch.isfinite(ref64)
-    assert torch.equal(torch.isfinite(got), finite), f"{name}: non-finite entries differ"
-    assert torch.equal(got[~finite], ref64[~finite]), f"{name}: infinities differ"
-    if not finite.any():
-        return
-    err = (got - ref64)[finite].abs().max().item()
-    allowed = 2 * (plain - ref64)[finite].abs().max().item() + 64 * U32 * ref64[finite].abs().max().item()
-    assert err <= allowed, f"{name}: error {err:.3e} > allowed {allowed:.3e}"
-
-
-def reference(q, k, v, score_mod, block_mask, scale=None, gqa=False):
-    """(float64 result, the dense math in float32 rounded to the dtype) of out and lse."""
-    mask_mod = block_mask.mask_mod if block_mask is not None else None
-    up = [t.detach().double() for t in (q, k, v)]
-    ref = dense_flex_attention(*up, score_mod, mask_mod, scale, gqa)
-    plain = dense_flex_attention(*(t.detach() for t in (q, k, v)), score_mod, mask_mod, scale, gqa)
-    return ref, plain
-
-
-# ---------------------------------------------------------------------------
-# mods
-# ---------------------------------------------------------------------------
-def doc_ids(L, cuts, dtype=torch.int64):
-    ids = torch.zeros(L, dtype=dtype)
+def doc_ids(n, cuts, dtype=torch.int64):
+    ids = torch.zeros(n, dtype=dtype)
     for c in cuts:
         ids[c:] += 1
     return ids
 
 
-def make_case(name, L, H):
-    """(score_mod, mask_mod) of a named case; captured tensors built for length L and H heads."""
+def t5_buckets(L, S, buckets=8, max_distance=64):
+    """T5's relative-position buckets of q - kv + S - 1 (an int table the score_mod indexes)."""
+    rel = torch.arange(-(S - 1), L).abs()
+    exact = buckets // 2
+    big = exact + (torch.log(rel.clamp(min=1).float() / exact) / math.log(max_distance / exact)
+                   * (buckets - exact)).long()
+    return torch.where(rel < exact, rel, big.clamp(max=buckets - 1)).to(torch.int32)
+
+
+def make_mods(name: str, B: int, H: int, L: int, S: int) -> FlexMods:
+    """A named FlexAttention problem's mods, with captured tensors built for its sizes."""
     g = torch.Generator().manual_seed(1)
     if name == "plain":
-        return None, None
+        return FlexMods()
     if name == "causal":
-        return None, causal
+        return FlexMods(mask=lambda: causal)
     if name == "window":
-        return None, window(40)
+        return FlexMods(mask=lambda: window(40))
     if name == "document":
-        ids = doc_ids(L, (L // 3, L // 2 + 5))
-        return None, lambda b, h, q, kv: ids[q] == ids[kv]
+        ids, kv_ids = doc_ids(L, (L // 3, L // 2 + 5)), doc_ids(S, (S // 3, S // 2 + 5))
+        return FlexMods(mask=lambda a, c: (lambda b, h, q, kv: a[q] == c[kv]), captured=(ids, kv_ids))
     if name == "document_causal_int32":
-        ids = doc_ids(L, (L // 4,), torch.int32)
-        return None, and_masks(causal, lambda b, h, q, kv: ids[q] == ids[kv])
+        ids = doc_ids(max(L, S), (L // 4,), torch.int32)
+        return FlexMods(mask=lambda a: and_masks(causal, lambda b, h, q, kv: a[q] == a[kv]), captured=(ids,))
     if name == "prefix_lm":
-        return None, or_masks(causal, lambda b, h, q, kv: kv < 23)
+        return FlexMods(mask=lambda: or_masks(causal, lambda b, h, q, kv: kv < 23))
     if name == "softcap":
-        return (lambda s, b, h, q, kv: 20.0 * torch.tanh(s / 20.0)), None
+        return FlexMods(score=lambda: (lambda s, b, h, q, kv: 20.0 * torch.tanh(s / 20.0)))
     if name == "alibi":
         slopes = torch.exp2(-torch.arange(1, H + 1, dtype=torch.float32))
-        return (lambda s, b, h, q, kv: s + slopes[h] * (kv - q)), causal
-    if name == "relative_bias":
-        bias = torch.randn(H, 2 * L - 1, generator=g)
-        return (lambda s, b, h, q, kv: s + bias[h, q - kv + L - 1]), None
+        return FlexMods(score=lambda sl: (lambda s, b, h, q, kv: s + sl[h] * (kv - q)), mask=lambda sl: causal,
+                        captured=(slopes,))
+    if name == "relative_bias":  # learned: its gradient sums along diagonals
+        bias = randn(H, L + S - 1, generator=g).requires_grad_()
+        return FlexMods(score=lambda t: (lambda s, b, h, q, kv: s + t[h, q - kv + S - 1]), captured=(bias,))
+    if name == "learned_alibi_causal":  # learned per-head slopes: summed along rows
+        slopes = (0.1 * randn(H, generator=g)).requires_grad_()
+        return FlexMods(score=lambda sl: (lambda s, b, h, q, kv: s + sl[h] * (kv - q).float()),
+                        mask=lambda sl: causal, captured=(slopes,))
+    if name == "key_bias_temperature":  # learned key bias (columns) and a 0-d temperature (rows)
+        kb = randn(S, generator=g).requires_grad_()
+        temp = torch.tensor(0.75).requires_grad_()
+        return FlexMods(score=lambda c, t: (lambda s, b, h, q, kv: s * t + c[kv]), captured=(kb, temp))
+    if name == "t5_buckets":  # learned bias per bucket of q - kv (an int table): diagonals, many per element
+        buckets = t5_buckets(L, S)
+        bias = randn(8, H, generator=g).requires_grad_()
+        return FlexMods(score=lambda bk, t: (lambda s, b, h, q, kv: s + t[bk[q - kv + S - 1], h]),
+                        mask=lambda bk, t: causal, captured=(buckets, bias))
     if name == "half_bias_where":
-        bias = torch.randn(H, L, generator=g).half()
-        return (lambda s, b, h, q, kv: torch.where(kv % 7 == 3, -float("inf"), s + bias[h, kv])), None
+        bias = randn(H, S, generator=g).half()
+        return FlexMods(score=lambda t: (lambda s, b, h, q, kv: torch.where(kv % 7 == 3, -float("inf"),
+                                                                          s + t[h][kv])), captured=(bias,))
     if name == "elementwise":
-        return (lambda s, b, h, q, kv: torch.maximum(torch.minimum(s, torch.abs(s) * 0.5 + 1.0),
-                                                      -torch.sigmoid(s) - torch.log(torch.exp(s * 0.1) + 1.0))), None
+        return FlexMods(score=lambda: (lambda s, b, h, q, kv: torch.maximum(
+            torch.minimum(s, torch.abs(s) * 0.5 + 1.0), -torch.sigmoid(s) - torch.log(torch.exp(s * 0.1) + 1.0))))
+    if name == "many_ops":  # one of each lowered op kind (the discontinuous ones on index values)
+        def many_ops(s, b, h, q, kv):
+            d = q - kv
+            i = d // 3 + d % 5 - torch.where(d < 0, -d, d) // 7 + ((q & 7) | (kv ^ 3)) + (~h & 1)
+            x = d.float() / 3.0
+            g = torch.sign(x) + torch.floor(x) - torch.ceil(x) + torch.trunc(x) + torch.round(x * 2) / 2
+            a = torch.abs(s)
+            f = torch.exp2(s * 0.1) + torch.log2(a + 1) + torch.log1p(a) + torch.expm1(s * 0.01) + torch.sin(s)
+            f = f + torch.sqrt(a + 1) * torch.rsqrt(a + 2) * torch.cos(s) + torch.pow(a + 1, 0.5)
+            f = f + torch.clamp(s, -1.0, 1.0) + torch.clamp(s, min=0.0) + (a + 1).reciprocal()
+            flag = torch.logical_and(q > kv, torch.logical_not(h == 1)) | (b == 0)
+            return torch.where(flag, 0.2 * f + 0.1 * g + 0.01 * i, s - 1.0)
+        return FlexMods(score=lambda: many_ops)
     if name == "batch_head":
-        return (lambda s, b, h, q, kv: s * (1.0 + 0.25 * b) - 0.125 * h), (lambda b, h, q, kv: (q + kv + h) % 5 != 0)
+        return FlexMods(score=lambda: (lambda s, b, h, q, kv: s * (1.0 + 0.25 * b) - 0.125 * h),
+                        mask=lambda: (lambda b, h, q, kv: (q + kv + h) % 5 != 0))
     raise KeyError(name)
 
 
-FORWARD_CASES = ["plain", "causal", "window", "document", "document_causal_int32", "prefix_lm", "softcap", "alibi",
-                 "relative_bias", "half_bias_where", "elementwise", "batch_head"]
-
-
-@pytest.mark.parametrize("name", FORWARD_CASES)
-def test_forward_matches_torch_flex(name):
-    B, H, L, D = 2, 2, 131, 32
-    score_mod, mask_mod = make_case(name, L, H)
-    block_mask = create_block_mask(mask_mod, B, H, L, L, device="cpu") if mask_mod is not None else None
-    q, k, v = inputs(B, H, H, L, L, D, torch.float32)
-    with tmf.backend("emulator", strict=True):
-        out, lse = tmf.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, return_lse=True)
-    t_out, t_lse = torch_flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, return_lse=True)
-    (ref_out, ref_lse), (plain_out, plain_lse) = reference(q, k, v, score_mod, block_mask)
-    budget(out, ref_out, plain_out, "out")
-    budget(lse, ref_lse, plain_lse, "lse")
-    # and torch's own result, to the same budget (both are float32 computations of one definition)
-    budget(t_out, ref_out, plain_out, "torch out")
-    torch.testing.assert_close(out, t_out, atol=2e-5, rtol=1e-4)
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_precision_gqa_odd_lengths(dtype):
-    B, Hq, Hkv, L, S, D = 1, 4, 2, 77, 150, 64
-    score_mod, _ = make_case("relative_bias", 256, Hq)
-    mask = lambda b, h, q, kv: (kv <= q + 70) | (h == 1)  # noqa: E731
-    block_mask = create_block_mask(mask, 1, Hq, L, S, device="cpu")
-    q, k, v = inputs(B, Hq, Hkv, L, S, D, dtype)
-    with tmf.backend("emulator", strict=True):
-        out, lse = tmf.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=True,
-                                      return_lse=True)
-    assert out.dtype == dtype and lse.dtype == torch.float32
-    (ref_out, ref_lse), (plain_out, plain_lse) = reference(q, k, v, score_mod, block_mask, gqa=True)
-    budget(out, ref_out, plain_out, "out")
-    budget(lse, ref_lse, plain_lse, "lse")
-
-
-def grads_of(fn, q, k, v, extra=(), seed=5):
-    out, lse = fn()
+def inputs(B, Hq, Hkv, L, S, D, dtype, grad=False, seed=0):
     g = torch.Generator().manual_seed(seed)
-    dout = torch.randn(out.shape, generator=g).to(out.dtype)
-    dlse = torch.randn(lse.shape, generator=g).to(lse.dtype)
-    loss = (out * dout).sum() + (torch.where(torch.isfinite(lse), lse, 0.0) * dlse).sum()
-    tensors = [t for t in (q, k, v, *extra)]
-    return out, lse, torch.autograd.grad(loss, tensors)
+    make = lambda H, n: randn(B, H, n, D, generator=g).to(dtype).requires_grad_(grad)  # noqa: E731
+    return make(Hq, L), make(Hkv, S), make(Hkv, S)
 
 
-@pytest.mark.parametrize("name,gqa,dtype", [
-    ("causal", False, torch.float32),
-    ("softcap", True, torch.float32),
-    ("document_causal_int32", False, torch.float32),
-    ("alibi", False, torch.float16),
-    ("elementwise", False, torch.bfloat16),
+def block_mask_of(mods: FlexMods, B, H, L, S, **kw):
+    _, mask_mod = mods.build()
+    return None if mask_mod is None else create_block_mask(mask_mod, B, H, L, S, device="cpu", **kw)
+
+
+def run_flex(q, k, v, mods: FlexMods, block_mask, gqa=False, seed=5):
+    """(results {out, lse, dq, dk, dv, dcaptured}, dout, dlse) of one call and its backward."""
+    score_mod, _ = mods.build()
+    out, lse = tmf.flex_attention(q, k, v, score_mod, block_mask, enable_gqa=gqa, return_lse=True)
+    g = torch.Generator().manual_seed(seed)
+    dout = randn(out.shape, generator=g).to(out.dtype)
+    dlse = randn(lse.shape, generator=g)
+    loss = (out.float() * dout.float()).sum() + (torch.where(torch.isfinite(lse), lse, 0.0) * dlse).sum()
+    trainable = [t for t in mods.captured if t.requires_grad]
+    grads = torch.autograd.grad(loss, [q, k, v, *trainable])
+    it = iter(grads[3:])
+    dcaptured = [next(it) if t.requires_grad else None for t in mods.captured]
+    return dict(out=out, lse=lse, dq=grads[0], dk=grads[1], dv=grads[2], dcaptured=dcaptured), dout, dlse
+
+
+# Every named problem forward and backward; dtypes, GQA and lengths rotate through them.
+CASES = [
+    ("plain", torch.float32, (2, 2, 2, 131, 97)),
+    ("causal", torch.float16, (1, 4, 2, 97, 97)),
+    ("window", torch.bfloat16, (1, 2, 2, 130, 130)),
+    ("document", torch.float32, (2, 2, 1, 113, 129)),
+    ("document_causal_int32", torch.float32, (1, 2, 2, 97, 97)),
+    ("prefix_lm", torch.float16, (1, 2, 2, 100, 100)),
+    ("softcap", torch.float32, (1, 4, 2, 97, 97)),
+    ("alibi", torch.float16, (1, 2, 2, 97, 97)),
+    ("relative_bias", torch.float32, (1, 2, 2, 77, 90)),
+    ("learned_alibi_causal", torch.float32, (2, 2, 1, 90, 90)),
+    ("key_bias_temperature", torch.bfloat16, (1, 2, 2, 70, 100)),
+    ("t5_buckets", torch.float32, (1, 2, 2, 97, 97)),
+    ("half_bias_where", torch.float32, (1, 2, 2, 65, 129)),
+    ("elementwise", torch.bfloat16, (1, 2, 2, 97, 97)),
+    ("batch_head", torch.float32, (2, 2, 2, 67, 67)),
+    ("many_ops", torch.float32, (2, 2, 2, 61, 75)),
+]
+
+
+@pytest.mark.parametrize("name,dtype,shape", CASES, ids=[c[0] for c in CASES])
+def test_forward_and_backward_match_the_oracle(name, dtype, shape):
+    B, Hq, Hkv, L, S = shape
+    D = 32
+    mods = make_mods(name, B, Hq, L, S)
+    block_mask = block_mask_of(mods, B, 1, L, S)
+    q, k, v = inputs(B, Hq, Hkv, L, S, D, dtype, grad=True)
+    with tmf.backend("emulator", strict=True):
+        got, dout, dlse = run_flex(q, k, v, mods, block_mask, gqa=Hkv != Hq)
+    assert got["out"].dtype == dtype and got["lse"].dtype == torch.float32
+    assert all(g.dtype == t.dtype for g, t in zip(got["dcaptured"], mods.captured) if g is not None)
+    check_flex(q, mods, got, flex_reference(q, k, v, mods, None, dout, dlse))
+    if dtype == torch.float32 and Hkv == Hq:  # torch's own flex_attention, to the same rule
+        score_mod, _ = mods.build()
+        t_out, t_lse = torch_flex.flex_attention(q.detach(), k.detach(), v.detach(), score_mod, block_mask,
+                                                 return_lse=True)
+        check_flex(q, mods, {"out": t_out, "lse": t_lse}, flex_reference(q, k, v, mods))
+
+
+@pytest.mark.parametrize("index,walk", [
+    (lambda q, kv, h: q - kv + 5, "diag"), (lambda q, kv, h: 5 + q - kv, "diag"),
+    (lambda q, kv, h: 3 * (kv - q), "diag"), (lambda q, kv, h: (q - kv).abs() // 2, "diag"),
+    (lambda q, kv, h: q * 2 + h, "row"), (lambda q, kv, h: h, "row"), (lambda q, kv, h: kv % 7, "col"),
+    (lambda q, kv, h: q + kv, None), (lambda q, kv, h: 2 * q - kv, None), (lambda q, kv, h: q * kv, None),
 ])
-def test_backward_matches_float64_autograd(name, gqa, dtype):
-    B, Hq, L, D = 1, 4, 97, 32
-    Hkv = 2 if gqa else Hq
-    score_mod, mask_mod = make_case(name, L, Hq)
-    block_mask = create_block_mask(mask_mod, 1, 1, L, L, device="cpu") if mask_mod is not None else None
-    q, k, v = inputs(B, Hq, Hkv, L, L, D, dtype, grad=True)
+def test_a_read_is_summed_along_the_line_its_index_depends_on(index, walk):
+    from torch_metal_flash.flex import lowering
+    table = lowering.Buffer(torch.float32, (64,), True, "table")
+    mod = lambda s, b, h, q, kv, t: s * t[index(q, kv, h) % 64]  # noqa: E731
+    if walk is None:
+        with pytest.raises(CapturedGradientError, match="'table'|table"):
+            lowering.lower(mod, None, (table,))
+    else:
+        assert [r.walk for r in lowering.lower(mod, None, (table,)).reads] == [walk]
+
+
+def test_captured_gradients_are_deterministic_and_masked_lines_get_none():
+    B, H, L, S, D = 1, 2, 70, 70, 32
+    mods = make_mods("relative_bias", B, H, L, S)
+    block_mask = create_block_mask(causal, 1, 1, L, S, device="cpu")
+    q, k, v = inputs(B, H, H, L, S, D, torch.float32, grad=True)
+    runs = []
+    for order in ("forward", "reverse"):
+        with tmf.backend("emulator", strict=True), emulator.settings(order=order):
+            runs.append(run_flex(q, k, v, mods, block_mask)[0])
+    for name in ("out", "lse", "dq", "dk", "dv"):
+        assert torch.equal(runs[0][name], runs[1][name]), name
+    assert torch.equal(runs[0]["dcaptured"][0], runs[1]["dcaptured"][0])
+    assert runs[0]["dcaptured"][0][:, :S - 1].abs().max() == 0  # q < kv: causally masked, no gradient
+
+
+def test_a_gradient_the_kernels_cannot_reduce_raises_naming_the_tensor():
+    L, D = 48, 32
+    q, k, v = inputs(1, 2, 2, L, L, D, torch.float32, grad=True)
+    pair_bias = torch.zeros(L, L, requires_grad=True)
+    for strict in (True, False):
+        with tmf.backend("emulator", strict=strict):
+            with pytest.raises(CapturedGradientError, match="pair_bias.*q_idx - kv_idx"):
+                tmf.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, kv: s + pair_bias[qi, kv])
+    # detached (or not requiring grad) it is just a table
     with tmf.backend("emulator", strict=True):
-        _, _, got = grads_of(lambda: tmf.flex_attention(q, k, v, score_mod, block_mask, enable_gqa=gqa,
-                                                        return_lse=True), q, k, v)
-    mm = block_mask.mask_mod if block_mask is not None else None
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    _, _, ref = grads_of(lambda: dense_flex_attention(q64, k64, v64, score_mod, mm, None, gqa), q64, k64, v64)
-    qf, kf, vf = (t.detach().requires_grad_() for t in (q, k, v))
-    _, _, plain = grads_of(lambda: dense_flex_attention(qf, kf, vf, score_mod, mm, None, gqa), qf, kf, vf)
-    for n, a, r, p in zip(("dq", "dk", "dv"), got, ref, plain):
-        assert a.dtype == dtype
-        budget(a, r, p, n)
-
-
-def test_captured_tensor_gradients():
-    B, H, L, D = 1, 2, 70, 32
-    bias = torch.randn(H, 2 * L - 1, generator=torch.Generator().manual_seed(3), requires_grad=True)
-    slopes = torch.tensor([0.1, -0.2], requires_grad=True)
-
-    def score_mod(s, b, h, q, kv):
-        return s + bias[h, q - kv + L - 1] + slopes[h] * (q - kv)
-
-    block_mask = create_block_mask(causal, 1, 1, L, L, device="cpu")
-    q, k, v = inputs(B, H, H, L, L, D, torch.float32, grad=True)
-    with tmf.backend("emulator", strict=True):
-        _, _, got = grads_of(lambda: tmf.flex_attention(q, k, v, score_mod, block_mask, return_lse=True), q, k, v,
-                             (bias, slopes))
-    with tmf.backend("emulator", strict=True):
-        _, _, again = grads_of(lambda: tmf.flex_attention(q, k, v, score_mod, block_mask, return_lse=True), q, k, v,
-                               (bias, slopes))
-    for a, b in zip(got, again):
-        assert torch.equal(a, b)  # deterministic
-    b64, s64 = bias.detach().double().requires_grad_(), slopes.detach().double().requires_grad_()
-
-    def score64(s, b, h, q, kv):
-        return s + b64[h, q - kv + L - 1] + s64[h] * (q - kv)
-
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    _, _, ref = grads_of(lambda: dense_flex_attention(q64, k64, v64, score64, causal), q64, k64, v64, (b64, s64))
-    bf, sf = bias.detach().requires_grad_(), slopes.detach().requires_grad_()
-
-    def score32(s, b, h, q, kv):
-        return s + bf[h, q - kv + L - 1] + sf[h] * (q - kv)
-
-    qf, kf, vf = (t.detach().requires_grad_() for t in (q, k, v))
-    _, _, plain = grads_of(lambda: dense_flex_attention(qf, kf, vf, score32, causal), qf, kf, vf, (bf, sf))
-    for n, a, r, p in zip(("dq", "dk", "dv", "dbias", "dslopes"), got, ref, plain):
-        budget(a, r, p, n)
-    assert got[3][:, :L - 1].abs().max() == 0  # q < kv: masked by the causal mask, no gradient
+        out = tmf.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, kv: s + pair_bias[qi, kv].detach())
+    ref, _ = dense_flex_attention(q, k, v, lambda s, b, h, qi, kv: s + pair_bias.detach()[qi, kv])
+    torch.testing.assert_close(out, ref)
 
 
 def test_empty_rows_out_zero_lse_minus_inf_and_no_gradient():
@@ -218,7 +230,7 @@ def test_empty_rows_out_zero_lse_minus_inf_and_no_gradient():
     q, k, v = inputs(B, H, H, L, L, D, torch.float32, grad=True)
     with tmf.backend("emulator", strict=True):
         out, lse = tmf.flex_attention(q, k, v, block_mask=block_mask, return_lse=True)
-        out.sum().backward()
+        (out.sum() + torch.where(torch.isfinite(lse), lse, 0.0).sum()).backward()
     empty = torch.arange(L) % 3 == 0
     assert torch.equal(out[0, 0, empty], torch.zeros(int(empty.sum()), D))
     assert torch.all(lse[0, 0, empty] == -math.inf) and torch.isfinite(lse[0, 0, ~empty]).all()
@@ -254,43 +266,121 @@ def test_blocks_outside_the_mask_are_never_loaded():
 @pytest.mark.parametrize("block_size", [16, (32, 48), 256])
 def test_block_sizes_the_kernels_cannot_use_are_remapped(block_size):
     B, H, L, D = 1, 2, 140, 32
-    ids = doc_ids(L, (30, 90))
-    mask = and_masks(causal, lambda b, h, q, kv: ids[q] == ids[kv])
-    block_mask = create_block_mask(mask, 1, H, L, L, device="cpu", BLOCK_SIZE=block_size)
-    q, k, v = inputs(B, H, H, L, L, D, torch.float32, grad=True)
+    mods = FlexMods(mask=lambda a: and_masks(causal, lambda b, h, q, kv: a[q] == a[kv]),
+                    captured=(doc_ids(L, (30, 90)),))
+    block_mask = block_mask_of(mods, 1, H, L, L, BLOCK_SIZE=block_size)
+    q, k, v = inputs(B, H, H, L, L, D, torch.float32)
     with tmf.backend("emulator", strict=True):
-        out = tmf.flex_attention(q, k, v, block_mask=block_mask)
-    (ref_out, _), (plain_out, _) = reference(q, k, v, None, block_mask)
-    budget(out, ref_out, plain_out, "out")
+        out, lse = tmf.flex_attention(q, k, v, block_mask=block_mask, return_lse=True)
+    check_flex(q, mods, {"out": out, "lse": lse}, flex_reference(q, k, v, mods))
 
 
-def test_bitwise_equal_under_two_schedule_orders():
-    L, D = 90, 32
-    score_mod, mask_mod = make_case("alibi", L, 2)
-    block_mask = create_block_mask(mask_mod, 1, 1, L, L, device="cpu")
-    results = []
-    for order in ("forward", "reverse"):
-        q, k, v = inputs(1, 2, 2, L, L, D, torch.float32, grad=True)
-        with tmf.backend("emulator", strict=True), emulator.settings(order=order):
-            out = tmf.flex_attention(q, k, v, score_mod, block_mask)
-            out.square().sum().backward()
-        results.append((out, q.grad, k.grad, v.grad))
-    for a, b in zip(*results):
-        assert torch.equal(a, b)
+def test_compiled_fullgraph_forward_and_backward_run_the_kernels_bit_for_bit():
+    B, H, L, S, D = 1, 2, 70, 90, 32
+    mods = make_mods("relative_bias", B, H, L, S)
+    score_mod, _ = mods.build()
+    block_mask = create_block_mask(window(50), 1, 1, L, S, device="cpu")
+    q, k, v = inputs(B, H, H, L, S, D, torch.float32, grad=True)
+    bias = mods.captured[0]
+
+    def step(q, k, v):
+        out, lse = tmf.flex_attention(q, k, v, score_mod, block_mask, return_lse=True)
+        return out.square().sum() + torch.where(torch.isfinite(lse), lse, 0.0).sum()
+
+    def grads(loss):
+        return torch.autograd.grad(loss, (q, k, v, bias))
+
+    with tmf.backend("emulator", strict=True):
+        eager = grads(step(q, k, v))
+        explained = torch._dynamo.explain(step)(q, k, v)
+        assert explained.graph_break_count == 0, explained.break_reasons
+        for backend in ("aot_eager", "inductor"):
+            torch._dynamo.reset()
+            with emulator.recording() as launches:
+                compiled = grads(torch.compile(step, backend=backend, fullgraph=True)(q, k, v))
+            kernels = {s.kernel.split("_f32")[0] for s in launches}  # strict: no fallback to the dense path
+            assert {"flash_fwd", "flash_bwd_dq", "flash_bwd_dkv", "flash_bwd_diag", "flash_bwd_segment_sum"} <= kernels
+            for name, a, b in zip(("dq", "dk", "dv", "dbias"), compiled, eager):
+                assert torch.equal(a, b), (backend, name)
 
 
-def test_flex_override_routes_torch_flex_attention():
+def test_compiled_module_trains_with_a_learned_bias():
+    """A model calling tmf.flex_attention under torch.compile(fullgraph=True): its bias parameter learns."""
+    L, D, H = 48, 16, 2
+
+    block_mask = create_block_mask(causal, 1, 1, L, L, device="cpu")
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(D * H, 3 * D * H)
+            self.bias = torch.nn.Parameter(0.1 * randn(H, 2 * L - 1))
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).unflatten(-1, (3, H, D)).permute(2, 0, 3, 1, 4)
+            out = tmf.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, kv: s + self.bias[h, qi - kv + L - 1],
+                                     block_mask=block_mask)
+            return out.transpose(1, 2).flatten(-2)
+
+    torch.manual_seed(0)
+    model = Block()
+    x = randn(2, L, D * H)
+    with tmf.backend("emulator", strict=True):
+        step = torch.compile(lambda x: model(x).square().mean(), fullgraph=True)
+        step(x).backward()
+    grad = model.bias.grad
+    assert grad is not None and torch.isfinite(grad).all() and grad[:, :L - 1].abs().max() == 0
+    ref = Block()
+    ref.load_state_dict(model.state_dict())
+    q, k, v = ref.qkv(x).unflatten(-1, (3, H, D)).permute(2, 0, 3, 1, 4)  # the dense definition
+    o = dense_flex_attention(q, k, v, lambda s, b, h, qi, kv: s + ref.bias[h, qi - kv + L - 1], causal)[0]
+    o.transpose(1, 2).flatten(-2).square().mean().backward()
+    torch.testing.assert_close(grad, ref.bias.grad, atol=1e-6, rtol=1e-4)
+
+
+def test_flex_override_routes_torch_flex_attention_eager_and_compiled():
     L, D = 64, 32
     q, k, v = inputs(1, 2, 2, L, L, D, torch.float32)
     block_mask = create_block_mask(causal, 1, 1, L, L, device="cpu")
     expected = torch_flex.flex_attention(q, k, v, block_mask=block_mask)
     with tmf.backend("emulator", strict=True), tmf.flex_override():
         assert tmf.is_flex_enabled()
-        with emulator.recording() as launches:
-            out = torch_flex.flex_attention(q, k, v, block_mask=block_mask)
+        for fn in (torch_flex.flex_attention,
+                   torch.compile(lambda *a, **kw: torch_flex.flex_attention(*a, **kw), backend="aot_eager",
+                                 fullgraph=True)):
+            with emulator.recording() as launches:
+                out = fn(q, k, v, block_mask=block_mask)
+            assert any(s.kernel.startswith("flash_fwd") for s in launches)
+            torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
     assert not tmf.is_flex_enabled()
-    assert any(s.kernel.startswith("flash_fwd") for s in launches)
-    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
+
+
+def test_diffusers_flex_backend_calls_with_expanded_masks_read_in_place():
+    """diffusers' "flex" attention backend, as it calls torch's flex_attention: (B, L, H, D) inputs
+    permuted, keyword arguments, kernel_options, an attention mask expanded to (B, H, L, S) and
+    captured by a score_mod (float) or a mask_mod (bool)."""
+    B, H, L, S, D = 2, 2, 40, 72, 32
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (randn(B, n, H, D, generator=g) for n in (L, S, S))
+    float_mask = randn(B, 1, 1, S, generator=g).expand(B, H, L, S)
+    bool_mask = (torch.rand(B, 1, 1, S, generator=g) > 0.3).expand(B, H, L, S)
+
+    def score_mod(score, batch_idx, head_idx, q_idx, kv_idx):
+        return score + float_mask[batch_idx, head_idx, q_idx, kv_idx]
+
+    def mask_mod(batch_idx, head_idx, q_idx, kv_idx):
+        return bool_mask[batch_idx, head_idx, q_idx, kv_idx]
+
+    block_mask = create_block_mask(mask_mod, B, None, L, S, device="cpu")
+    query, key, value = (x.permute(0, 2, 1, 3) for x in (q, k, v))
+    with tmf.backend("emulator", strict=True), tmf.flex_override():
+        out = torch_flex.flex_attention(query=query, key=key, value=value, score_mod=score_mod,
+                                        block_mask=block_mask, scale=None, enable_gqa=False, return_lse=False,
+                                        kernel_options={"BLOCK_M": 64})
+    mods = FlexMods(score=lambda f, b: score_mod, mask=lambda f, b: mask_mod, captured=(float_mask, bool_mask))
+    check_flex(query, mods, {"out": out}, flex_reference(query, key, value, mods))
+    from torch_metal_flash.ops.flex import _bound  # the kernels read the masks through their 0 strides
+    assert _bound(float_mask).stride() == float_mask.stride() and _bound(bool_mask).stride() == bool_mask.stride()
 
 
 def test_unsupported_mod_strict_raises_else_falls_back_once():
@@ -303,19 +393,21 @@ def test_unsupported_mod_strict_raises_else_falls_back_once():
         return s * 2
 
     with tmf.backend("emulator", strict=True):
-        with pytest.raises(tmf.UnsupportedError, match="score_mod.*data-dependent"):
+        with pytest.raises(Exception, match="data-dependent|Data-dependent"):
             tmf.flex_attention(q, k, v, score_mod=data_dependent)
-    sorted_bias = torch.randn(L)
-    sort_mod = lambda s, b, h, q_idx, kv_idx: s + torch.sort(sorted_bias)[0][kv_idx]  # noqa: E731
+    erf_mod = lambda s, b, h, q_idx, kv_idx: s + torch.erf(s)  # noqa: E731
     with tmf.backend("emulator", strict=True):
-        with pytest.raises(tmf.UnsupportedError, match="score_mod.*sort"):
-            tmf.flex_attention(q, k, v, score_mod=sort_mod)
+        with pytest.raises(tmf.UnsupportedError, match="score_mod uses aten.erf"):
+            tmf.flex_attention(q, k, v, score_mod=erf_mod)
     with tmf.backend("emulator", strict=False):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            out = tmf.flex_attention(q, k, v, score_mod=sort_mod)
-    assert any(issubclass(w.category, tmf.FallbackWarning) and "sort" in str(w.message) for w in caught)
-    torch.testing.assert_close(out, torch_flex.flex_attention(q, k, v, score_mod=sort_mod), atol=2e-5, rtol=1e-4)
+            out = tmf.flex_attention(q, k, v, score_mod=erf_mod)
+            again = tmf.flex_attention(q, k, v, score_mod=erf_mod)
+    warned = [w for w in caught if issubclass(w.category, tmf.FallbackWarning) and "erf" in str(w.message)]
+    assert len(warned) == 1
+    torch.testing.assert_close(out, torch_flex.flex_attention(q, k, v, score_mod=erf_mod), atol=2e-5, rtol=1e-4)
+    assert torch.equal(out, again)
 
 
 def test_float64_falls_back_to_the_dense_definition():
@@ -326,7 +418,8 @@ def test_float64_falls_back_to_the_dense_definition():
             out, lse = tmf.flex_attention(q, k, v, block_mask=create_block_mask(causal, 1, 1, 33, 33, device="cpu"),
                                           return_lse=True)
     ref, ref_lse = dense_flex_attention(q, k, v, None, causal)
-    assert torch.equal(out, ref) and out.dtype == torch.float64
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    assert out.dtype == torch.float64
     out.sum().backward()
     assert torch.isfinite(q.grad).all()
 
@@ -341,6 +434,8 @@ def test_float64_falls_back_to_the_dense_definition():
     (lambda q, k, v: tmf.flex_attention(q, k, v, block_mask=torch.ones(2, 2)), "block_mask must be"),
     (lambda q, k, v: tmf.flex_attention(q, k, v, block_mask=create_block_mask(causal, 1, 1, 64, 64, device="cpu")),
      "block_mask was created for"),
+    (lambda q, k, v: tmf.flex_attention(q, k, v, block_mask=create_block_mask(causal, 3, 1, 48, 48, device="cpu")),
+     "block_mask has"),
 ])
 def test_bad_input_names_the_argument(call, match):
     q, k, v = inputs(1, 2, 2, 48, 48, 32, torch.float32)

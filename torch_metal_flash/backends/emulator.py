@@ -91,11 +91,17 @@ class EmulatorBackend:
         return source, kernel, dict(function_constants), grid, tuple(threadgroup), dict(threadgroup_memory)
 
     def encode(self, launches) -> None:
-        """Run ``[(prepared, {index: buffer})]`` in order."""
-        self._local.stats = [self.library(source, constants)[kernel](
-                               buffers=buffers, grid=grid, threadgroup=threadgroup,
-                               threadgroup_memory=tg_memory or None)
-                           for (source, kernel, constants, grid, threadgroup, tg_memory), buffers in launches]
+        """Run ``[(prepared, {index: buffer})]`` in order (the kernels a library has not built
+        yet are built first, together)."""
+        libs = [self.library(source, constants) for (source, _, constants, *_), _ in launches]
+        kernels: dict = {}
+        for lib, ((_, kernel, *_), _) in zip(libs, launches):
+            kernels.setdefault(id(lib), (lib, []))[1].append(kernel)
+        for lib, names in kernels.values():
+            lib.prebuild(names)
+        self._local.stats = [lib[kernel](buffers=buffers, grid=grid, threadgroup=threadgroup,
+                                         threadgroup_memory=tg_memory or None)
+                             for lib, ((_, kernel, _, grid, threadgroup, tg_memory), buffers) in zip(libs, launches)]
 
     def pipeline_info(self, source: str, kernel: str, function_constants: dict) -> dict:
         """The kernel's limits (keys as ``_C.pipeline_info``), cached; builds its library

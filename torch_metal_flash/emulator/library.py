@@ -106,11 +106,26 @@ def _library_lock(path: Path) -> threading.Lock:
         return _library_locks.setdefault(str(path), threading.Lock())
 
 
-# Process-wide caches: each pre-processed source is checked once and built once per mode.
+# Process-wide caches: each pre-processed source is checked once and its kernels built once per mode.
 _pre_cache = LRU("emulator.sources", 64)
 _check_cache = LRU("emulator.checks", 64)
-_build_cache = LRU("emulator.builds", 64)
+_build_cache = LRU("emulator.builds", 64)  # (source, checked, math mode) -> _Builds
 _cache_lock = threading.Lock()
+# A kernel is compiled when it is first launched, with the other kernels of the plan that
+# launches it, while few of its source's kernels are built in that mode (in most modes callers
+# touch a handful of a file's instantiations); past a fifth of them, the rest of the file is
+# compiled at once, in parallel pieces (in its main mode a file's kernels all run sooner or
+# later: one build per piece parses the source once, where a kernel on its own costs about
+# twice its share of a whole build).
+LAZY_FRACTION = 5
+
+
+class _Builds:
+    """The kernels of one source built so far in one mode: host name -> _Build."""
+
+    def __init__(self):
+        self.entries: dict = {}
+        self.lock = threading.Lock()
 
 
 def _norm_defines(defines) -> tuple:
@@ -204,32 +219,59 @@ class Library:
                 "static_threadgroup_memory_length": facts["static_threadgroup_memory_length"],
                 "max_threadgroup_memory_length": 32 * 1024}
 
-    def _build(self, checked: bool) -> dict:
-        """{host name: _Build} for this mode (function constants are set at launch)."""
+    def _builds(self, checked: bool) -> _Builds:
         key = (hashlib.sha256(self._pre_text.encode()).hexdigest(), checked, self.math_mode)
         with _cache_lock:
             builds = _build_cache.get(key)
-        if builds is not None:
-            return builds
-        comp = find_compiler()
-        chunks = _chunks(self.kernel_names)
+            if builds is None:
+                builds = _Builds()
+                _build_cache.put(key, builds)
+        return builds
 
-        def build_chunk(names):
-            pre = self._pre if len(chunks) == 1 else prepass.run(self._pre_text, default_file=self._name,
-                                                                 syntax=_syntax(comp), only=set(names))
-            text = self._checked.text(pre)
-            path = compiler.build_kernel_library(comp, text, self._name, checked, self.math_mode)
+    def prebuild(self, names, checked: Optional[bool] = None) -> _Builds:
+        """Build kernels ``names`` now, together when they are not built yet (see LAZY_FRACTION)."""
+        checked = config.default_checked() if checked is None else bool(checked)
+        builds = self._builds(checked)
+        with builds.lock:
+            missing = [n for n in dict.fromkeys(names) if n not in builds.entries]
+            if missing:
+                if len(builds.entries) + len(missing) > max(4, len(self.kernel_names) // LAZY_FRACTION):
+                    missing = [n for n in self.kernel_names if n not in builds.entries]
+                self._compile(builds, missing, checked)
+        return builds
+
+    def _build_of(self, name: str, checked: bool) -> "_Build":
+        """The build holding kernel ``name``."""
+        return self.prebuild([name], checked).entries[name]
+
+    def _build(self, checked: bool) -> dict:
+        """{host name: _Build} of every kernel, for this mode (function constants are set at launch)."""
+        builds = self._builds(checked)
+        with builds.lock:
+            missing = [n for n in self.kernel_names if n not in builds.entries]
+            if missing:
+                self._compile(builds, missing, checked)
+            return dict(builds.entries)
+
+    def _compile(self, builds: _Builds, names: list, checked: bool) -> None:
+        """Compile kernels ``names`` into ``builds``, in parallel pieces."""
+        comp = find_compiler()
+        whole = len(names) == len(self.kernel_names)
+
+        def build_chunk(chunk):
+            pre = self._pre if whole and len(chunks) == 1 else prepass.run(
+                self._pre_text, default_file=self._name, syntax=_syntax(comp), only=set(chunk))
+            path = compiler.build_kernel_library(comp, self._checked.text(pre), self._name, checked, self.math_mode)
             return _Build(path, pre)
 
+        chunks = _chunks(names)
         if len(chunks) == 1:
             parts = [build_chunk(chunks[0])]
         else:
             with concurrent.futures.ThreadPoolExecutor(len(chunks)) as pool:
                 parts = list(pool.map(build_chunk, chunks))
-        builds = {name: b for b in parts for name in b.entries}
-        with _cache_lock:
-            _build_cache.put(key, builds)
-        return builds
+        for b in parts:
+            builds.entries.update({name: b for name in b.entries})
 
 
 def _syntax(comp):
@@ -287,7 +329,7 @@ def launch(fn: KernelFunction, args, *, grid, threadgroup, threadgroup_memory, o
                            simdgroup_barriers=0, simdgroup_matrix_multiplies=0, tensor_matmuls=0,
                            tensor_matmul_macs=0, atomics=0, fiber_switches=0,
                            seconds=0.0, **stats_kwargs))
-    build = lib._build(checked)[kname]
+    build = lib._build_of(kname, checked)
     entry, infos, kernel = build.entries[kname]
     fc_values = lib._fc_values
     fc_by_name = {fc.name: fc for fc in build.pre.constants}
@@ -422,8 +464,9 @@ def compile_shader(source: Union[str, Path], *, include_dirs=(), defines=None, f
     None (the default): "3.1", the version the package's launcher compiles
     with, or "4.0" for a source that includes the tensor ops (Metal's own
     default is the newest version the OS has).
-    The kernels are built lazily per checked / fast mode, cached in memory
-    and on disk.
+    A kernel is built when first launched (a file's first few kernels on their
+    own, then the rest together: LAZY_FRACTION), per checked / fast mode, cached
+    in memory and on disk.
     """
     math_mode = config.check_math_mode(math_mode)
     if language_version is not None:

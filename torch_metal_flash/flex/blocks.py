@@ -3,60 +3,28 @@
 The forward and dQ kernels take the key-block lists of each query block, the
 dK/dV kernel the query-block lists of each key block.  A threadgroup's rows
 must lie in one row block and a step's tile in one listed block, so the block
-sizes must be multiples of every kernel tile; a BlockMask whose sizes are not
-is coarsened to the least common multiple: a coarse block is full when every
-block inside it is, empty when every one is, else partial (mask_mod is
-evaluated there, so the result is the same, only less sparse).  Lists come as
-int32 tensors on the query's device, broadcast over batch / heads when the
-BlockMask is; nothing is read back to the host.
+sizes must be multiples of every kernel tile (:data:`TILE_MULTIPLE`); a
+BlockMask whose sizes are not is coarsened to the least common multiple: a
+coarse block is full when every block inside it is, empty when every one is,
+else partial (mask_mod is evaluated there, so the result is the same, only
+less sparse).  Lists are int32 tensors on the query's device, broadcast over
+batch / heads when the BlockMask is; nothing is read back to the host.
+
+The BlockMask arrives as torch's flex_attention op takes it
+(``BlockMask.as_tuple()``): the lengths, the eight lists, ..., the two block
+sizes and the mask_mod.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
-from typing import Optional
 
 import torch
 
-from .params import FlexParams
-
-# Block size of the lists built when no BlockMask is given (every block full).
-DEFAULT_BLOCK = 128
-
-
-@dataclasses.dataclass(frozen=True)
-class Lists:
-    """One direction's lists and the FlexParams (packed) that describe them."""
-
-    params: bytes
-    num: torch.Tensor       # (batch, heads, rows)
-    idx: torch.Tensor       # (batch, heads, rows, cols)
-    full_num: torch.Tensor
-    full_idx: torch.Tensor
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelBlocks:
-    q_block: int
-    kv_block: int
-    by_query: Lists  # key blocks of each query block (forward, dQ)
-    by_key: Lists    # query blocks of each key block (dK/dV)
-
-
-def _pack(row_block: int, col_block: int, num, idx, full_num, full_idx) -> Lists:
-    p = FlexParams()
-    p.row_block, p.col_block = row_block, col_block
-    p.batch, p.heads, p.rows = num.shape
-    p.cols = idx.shape[-1]
-    p.has_full = int(full_num is not None)
-    if full_num is None:
-        full_num, full_idx = num, idx  # bound, never read
-    as_i32 = lambda t: t.to(torch.int32).contiguous()  # noqa: E731
-    return Lists(p.to_bytes(), as_i32(num), as_i32(idx), as_i32(full_num), as_i32(full_idx))
+from ..planner.flex import TILE_MULTIPLE
 
 
 def check_block_mask(block_mask, B: int, H: int, Lq: int, Lk: int) -> None:
-    """ValueError unless ``block_mask`` was made for this problem (torch's rule: its lengths, B and H 1 or the problem's)."""
+    """ValueError unless ``block_mask`` was made for this problem (its lengths, B and H 1 or the problem's)."""
     Lq_m, Lk_m = block_mask.seq_lengths
     if (Lq_m, Lk_m) != (Lq, Lk):
         raise ValueError(f"block_mask was created for (Q_LEN, KV_LEN) = {(Lq_m, Lk_m)}, but query and key have "
@@ -67,30 +35,29 @@ def check_block_mask(block_mask, B: int, H: int, Lq: int, Lk: int) -> None:
                          f"heads {H}")
 
 
-def _states(block_mask) -> torch.Tensor:
-    """(Bm, Hm, nQ, nKV) int8: 0 empty, 1 partial, 2 full."""
-    num, idx = block_mask.kv_num_blocks, block_mask.kv_indices
-    n_kv = idx.shape[-1]
-    cols = torch.arange(n_kv, device=idx.device)
+def _states(num, idx, full_num, full_idx) -> torch.Tensor:
+    """(Bm, Hm, rows, blocks) int8: 0 empty, 1 partial, 2 full."""
+    n = idx.shape[-1]
+    cols = torch.arange(n, device=idx.device)
 
     def scatter(num, idx, value):
-        valid = (cols < num.unsqueeze(-1)).to(torch.int8) * value
-        out = torch.zeros(idx.shape[:-1] + (n_kv + 1,), dtype=torch.int8, device=idx.device)
-        # invalid entries go to a spare column (their index may repeat a valid one)
-        where = torch.where(cols < num.unsqueeze(-1), idx.long().clamp(0, n_kv - 1), n_kv)
-        return out.scatter_(-1, where, valid)[..., :n_kv]
+        listed = cols < num.unsqueeze(-1)
+        out = torch.zeros(idx.shape[:-1] + (n + 1,), dtype=torch.int8, device=idx.device)
+        # unlisted entries go to a spare column (their index may repeat a listed one)
+        where = torch.where(listed, idx.long().clamp(0, n - 1), n)
+        return out.scatter_(-1, where, listed.to(torch.int8) * value)[..., :n]
 
     states = scatter(num, idx, 1)
-    if block_mask.full_kv_num_blocks is not None:
-        states = torch.maximum(states, scatter(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, 2))
+    if full_num is not None:
+        states = torch.maximum(states, scatter(full_num, full_idx, 2))
     return states
 
 
-def _coarsen(states: torch.Tensor, fq: int, fk: int, n_q: int, n_kv: int) -> torch.Tensor:
+def _coarsen(states: torch.Tensor, fq: int, fk: int) -> torch.Tensor:
     """Merge fq x fk blocks: full iff all full, empty iff all empty (padding blocks are neutral)."""
     if fq == 1 and fk == 1:
         return states
-    Bm, Hm = states.shape[:2]
+    Bm, Hm, n_q, n_kv = states.shape
     cq, ck = -(-n_q // fq), -(-n_kv // fk)
     pad = (0, ck * fk - n_kv, 0, cq * fq - n_q)
     tiles = lambda t: t.reshape(Bm, Hm, cq, fq, ck, fk).transpose(3, 4).reshape(Bm, Hm, cq, ck, fq * fk)  # noqa
@@ -99,38 +66,29 @@ def _coarsen(states: torch.Tensor, fq: int, fk: int, n_q: int, n_kv: int) -> tor
     return torch.where(all_full, 2, torch.where(any_visible, 1, 0)).to(torch.int8)
 
 
-def _lists(states: torch.Tensor, row_block: int, col_block: int) -> Lists:
-    """Lists of the (.., rows, cols) states, visible blocks in increasing order."""
-    def ordered(sel):
-        num = sel.sum(-1, dtype=torch.int32)
-        idx = torch.argsort(sel.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
-        return num, idx
-    num, idx = ordered(states == 1)
-    full_num, full_idx = ordered(states == 2)
-    return _pack(row_block, col_block, num, idx, full_num, full_idx)
+def _lists(states: torch.Tensor) -> list:
+    """(num, idx, full_num, full_idx) of (..., rows, blocks) states, blocks in increasing order."""
+    out = []
+    for state in (1, 2):
+        sel = states == state
+        out.append(sel.sum(-1, dtype=torch.int32))
+        out.append(torch.argsort(sel.to(torch.int32), dim=-1, descending=True, stable=True).to(torch.int32))
+    return out
 
 
-def kernel_blocks(block_mask, B: int, H: int, Lq: int, Lk: int, q_tile: int, kv_tile: int,
-                  device: torch.device) -> KernelBlocks:
-    """The lists of ``block_mask`` (None: every block visible) for kernels whose query
-    tiles divide ``q_tile`` and key tiles divide ``kv_tile``."""
-    if block_mask is None:
-        q_block = kv_block = math.lcm(DEFAULT_BLOCK, q_tile, kv_tile)
-        n_q, n_kv = -(-Lq // q_block), -(-Lk // kv_block)
-        states = torch.full((1, 1, max(n_q, 1), max(n_kv, 1)), 2, dtype=torch.int8, device=device)
-    else:
-        check_block_mask(block_mask, B, H, Lq, Lk)
-        bq, bk = block_mask.BLOCK_SIZE
-        q_block, kv_block = math.lcm(bq, q_tile), math.lcm(bk, kv_tile)
-        m = block_mask
-        if (q_block, kv_block) == (bq, bk) and m.q_num_blocks is not None:  # the BlockMask's own lists
-            on = lambda t: None if t is None else t.to(device)  # noqa: E731
-            return KernelBlocks(q_block, kv_block,
-                                _pack(bq, bk, on(m.kv_num_blocks), on(m.kv_indices), on(m.full_kv_num_blocks),
-                                      on(m.full_kv_indices)),
-                                _pack(bk, bq, on(m.q_num_blocks), on(m.q_indices), on(m.full_q_num_blocks),
-                                      on(m.full_q_indices)))
-        states = _states(block_mask).to(device)
-        states = _coarsen(states, q_block // bq, kv_block // bk, states.shape[2], states.shape[3])
-    return KernelBlocks(q_block, kv_block, _lists(states, q_block, kv_block),
-                        _lists(states.transpose(-1, -2), kv_block, q_block))
+def kernel_lists(block_mask: tuple) -> tuple[list, list]:
+    """(the 8 list tensors, [query block, key block, has_full]) of a BlockMask tuple, its block
+    sizes multiples of :data:`TILE_MULTIPLE` (coarsened when they are not)."""
+    kv = list(block_mask[2:6])
+    qs = list(block_mask[6:10])
+    bq, bk = int(block_mask[-3]), int(block_mask[-2])
+    q_block, kv_block = math.lcm(bq, TILE_MULTIPLE), math.lcm(bk, TILE_MULTIPLE)
+    if (q_block, kv_block) == (bq, bk) and qs[0] is not None:  # the BlockMask's own lists
+        has_full = kv[2] is not None and qs[2] is not None
+        if not has_full:
+            kv[2:], qs[2:] = kv[:2], qs[:2]  # bound, never read
+        lists = [t.to(torch.int32).contiguous() for t in kv + qs]
+        return lists, [q_block, kv_block, int(has_full)]
+    states = _coarsen(_states(*kv), q_block // bq, kv_block // bk)
+    lists = _lists(states) + _lists(states.transpose(-1, -2))
+    return [t.contiguous() for t in lists], [q_block, kv_block, 1]

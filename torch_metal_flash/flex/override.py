@@ -22,6 +22,7 @@ import contextlib
 import threading
 from typing import Iterator
 
+import torch
 from torch.nn.attention import flex_attention as torch_flex
 
 from .. import backends
@@ -31,18 +32,19 @@ _original = torch_flex.flex_attention
 _lock = threading.Lock()
 
 
-def _serves(query) -> bool:
+@torch._dynamo.assume_constant_result  # torch.compile decides once, when it traces the call
+def _serves(device_type: str) -> bool:
     name = backends.requested()
     if name == "auto":
-        name = "metal" if query.device.type == "mps" else "reference"
-    return (name, query.device.type) in (("metal", "mps"), ("emulator", "cpu"))
+        name = "metal" if device_type == "mps" else "reference"
+    return (name, device_type) in (("metal", "mps"), ("emulator", "cpu"))
 
 
 def _routed(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False, return_lse=False,
             kernel_options=None, *, return_aux=None):
     wants_lse_only = return_aux is None or (getattr(return_aux, "lse", False)
                                             and not getattr(return_aux, "max_scores", False))
-    if not _serves(query) or not wants_lse_only:
+    if not _serves(query.device.type) or not wants_lse_only:
         return _original(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse, kernel_options,
                          return_aux=return_aux)
     if return_aux is not None:
