@@ -126,14 +126,17 @@ inline uint block_scores(thread simdgroup_float8x8* S, const thread simdgroup_fl
   const bool flex_elements = kFlex && (FLEX_HAS_SCORE_MOD || (FLEX_HAS_MASK_MOD && !full));
   if (has_softcap || has_alibi || has_mask || need_bounds || need_band || flex_elements) {
     const flash::ScoreFeatures feat{has_softcap, has_alibi, has_mask, mask_kind};
+    // the parameters once per block, not per element (constant-buffer reads)
+    const float softcap = has_softcap ? p.softcap : 0.0f;
+    const long m_stride_k = has_mask ? p.m_stride_k : 0;
     for (int kk = 0; kk < NK; ++kk) {
       for (int e = 0; e < 2; ++e) {
         const int j = kb + kk * 8 + fc.col + e;
         bool vis = true;
         if (need_bounds) vis = j < lk;
         if (need_band) vis = vis && band.visible(i, j);
-        float s = flash::transform_score(S[kk].thread_elements()[e], i, j, band.diag, slope, p.softcap, feat,
-                                         mask, mask_row + long(j) * p.m_stride_k, row_ok, vis).s;
+        float s = flash::transform_score(S[kk].thread_elements()[e], i, j, band.diag, slope, softcap, feat,
+                                         mask, mask_row + long(j) * m_stride_k, row_ok, vis).s;
         float unused;
         if (kFlex && row_ok) s = flash::flex_score<false>(s, b, h, i, j, full, cap, vis, unused);
         S[kk].thread_elements()[e] = vis ? s : -FLT_MAX;

@@ -91,8 +91,8 @@ class EmulatorBackend:
         return source, kernel, dict(function_constants), grid, tuple(threadgroup), dict(threadgroup_memory)
 
     def encode(self, launches) -> None:
-        """Run ``[(prepared, {index: buffer})]`` in order (the kernels a library has not built
-        yet are built first, together)."""
+        """Run ``[(prepared, {index: buffer})]`` in order (the kernels not built yet are built
+        first, in parallel)."""
         libs = [self.library(source, constants) for (source, _, constants, *_), _ in launches]
         kernels: dict = {}
         for lib, ((_, kernel, *_), _) in zip(libs, launches):

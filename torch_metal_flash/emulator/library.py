@@ -111,12 +111,12 @@ _pre_cache = LRU("emulator.sources", 64)
 _check_cache = LRU("emulator.checks", 64)
 _build_cache = LRU("emulator.builds", 64)  # (source, checked, math mode) -> _Builds
 _cache_lock = threading.Lock()
-# A kernel is compiled when it is first launched, with the other kernels of the plan that
-# launches it, while few of its source's kernels are built in that mode (in most modes callers
-# touch a handful of a file's instantiations); past a fifth of them, the rest of the file is
-# compiled at once, in parallel pieces (in its main mode a file's kernels all run sooner or
-# later: one build per piece parses the source once, where a kernel on its own costs about
-# twice its share of a whole build).
+# A kernel is compiled when it is first launched, on its own, while few of its source's kernels
+# are built in that mode (most modes touch a handful of a file's instantiations); past a fifth
+# of them, the whole file is compiled at once, in parallel pieces (in its main mode a file's
+# kernels all run sooner or later: one build per piece parses the source once, where a kernel
+# on its own costs about twice its share of a whole build).  Either way a build's text does
+# not depend on the order kernels are met in, so every process shares it through the disk cache.
 LAZY_FRACTION = 5
 
 
@@ -229,15 +229,15 @@ class Library:
         return builds
 
     def prebuild(self, names, checked: Optional[bool] = None) -> _Builds:
-        """Build kernels ``names`` now, together when they are not built yet (see LAZY_FRACTION)."""
+        """Build kernels ``names`` now, those not built yet each on its own, or the whole file
+        once few would not be left out (see LAZY_FRACTION)."""
         checked = config.default_checked() if checked is None else bool(checked)
         builds = self._builds(checked)
         with builds.lock:
             missing = [n for n in dict.fromkeys(names) if n not in builds.entries]
             if missing:
-                if len(builds.entries) + len(missing) > max(4, len(self.kernel_names) // LAZY_FRACTION):
-                    missing = [n for n in self.kernel_names if n not in builds.entries]
-                self._compile(builds, missing, checked)
+                whole = len(builds.entries) + len(missing) > max(4, len(self.kernel_names) // LAZY_FRACTION)
+                self._compile(builds, [self.kernel_names] if whole else [[n] for n in missing], checked)
         return builds
 
     def _build_of(self, name: str, checked: bool) -> "_Build":
@@ -246,29 +246,24 @@ class Library:
 
     def _build(self, checked: bool) -> dict:
         """{host name: _Build} of every kernel, for this mode (function constants are set at launch)."""
-        builds = self._builds(checked)
-        with builds.lock:
-            missing = [n for n in self.kernel_names if n not in builds.entries]
-            if missing:
-                self._compile(builds, missing, checked)
-            return dict(builds.entries)
+        return dict(self.prebuild(self.kernel_names, checked).entries)
 
-    def _compile(self, builds: _Builds, names: list, checked: bool) -> None:
-        """Compile kernels ``names`` into ``builds``, in parallel pieces."""
+    def _compile(self, builds: _Builds, groups: list, checked: bool) -> None:
+        """Compile each group of kernels (a list of host names: one kernel, or the whole file
+        in parallel pieces) into ``builds``."""
         comp = find_compiler()
-        whole = len(names) == len(self.kernel_names)
 
         def build_chunk(chunk):
-            pre = self._pre if whole and len(chunks) == 1 else prepass.run(
+            pre = self._pre if len(chunk) == len(self.kernel_names) else prepass.run(
                 self._pre_text, default_file=self._name, syntax=_syntax(comp), only=set(chunk))
             path = compiler.build_kernel_library(comp, self._checked.text(pre), self._name, checked, self.math_mode)
             return _Build(path, pre)
 
-        chunks = _chunks(names)
-        if len(chunks) == 1:
-            parts = [build_chunk(chunks[0])]
+        chunks = [c for names in groups for c in (_chunks(names) if len(names) > 1 else [names])]
+        if len(chunks) <= 1:
+            parts = [build_chunk(c) for c in chunks]
         else:
-            with concurrent.futures.ThreadPoolExecutor(len(chunks)) as pool:
+            with concurrent.futures.ThreadPoolExecutor(min(len(chunks), config.default_workers())) as pool:
                 parts = list(pool.map(build_chunk, chunks))
         for b in parts:
             builds.entries.update({name: b for name in b.entries})
@@ -464,9 +459,9 @@ def compile_shader(source: Union[str, Path], *, include_dirs=(), defines=None, f
     None (the default): "3.1", the version the package's launcher compiles
     with, or "4.0" for a source that includes the tensor ops (Metal's own
     default is the newest version the OS has).
-    A kernel is built when first launched (a file's first few kernels on their
-    own, then the rest together: LAZY_FRACTION), per checked / fast mode, cached
-    in memory and on disk.
+    A kernel is built when first launched (a file's first few kernels each on
+    its own, then the whole file: LAZY_FRACTION), per checked / fast mode,
+    cached in memory and on disk.
     """
     math_mode = config.check_math_mode(math_mode)
     if language_version is not None:
