@@ -246,19 +246,22 @@ template <typename T, int BD, int BQ, int BK, bool SHARED_KV>
                                             : flash::InnerSteps::range(0, 0, BK);
   const flex::Captured cap = FLEX_CAPTURED;
 
-  // Plain locals (the tile loader takes them as arguments).
+  // Plain locals (the tile loader takes them as arguments; parameters read once, not per step).
   const bool cols_aligned = dims_aligned;
   const bool vec_ok = kv_vec_aligned;
+  const long k_stride_b = p.k_stride_b, k_stride_l = p.k_stride_l;
+  const long v_stride_b = p.v_stride_b, v_stride_l = p.v_stride_l;
+  const int head_dim = p.head_dim, head_dim_v = p.head_dim_v;
   for (int t = 0; t < steps.count; ++t) {
     bool full;
     const int kb = steps.at(t, full);
     if (kFlex && (kb < 0 || kb >= Lk)) continue;  // uniform: past the keys of a last, partial block
     const int k_valid = Lk - kb;
-    fwd_detail::load_keys<T, BK, BD, NT>(Ks, LD, kh, p.k_stride_b, p.k_stride_l, sq.k0, bt_row, p, kb, k_valid,
-                                        p.head_dim, cols_aligned, vec_ok, ushort(tid));
+    fwd_detail::load_keys<T, BK, BD, NT>(Ks, LD, kh, k_stride_b, k_stride_l, sq.k0, bt_row, p, kb, k_valid, head_dim,
+                                        cols_aligned, vec_ok, ushort(tid));
     if (!SHARED_KV) {
-      fwd_detail::load_keys<T, BK, BD, NT>(Vs, LD, vh, p.v_stride_b, p.v_stride_l, sq.k0, bt_row, p, kb, k_valid,
-                                          p.head_dim_v, cols_aligned, vec_ok, ushort(tid));
+      fwd_detail::load_keys<T, BK, BD, NT>(Vs, LD, vh, v_stride_b, v_stride_l, sq.k0, bt_row, p, kb, k_valid,
+                                          head_dim_v, cols_aligned, vec_ok, ushort(tid));
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
@@ -294,8 +297,8 @@ template <typename T, int BD, int BQ, int BK, bool SHARED_KV>
 
     if (SHARED_KV) {  // every simdgroup is done with K: bring V into the same buffer
       threadgroup_barrier(mem_flags::mem_threadgroup);
-      fwd_detail::load_keys<T, BK, BD, NT>(Vs, LD, vh, p.v_stride_b, p.v_stride_l, sq.k0, bt_row, p, kb, k_valid,
-                                          p.head_dim_v, cols_aligned, vec_ok, ushort(tid));
+      fwd_detail::load_keys<T, BK, BD, NT>(Vs, LD, vh, v_stride_b, v_stride_l, sq.k0, bt_row, p, kb, k_valid,
+                                          head_dim_v, cols_aligned, vec_ok, ushort(tid));
       threadgroup_barrier(mem_flags::mem_threadgroup);
     }
 
