@@ -76,18 +76,6 @@ def _portable_inputs(request, monkeypatch):
     monkeypatch.setattr(torch.Tensor, "normal_", _normal_)
 
 
-# The longest files (each a few minutes of compiling and running): run first, so that with
-# parallel workers (pytest-xdist, whole files per worker) none of them starts last.
-LONG_FILES = ("tests/tooling/test_tuning.py", "tests/tooling/test_packaging.py", "tests/flex/",
-              "tests/tooling/test_cross_build.py", "tests/kernels/test_backward_kernels.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    def rank(item):
-        return next((i for i, f in enumerate(LONG_FILES) if item.nodeid.startswith(f)), len(LONG_FILES))
-    items.sort(key=rank)  # stable: a file's tests keep their order
-
-
 def pytest_configure(config):
     from torch_metal_flash import core
     core.load()
