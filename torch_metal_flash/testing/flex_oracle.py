@@ -30,7 +30,7 @@ from typing import Callable, Optional
 import torch
 from torch.nn.attention import flex_attention as torch_flex
 
-from .oracle import SATURATED, UNIT_ROUNDOFF, Arith, allowed_error
+from .oracle import SATURATED, Arith, error_budget
 
 
 @dataclasses.dataclass
@@ -201,7 +201,6 @@ def flex_errors(q, mods: FlexMods, got: dict, reference: tuple) -> dict:
     """{name: (error, allowed)} of results ``got`` ({"out", "lse", "dq", "dk", "dv",
     "dcaptured": [per captured tensor or None]}) against ``reference`` (:func:`flex_reference`),
     per the rule: the worst element of each (of each captured tensor, "dcaptured<i>")."""
-    from .oracle import error_budget
     ref, low = reference
     dtype = q.dtype
     out = {}
@@ -214,26 +213,13 @@ def flex_errors(q, mods: FlexMods, got: dict, reference: tuple) -> dict:
                 if (want is None) != (g is None):
                     raise AssertionError(f"dcaptured[{i}]: got {'a gradient' if g is not None else 'none'}, "
                                          f"expected {'one' if want is not None else 'none'}")
-                cap = mods.captured[i].dtype
-                err, allowed = _captured_budget(g, want, low.dcaptured[i], ref.magnitude["dcaptured"][i], dtype, cap)
-                out[f"dcaptured{i}"] = (err, allowed)
+                # the attention's rule, plus the final rounding to the tensor's own dtype
+                out[f"dcaptured{i}"] = error_budget(f"dcaptured{i}", g, want, low.dcaptured[i],
+                                                    ref.magnitude["dcaptured"][i], dtype,
+                                                    result_dtype=mods.captured[i].dtype)
             continue
         out[name] = error_budget(name, value, getattr(ref, name), getattr(low, name), ref.magnitude[name], dtype)
     return out
-
-
-def _captured_budget(got, ref64, plain, magnitude, dtype, captured_dtype) -> tuple:
-    """The rule for a captured tensor's gradient: the attention's accumulator and floor, plus
-    the final rounding to the tensor's dtype when it is narrower than float32."""
-    got, ref64 = got.detach().cpu().double(), ref64.detach().double()
-    if got.shape != ref64.shape:
-        raise AssertionError(f"dcaptured: shape {tuple(got.shape)} != reference {tuple(ref64.shape)}")
-    allowed = allowed_error("dcaptured", ref64, plain, magnitude, dtype).view(-1)
-    if captured_dtype in (torch.float16, torch.bfloat16):
-        allowed = allowed + UNIT_ROUNDOFF[captured_dtype] * ref64.abs().view(-1)
-    err = (got - ref64).abs().view(-1)
-    worst = torch.where(allowed > 0, err / allowed, torch.where(err > 0, math.inf, 0.0)).argmax()
-    return err[worst].item(), allowed[worst].item()
 
 
 def check_flex(q, mods: FlexMods, got: dict, reference: tuple) -> None:

@@ -357,9 +357,12 @@ def plain_attention(spec: AttentionSpec, dtype: torch.dtype, dout: Optional[torc
 # The rule.
 # ---------------------------------------------------------------------------
 def allowed_error(name: str, ref64: torch.Tensor, plain: torch.Tensor, magnitude: torch.Tensor,
-                  dtype: torch.dtype, rounded: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  dtype: torch.dtype, rounded: Optional[torch.Tensor] = None,
+                  result_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """The rule's allowed error at each finite element of ``ref64`` (flattened);
-    ``rounded``: the intermediates a composite rounds to ``dtype``, carried to the result."""
+    ``rounded``: the intermediates a composite rounds to ``dtype``, carried to the result;
+    ``result_dtype``: what the result is rounded to when not the inputs' dtype (out, dq, dk,
+    dv) or float32 (the other results), e.g. a captured tensor's gradient in its own dtype."""
     ref64, plain = (t.detach().cpu().to(torch.float64) for t in (ref64, plain))
     magnitude = magnitude.detach().cpu().to(torch.float64).expand(ref64.shape)
     finite = torch.isfinite(ref64)
@@ -367,17 +370,19 @@ def allowed_error(name: str, ref64: torch.Tensor, plain: torch.Tensor, magnitude
     u_acc = UNIT_ROUNDOFF[torch.float64 if dtype == torch.float64 else torch.float32]
     u_oracle = UNIT_ROUNDOFF[torch.float64]  # the oracle's own rounding (as large as u_acc for float64 inputs)
     allowed = 2 * base + FLOOR_ROUNDINGS * (u_acc + u_oracle) * magnitude[finite]
-    if dtype in (torch.float16, torch.bfloat16) and name in ("out", "dq", "dk", "dv"):
+    if result_dtype is None:
+        result_dtype = dtype if name in ("out", "dq", "dk", "dv") else torch.float32
+    if result_dtype in (torch.float16, torch.bfloat16):
         carried = 0.0 if rounded is None else rounded.detach().cpu().to(torch.float64).expand(ref64.shape)[finite]
-        allowed = allowed + UNIT_ROUNDOFF[dtype] * (ref64[finite].abs() + carried)
+        allowed = allowed + UNIT_ROUNDOFF[result_dtype] * (ref64[finite].abs() + carried)
     return allowed
 
 
 def error_budget(name: str, got: torch.Tensor, ref64: torch.Tensor, plain: torch.Tensor,
-                 magnitude: torch.Tensor, dtype: torch.dtype,
-                 rounded: Optional[torch.Tensor] = None) -> tuple[float, float]:
-    """(error, allowed) per the rule at the element where error / allowed is
-    largest; infinities must match exactly.  The floor is per element (a row
+                 magnitude: torch.Tensor, dtype: torch.dtype, rounded: Optional[torch.Tensor] = None,
+                 result_dtype: Optional[torch.dtype] = None) -> tuple[float, float]:
+    """(error, allowed) per the rule (:func:`allowed_error`) at the element where error / allowed
+    is largest; infinities must match exactly.  The floor is per element (a row
     of huge scores, e.g. a finfo.min mask, widens no other row's budget)."""
     got, ref64 = (t.detach().cpu().to(torch.float64) for t in (got, ref64))
     if got.shape != ref64.shape:
@@ -391,7 +396,7 @@ def error_budget(name: str, got: torch.Tensor, ref64: torch.Tensor, plain: torch
     if not finite.any():
         return 0.0, 0.0
     err = (got - ref64)[finite].abs()
-    allowed = allowed_error(name, ref64, plain, magnitude, dtype, rounded)
+    allowed = allowed_error(name, ref64, plain, magnitude, dtype, rounded, result_dtype)
     worst = torch.where(allowed > 0, err / allowed, torch.where(err > 0, math.inf, 0.0)).argmax()
     return err[worst].item(), allowed[worst].item()
 
