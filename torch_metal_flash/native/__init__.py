@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import importlib
 import sys
+import warnings
 from typing import Optional
 
 import torch
@@ -30,8 +31,9 @@ from .targets import TORCH_NEWEST, TORCH_OLDEST, TORCH_REQUIREMENT, torch_minor
 REBUILD = "pip install --no-build-isolation --force-reinstall --no-deps ."
 
 
-def unsupported_torch(version: str = torch.__version__) -> Optional[str]:
-    """Why ``version`` is outside the torch range the package supports, or None."""
+def unsupported_torch(version: Optional[str] = None) -> Optional[str]:
+    """Why ``version`` (default: the running torch's) is outside the supported range, or None."""
+    version = version or torch.__version__
     if TORCH_OLDEST <= torch_minor(version) <= TORCH_NEWEST:
         return None
     return (f"torch_metal_flash supports {TORCH_REQUIREMENT} (torch {TORCH_OLDEST[0]}.{TORCH_OLDEST[1]} to "
@@ -39,8 +41,22 @@ def unsupported_torch(version: str = torch.__version__) -> Optional[str]:
             f"Install a supported torch: pip install \"{TORCH_REQUIREMENT}\"")
 
 
-def stale_build(record: dict, running: str = torch.__version__) -> Optional[str]:
-    """Why a prebuilt ``_C`` with this build record must not be loaded by ``running`` torch, or None."""
+def check_torch() -> None:
+    """At import: a torch older than the range cannot run the package (ImportError saying so);
+    a newer one is untested (one warning, so that a later failure is read with it)."""
+    why = unsupported_torch(torch.__version__)
+    if why is None:
+        return
+    if torch_minor(torch.__version__) < TORCH_OLDEST:
+        raise ImportError(why)
+    warnings.warn(f"{why} (torch {torch.__version__} is newer than the package was tested with; "
+                  f"errors may follow)", UserWarning, stacklevel=3)
+
+
+def stale_build(record: dict, running: Optional[str] = None) -> Optional[str]:
+    """Why a prebuilt ``_C`` with this build record must not be loaded by ``running`` torch
+    (default: the running one), or None."""
+    running = running or torch.__version__
     built = record.get("torch")
     if not built or record.get("extension") is not True or torch_minor(built) == torch_minor(running):
         return None

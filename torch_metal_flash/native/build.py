@@ -66,7 +66,7 @@ def cxx_standard() -> str:
 
 def compile_flags(target: targets.Target) -> list:
     include = Path(torch.__file__).parent / "include"
-    return [cxx_standard(), "-DNDEBUG", *targets.DEFINES, f"-DTORCH_EXTENSION_NAME={target.module}",
+    return [cxx_standard(), "-O2", "-fPIC", "-DNDEBUG", *targets.DEFINES, f"-DTORCH_EXTENSION_NAME={target.module}",
             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", *target.compile_flags,
             "-isystem", str(include), "-isystem", str(include / "torch" / "csrc" / "api" / "include"),
             "-isystem", sysconfig.get_paths()["include"]]

@@ -66,7 +66,7 @@ def _core_sources(csrc: Path) -> list[str]:
 
 def core(csrc: Path) -> Target:
     """The C++ op core as a module of its own (no Metal encoder)."""
-    return Target("_tmf_core", tuple(_core_sources(csrc) + ["core/module.cpp"]), ("-O2", "-fPIC", "-w"))
+    return Target("_tmf_core", tuple(_core_sources(csrc) + ["core/module.cpp"]), ("-w",))
 
 
 def launcher(csrc: Path) -> Target:
