@@ -132,7 +132,9 @@ def find_wheel(version: str) -> Path:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--platform",
            "macosx_14_0_arm64", "--python-version", f"{sys.version_info.major}.{sys.version_info.minor}",
            f"torch=={version}", "-d", str(CACHE / "wheels")]
-    result = subprocess.run(cmd, capture_output=True, text=True)
+    # One exact wheel for another platform: a site constraint file capping installable torch releases
+    # (pip's `constraint` setting) is not meant for it.
+    result = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PIP_CONSTRAINT=os.devnull))
     hits = sorted((CACHE / "wheels").glob(_wheel_glob(version)))
     if result.returncode or not hits:
         raise CrossBuildError("wheel", f"`{' '.join(cmd)}` failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
