@@ -38,7 +38,7 @@ PYTHON_APIS = {
     "torch.backends.mps.is_built": ("torch/backends/mps/__init__.py", "def is_built("),
     "torch.utils.weak.WeakIdKeyDictionary": ("torch/utils/weak.py", "class WeakIdKeyDictionary"),
     "torch.overrides.TorchFunctionMode": ("torch/overrides.py", "class TorchFunctionMode"),
-    "torch._C.DisableTorchFunction": ("torch/_C/__init__.pyi", "class DisableTorchFunction"),
+    "torch._C.DisableTorchFunction": ("torch/_C/__init__.pyi", "def DisableTorchFunction("),
 }
 
 

@@ -110,3 +110,17 @@ def test_the_first_use_launcher_build_compiles_the_launcher_target():
     assert args["extra_compile_args"]["cxx"] == list(target.compile_flags)
     flags = build.compile_flags(target)
     assert "-DTORCH_EXTENSION_NAME=_C" in flags and set(target.compile_flags) <= set(flags)
+
+
+def test_a_core_build_failing_under_a_torch_outside_the_range_says_so_in_one_line(monkeypatch):
+    monkeypatch.setattr(native.torch, "__version__", "2.16.0")
+    monkeypatch.setattr(native, "launcher", lambda: None)
+
+    def fail():
+        raise RuntimeError("compiling torch_metal_flash._tmf_core (core.cpp) failed:\n" + "core.cpp:1: error\n" * 50)
+    monkeypatch.setattr(build, "load_core", fail)
+    with pytest.raises(RuntimeError) as info:
+        native.core_extension()
+    message = str(info.value)
+    assert message.startswith("torch_metal_flash supports torch>=2.10,<2.16") and "\n" not in message
+    assert "(building the C++ op core against it failed: compiling torch_metal_flash._tmf_core" in message

@@ -130,4 +130,11 @@ def core_extension():
     if ext is not None and hasattr(ext, "core"):
         return ext
     from . import build
-    return build.load_core()
+    try:
+        return build.load_core()
+    except Exception as e:
+        outside = unsupported_torch()
+        if outside is None:
+            raise
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise RuntimeError(f"{outside} (building the C++ op core against it failed: {first})") from None
