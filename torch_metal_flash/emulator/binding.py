@@ -5,8 +5,9 @@ explicitly.  Values: a CPU ``torch.Tensor`` (any dtype, at its storage offset;
 the bound extent is its view, first to last element), a numpy array, ``bytes``
 / ``bytearray`` / ``memoryview`` / a ctypes object (raw bytes, e.g. a packed
 params struct), or a Python ``int`` / ``float`` / ``bool`` converted to the
-declared type of the parameter (``constant T&``).  ``None`` leaves a buffer
-unbound (allowed only for buffers gated off by a function constant).
+declared type of the parameter (``constant T&``).  ``None`` (or no binding)
+leaves a buffer unbound: a kernel that never accesses it runs, as on Metal;
+an access through it is a LaunchError naming the argument.
 """
 from __future__ import annotations
 
