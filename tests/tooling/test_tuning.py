@@ -281,7 +281,8 @@ def test_corrupt_cache_gives_one_warning_and_the_defaults(tuning_cache, content,
 
 def test_stale_or_wrong_entries_are_not_used(tuning_cache):
     key = dict(op="fwd", part="fwd", dtype="f16", head_dim=64, head_dim_v=64, features="causal", seq="q256_k256")
-    machine = dict(gpu="emulator-apple8", os=__import__("platform").system(), package=tmf.__version__)
+    machine = dict(gpu="emulator-apple8", os=__import__("platform").system(), package=tmf.__version__,
+                   torch=torch.__version__)
     entries = [{**key, **machine, "package": "0.0.1", "variant": "flash_fwd_f16_d64_q64_k32"}]
     tuning_cache.write_text(json.dumps({"format": 1, "entries": entries}))
     with pytest.warns(tuning.TuningCacheWarning, match="another GPU, OS or package version"):
@@ -429,7 +430,8 @@ def test_doctor_reports_tuned_or_not_and_the_choices_in_force(tuning_cache):
     assert tuned.startswith("not tuned: the apple8 defaults") and str(tuning_cache) in tuned
     assert all(row[-1] == "default" for row in rows)
     key = dict(op="fwd", part="fwd", dtype="f16", head_dim=64, head_dim_v=64, features="causal", seq="q1K_k1K")
-    machine = dict(gpu="emulator-apple8", os=__import__("platform").system(), package=tmf.__version__)
+    machine = dict(gpu="emulator-apple8", os=__import__("platform").system(), package=tmf.__version__,
+                   torch=torch.__version__)
     tuning_cache.write_text(json.dumps({"format": 1, "entries": [{**key, **machine,
                                                                    "variant": "flash_fwd_f16_d64_q64_k32"}]}))
     tuning.reload()

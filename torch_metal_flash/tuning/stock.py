@@ -59,11 +59,12 @@ class _PeakBytes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for ptr in [p for p, (ref, _) in self.live.items() if ref.expired()]:
             del self.live[ptr]
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 storage = t.untyped_storage()
                 ptr = storage.data_ptr()
-                if ptr and ptr not in self.live:
+                if ptr and ptr not in self.live and ptr not in inputs:  # views and in-place results are not new
                     self.live[ptr] = (StorageWeakRef(storage), storage.nbytes())
         self.peak = max(self.peak, sum(n for _, n in self.live.values()))
         return out
