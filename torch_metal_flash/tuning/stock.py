@@ -15,6 +15,7 @@ the tuned problem before torch would crowd the working set.  See docs/tuning.md.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Callable, Optional
 
@@ -110,10 +111,21 @@ def torch_runner(problem: dict, device: torch.device, backward: bool) -> Callabl
     dout = torch.randn(B, H, Lq, Dv, generator=g).to(dtype).to(device)
 
     def forward_backward():
-        with torch.enable_grad():  # also inside a backward pass (autotuning)
+        with torch.enable_grad(), _autograd_dispatch():  # also inside an op's backward (autotuning)
             out = original_sdpa(q, k, v, is_causal=causal, enable_gqa=H != Hkv)
             return torch.autograd.grad(out, (q, k, v), dout)
     return forward_backward
+
+
+def _autograd_dispatch():
+    """Autograd back on when the caller runs below it (an op's kernel planning on a miss
+    excludes the autograd dispatch keys for everything it calls)."""
+    keys = torch._C.DispatchKey
+    excluded = torch._C._dispatch_tls_local_exclude_set()
+    if not excluded.has(keys.AutogradFunctionality) and not excluded.has(keys.ADInplaceOrView):
+        return contextlib.nullcontext()
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(),
+                                           excluded.remove(keys.AutogradFunctionality).remove(keys.ADInplaceOrView))
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
