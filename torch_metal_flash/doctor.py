@@ -39,7 +39,6 @@ import torch_metal_flash as tmf
 from . import backends, native, progress
 from ._paths import build_info, is_nax_source
 from .backends import metal
-from .faces import functional
 from .planner import variants
 from .problem.spec import make_spec
 from .testing import error_budget, forward_reference, grad_errors, randn
@@ -398,12 +397,6 @@ def _ms(fn, device, iters: int) -> float:
     return (time.perf_counter() - start) / iters * 1e3
 
 
-def _kernels_sdpa(q, k, v, is_causal, enable_gqa):
-    """Our SDPA on the kernels, whatever the class's route (the route is what is compared)."""
-    checked = functional._sdpa_checks(q, k, v, None, 0.0, is_causal, None, enable_gqa)
-    return functional.sdpa_checked(q, k, v, None, checked)
-
-
 def _kernel_names(op: str, q, v, causal: bool) -> str:
     """The kernels in force for the class (forced, tuned or the family's default), even where it is routed to torch."""
     from . import tuning
@@ -445,8 +438,8 @@ def run_timing(name, device, full: bool, out=print) -> tuple[list, list]:
                 op, _ = face_stock.op_class(q, k, v, None, 0.0, causal)
                 kernels = _kernel_names(op, q, v, causal)
                 route = "torch" if face_stock.takes_torch(None, q, k, v, None, 0.0, causal) else "kernels"
-                ours = _ms(call(_kernels_sdpa), device, iters)
-                ours_peak = stock.peak_bytes(call(_kernels_sdpa))
+                ours = _ms(call(face_stock.kernels_sdpa), device, iters)
+                ours_peak = stock.peak_bytes(call(face_stock.kernels_sdpa))
             theirs = _ms(call(F.scaled_dot_product_attention), device, iters)
             theirs_peak = stock.peak_bytes(call(F.scaled_dot_product_attention))
         except Exception as exc:  # noqa: BLE001
