@@ -414,7 +414,7 @@ def run_timing(name, device, full: bool, out=print) -> tuple[list, list]:
     """(rows, failures): per case our kernels against F.scaled_dot_product_attention, as
     ``tune``'s table (tuning/cli.py ROUTE_HEADER): ms, speed-up, peak memory of each, the route."""
     from .faces import stock as face_stock
-    from .tuning import stock
+    from .tuning import cli, stock
     dtype = torch.float16
     sizes = [(1, 16, 16, 1024, 1024, 64), (1, 16, 16, 4096, 4096, 64), (1, 16, 16, 2048, 2048, 128)] if full \
         else [(1, 2, 2, 64, 64, 32)]
@@ -447,13 +447,13 @@ def run_timing(name, device, full: bool, out=print) -> tuple[list, list]:
             rows.append((label, "error") + ("",) * (len(TIMING_HEADER) - 2))
             continue
         rows.append((label, kernels, f"{ours:.3f}", f"{theirs:.3f}", f"{theirs / ours:.2f}x",
-                     f"{ours_peak / 2**20:.1f}", f"{theirs_peak / 2**20:.1f}", route))
+                     cli.size(ours_peak), cli.size(theirs_peak), route))
         out(f"  {label}: {ours:.3f} ms (torch {theirs:.3f} ms), route: {route}")
     return rows, failures
 
 
 TIMING_HEADER = ("case", "kernel in force", "kernel ms", "torch ms", "speed-up (torch ms / kernel ms)",
-                 "kernel peak MiB", "torch peak MiB", "route")
+                 "kernel peak", "torch peak", "route")
 
 
 # ---------------------------------------------------------------------------

@@ -64,13 +64,16 @@ def progress_reporter(description: str = "tuning"):
     return report
 
 
-def _mib(nbytes) -> str:
-    return "—" if nbytes is None else f"{nbytes / 2**20:.1f}"
+def size(nbytes) -> str:
+    """Bytes as a person reads them (KiB under 1 MiB)."""
+    if nbytes is None:
+        return "—"
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 1024:.1f} KiB"
 
 
 def route_rows(results: list) -> list:
     """One row per problem class with a stock verdict: (op, dtype, D, L_q x L_k, causal, best
-    kernel, its ms, torch's ms, speed-up of the kernels over torch, kernels' and torch's peak MiB,
+    kernel, its ms, torch's ms, speed-up of the kernels over torch, kernels' and torch's peak memory,
     route)."""
     rows, seen = [], {}
     for r in results:
@@ -85,15 +88,15 @@ def route_rows(results: list) -> list:
         row = [r["op"] if r["op"] != "bwd" else "fwd+bwd", str(r["dtype"])[6:], r["head_dim"],
                f"{r['seqlen_q']} x {r['seqlen_k']}", r["causal"], r["variant"], f"{v['kernels_seconds'] * 1e3:.3f}",
                "—" if t is None else f"{t * 1e3:.3f}",
-               "—" if t is None else f"{t / v['kernels_seconds']:.2f}x", _mib(v["kernels_peak_bytes"]),
-               _mib(v["torch_peak_bytes"]), "torch" if v["route"] == "torch" else "kernels"]
+               "—" if t is None else f"{t / v['kernels_seconds']:.2f}x", size(v["kernels_peak_bytes"]),
+               size(v["torch_peak_bytes"]), "torch" if v["route"] == "torch" else "kernels"]
         seen[key] = row
         rows.append(row)
     return rows
 
 
 ROUTE_HEADER = ("op", "dtype", "D", "L_q x L_k", "causal", "best kernel", "kernel ms", "torch ms",
-                "speed-up (torch ms / kernel ms)", "kernel peak MiB", "torch peak MiB", "route")
+                "speed-up (torch ms / kernel ms)", "kernel peak", "torch peak", "route")
 
 
 def markdown(header, rows) -> str:
