@@ -227,18 +227,3 @@ def test_tune_ends_with_a_table_per_class(tuned):
     assert "best kernel" in header and "torch ms" in header and "route" in header
     assert f"| {won['variant']} | 1000.000 | 100.000 | 0.10x |" in first and first.endswith("| torch |")
     assert f"| {lost['variant']} | 1000.000 | 10000.000 | 10.00x |" in second and second.endswith("| kernels |")
-
-
-def test_progress_is_quiet_off_a_terminal_and_drawn_when_asked(monkeypatch, capsys):
-    from torch_metal_flash.tuning import cli
-    monkeypatch.delenv("TORCH_METAL_FLASH_PROGRESS", raising=False)
-    report = cli.progress_reporter()
-    report(0, 2, "first")
-    report(2, 2, "done")
-    assert capsys.readouterr().err == ""  # pytest's stderr is not a terminal
-    monkeypatch.setenv("TORCH_METAL_FLASH_PROGRESS", "1")
-    report = cli.progress_reporter()
-    report(0, 2, "first")
-    report(2, 2, "done")
-    err = capsys.readouterr().err
-    assert "tuning" in err and "2/2" in err
