@@ -42,7 +42,7 @@ class Bar:
             sys.stderr.write(f"{description} ...\n")
             return
         self._bar = tqdm(total=total, desc=description, unit=unit, file=sys.stderr, dynamic_ncols=True,
-                         leave=total is not None)
+                         leave=total is not None, bar_format=None if total else "{desc} {elapsed}")
         threading.Thread(target=self._tick, daemon=True).start()
 
     def _tick(self) -> None:

@@ -17,7 +17,6 @@ import torch.nn.functional as F
 
 import torch_metal_flash as tmf
 from torch_metal_flash import tuning
-from torch_metal_flash.backends.emulator import EmulatorBackend
 from torch_metal_flash.tuning import cache as tuning_cache_module, stock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -32,29 +31,6 @@ def torch_wins(variant, run):
 
 def torch_loses(variant, run):
     return 10.0 if variant == "torch" else 1.0
-
-
-@pytest.fixture
-def launched(monkeypatch):
-    names = []
-    encode = EmulatorBackend.encode
-
-    def recording_encode(self, launches):
-        names.extend(prepared[1] for prepared, _ in launches)
-        encode(self, launches)
-
-    monkeypatch.setattr(EmulatorBackend, "encode", recording_encode)
-    return names
-
-
-@pytest.fixture
-def tuning_cache(tmp_path, monkeypatch):
-    path = tmp_path / "tuning.json"
-    monkeypatch.setenv("TORCH_METAL_FLASH_TUNING_CACHE", str(path))
-    tuning.reload()
-    yield path
-    monkeypatch.delenv("TORCH_METAL_FLASH_TUNING_CACHE")
-    tuning.reload()
 
 
 @pytest.fixture

@@ -25,30 +25,6 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ORDERS = ("forward", "reverse")
 
 
-@pytest.fixture
-def launched(monkeypatch):
-    """The kernel names of every emulator launch made while the test runs."""
-    names = []
-    encode = EmulatorBackend.encode
-
-    def recording_encode(self, launches):
-        names.extend(prepared[1] for prepared, _ in launches)  # prepared: (source, kernel, ...)
-        encode(self, launches)
-
-    monkeypatch.setattr(EmulatorBackend, "encode", recording_encode)
-    return names
-
-
-@pytest.fixture
-def tuning_cache(tmp_path, monkeypatch):
-    path = tmp_path / "tuning.json"
-    monkeypatch.setenv("TORCH_METAL_FLASH_TUNING_CACHE", str(path))
-    tuning.reload()
-    yield path
-    monkeypatch.delenv("TORCH_METAL_FLASH_TUNING_CACHE")
-    tuning.reload()
-
-
 def _inputs(dtype, D, Lq, Lk, Hq=2, Hkv=1, seed=0, grad=False):
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(1, L, H, D, generator=g).to(dtype) for L, H in ((Lq, Hq), (Lk, Hkv), (Lk, Hkv)))
