@@ -54,7 +54,8 @@ def op_class(query, key, value, attn_mask, dropout_p, is_causal) -> tuple:
 
 def takes_torch(signature, query, key, value, attn_mask, dropout_p, is_causal) -> bool:
     """Whether this checked SDPA call runs torch's own SDPA (see the module doc)."""
-    if torch.compiler.is_compiling() or isinstance(key, QuantizedTensor) or isinstance(value, QuantizedTensor):
+    if not tuning.stock_possible() or torch.compiler.is_compiling() or isinstance(key, QuantizedTensor) \
+            or isinstance(value, QuantizedTensor):
         return False
     memo = None if signature is None else (signature, tuning.state_key(), backends.requested(),
                                            ops.needs_grad(query, key, value, attn_mask))

@@ -83,16 +83,26 @@ def use(op: str, variant: str) -> Iterator[None]:
     if variant not in parts and variant != STOCK:
         raise ValueError(f"tuning.use: {variant!r} is not a variant of {op!r}; valid variants: "
                          f"{STOCK!r} (torch's own SDPA), {', '.join(sorted(parts))}")
+    global _forcing_stock, _stock_hint
     from .. import core
     core.load()  # the plan cache keys on the forced variants from the first call on
     before = _forced()
     _local.forced = {**before, (op, parts.get(variant, "route")): variant}
     sync_thread()
+    stock = variant == STOCK
+    if stock:
+        with _cache_lock:
+            _forcing_stock += 1
+            _stock_hint = None
     try:
         yield
     finally:
         _local.forced = before
         sync_thread()
+        if stock:
+            with _cache_lock:
+                _forcing_stock -= 1
+                _stock_hint = None
 
 
 # ----------------------------------------------------------------------------- plan-cache keying
@@ -128,9 +138,10 @@ def state_key() -> tuple:
 
 def _bump() -> None:
     """The cache's contents changed: plans made before may pick other variants."""
-    global _generation
+    global _generation, _stock_hint
     from .. import core
     _generation += 1
+    _stock_hint = None
     if core.loaded():
         core.load().core.set_tuning_generation(_generation)
 
@@ -288,6 +299,25 @@ def choice(op: str, *, dtype, head_dim: int, seqlen_q: int, seqlen_k: int, causa
 def _stock_route(entry: dict) -> bool:
     stock = entry.get("stock")
     return isinstance(stock, dict) and stock.get("route") == STOCK
+
+
+_stock_hint: Optional[bool] = None  # whether any call may take the stock route (None: to be worked out)
+_forcing_stock = 0  # threads inside use(op, "torch")
+
+
+def stock_possible() -> bool:
+    """False when no call can take the stock route: no verdict for torch in this device's
+    cache, no thread forcing it, no autotuning (the faces skip the lookup then: one flag)."""
+    global _stock_hint
+    hint = _stock_hint
+    if hint is None:
+        generation = _generation
+        with _cache_lock:
+            forcing = _forcing_stock > 0
+        hint = forcing or any(_stock_route(e) for e in _current_cache(_family(None)).entries.values())
+        if generation == _generation:  # else the cache changed meanwhile: work it out again next time
+            _stock_hint = hint
+    return hint or autotune_enabled()
 
 
 def takes_torch(op: str, dtype: torch.dtype, head_dim: int, head_dim_v: int, seqlen_q: int, seqlen_k: int,
@@ -504,7 +534,9 @@ def _time_stock(op, problem, mine, timer, device, backend_name, c, features) -> 
 # ----------------------------------------------------------------------------- hooks into the layers below
 
 def _sync_family(_family: Optional[str]) -> None:
-    # the plan cache keys on the family this thread plans with
+    # the plan cache keys on the family this thread plans with; its cache may hold other routes
+    global _stock_hint
+    _stock_hint = None
     from .. import core
     core.load()
     sync_thread()
