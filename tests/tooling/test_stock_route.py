@@ -203,3 +203,18 @@ def test_tune_ends_with_a_table_per_class(tuned):
     assert "best kernel" in header and "torch ms" in header and "route" in header
     assert f"| {won['variant']} | 1000.000 | 100.000 | 0.10x |" in first and first.endswith("| torch |")
     assert f"| {lost['variant']} | 1000.000 | 10000.000 | 10.00x |" in second and second.endswith("| kernels |")
+
+
+def test_the_doctor_prints_the_route_of_its_probes(tuning_cache, capsys):
+    from torch_metal_flash import doctor
+    with tmf.backend("emulator"):
+        tuning.tune([dict(op="fwd", dtype=torch.float16, head_dim=32, seqlen_q=64, seqlen_k=64, causal=True,
+                          heads=2)], timer=torch_wins)
+    capsys.readouterr()
+    assert doctor.main(["--skip", "compile,probes"]) == 0
+    out = capsys.readouterr().out
+    assert "| case | kernel in force | kernel ms | torch ms | speed-up (torch ms / kernel ms) | kernel peak | " \
+           "torch peak | route |" in out
+    rows = {line.split(" |")[0][2:]: line for line in out.splitlines() if line.startswith("| forward")}
+    assert rows["forward B1 H2/2 Lq64 Lk64 d32 fp16"].endswith("| torch |")  # the tuned class
+    assert rows["forward+backward B1 H2/2 Lq64 Lk64 d32 fp16"].endswith("| kernels |")
