@@ -54,7 +54,7 @@ def op_class(query, key, value, attn_mask, dropout_p, is_causal) -> tuple:
 
 def takes_torch(signature, query, key, value, attn_mask, dropout_p, is_causal) -> bool:
     """Whether this checked SDPA call runs torch's own SDPA (see the module doc)."""
-    if not tuning.stock_possible() or torch.compiler.is_compiling() or isinstance(key, QuantizedTensor) \
+    if torch.compiler.is_compiling() or not tuning.stock_possible() or isinstance(key, QuantizedTensor) \
             or isinstance(value, QuantizedTensor):
         return False
     memo = None if signature is None else (signature, tuning.state_key(), backends.requested(),
