@@ -218,3 +218,13 @@ def test_the_doctor_prints_the_route_of_its_probes(tuning_cache, capsys):
     rows = {line.split(" |")[0][2:]: line for line in out.splitlines() if line.startswith("| forward")}
     assert rows["forward B1 H2/2 Lq64 Lk64 d32 fp16"].endswith("| torch |")  # the tuned class
     assert rows["forward+backward B1 H2/2 Lq64 Lk64 d32 fp16"].endswith("| kernels |")
+
+
+def test_a_compiled_graph_keeps_the_kernels(tuned):
+    q, k, v = _qkv()
+    compiled = torch.compile(lambda q, k, v: tmf.scaled_dot_product_attention(q, k, v, is_causal=True),
+                             fullgraph=True, backend="eager")
+    tmf.run_counts(reset=True)
+    with tmf.backend("emulator", strict=True):
+        out = compiled(q, k, v)
+    assert "torch" not in tmf.run_counts() and tmf.run_counts()["emulator"] == 1 and out.shape == q.shape
