@@ -237,7 +237,8 @@ def main() -> None:
     if args.dry_run:
         device, dtypes, head_dims, repeats = torch.device("cpu"), [torch.float16], [64], min(args.repeats, 2)
         lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else DRY_LENGTHS
-        backend, label = "emulator", "emulator (dry run: our kernels on the CPU, torch's CPU SDPA; NOT a GPU measurement)"
+        backend = "emulator"
+        label = "emulator (dry run: our kernels on the CPU, torch's CPU SDPA; NOT a GPU measurement)"
     else:
         device, repeats = torch.device(args.device), args.repeats
         dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]

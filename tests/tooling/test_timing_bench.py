@@ -9,9 +9,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_dry_run_writes_the_table_and_the_plot(tmp_path):
+    env = {**os.environ, "TORCH_METAL_FLASH_TUNING_CACHE": str(tmp_path / "none.json")}  # no routes
     result = subprocess.run([sys.executable, str(ROOT / "bench" / "timing.py"), "--dry-run", "--lengths", "64,128",
                              "--repeats", "1", "--results", str(tmp_path)], capture_output=True, text=True,
-                            timeout=600, env={**os.environ, "TORCH_METAL_FLASH_TUNING_CACHE": str(tmp_path / "none.json")})
+                            timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     text = (tmp_path / "timing_emulator.md").read_text()
     assert text.startswith("# Attention TFLOP/s on emulator (dry run") and "NOT a GPU measurement" in text
@@ -23,4 +24,5 @@ def test_dry_run_writes_the_table_and_the_plot(tmp_path):
         assert all(float(c) > 0 for c in (cells[3], cells[4], cells[6], cells[7]))
         assert cells[9] == "kernels; kernels"
     png = tmp_path / "timing_emulator.png"
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "![TFLOP/s against L per route](timing_emulator.png)" in text
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "![TFLOP/s against L per route](timing_emulator.png)" in text

@@ -373,7 +373,8 @@ def gpu_timer(warmup: int = 2, repeats: int = 7) -> Callable[[str, Callable[[], 
 def _runner(problem: dict, device: torch.device, forward_backward: bool = False) -> Callable[[], None]:
     """A closure that runs ``problem``'s op once on ``device``: the forward op (which takes
     the decode kernels for decode shapes), or the backward op alone (its forward run once
-    here), or with ``forward_backward`` both (the stock route's comparison).  The ops are called directly: no autograd, so this also works inside a backward
+    here), or with ``forward_backward`` both (the stock route's comparison).  The ops are
+    called directly: no autograd, so this also works inside a backward
     pass (autotuning) and times the kernels, not the faces."""
     op, dtype = problem["op"], as_dtype(problem["dtype"])
     B, H = int(problem.get("batch", 1)), int(problem.get("heads", 8))

@@ -117,7 +117,8 @@ class Cache:
             return
         if stale and not self.entries:
             _warn(f"torch_metal_flash: the tuning cache {self.path} was measured on another GPU, OS, package or "
-                  f"torch version ({stale} entries); the family defaults apply. Re-run `python -m torch_metal_flash tune`.")
+                  f"torch version ({stale} entries); the family defaults apply. "
+                  f"Re-run `python -m torch_metal_flash tune`.")
 
     def get(self, key: tuple) -> Optional[dict]:
         return self.entries.get(key)
