@@ -10,7 +10,7 @@ import importlib.abc as _importlib_abc
 import importlib.util as _importlib_util
 import sys as _sys
 
-from . import emulator, nn, tuning
+from . import distributed, emulator, nn, tuning
 from ._paths import VERSION as __version__
 from .backends import FallbackWarning, UnsupportedError, backend, set_strict
 from .core import plan_cache_clear, plan_cache_info
@@ -34,6 +34,7 @@ __all__ = [
     "clear_caches",
     "disable_flex",
     "disable_sdpa",
+    "distributed",
     "enable_flex",
     "enable_sdpa",
     "flash_attn_func",
