@@ -28,6 +28,9 @@ def resolve_group(group) -> tuple[object, int, int]:
                            "(call torch.distributed.init_process_group first, e.g. under torchrun)")
     if group is None:
         group = dist.group.WORLD
+    if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:  # what new_group gives non-members
+        raise ValueError(f"ring_attention: this process (global rank {dist.get_rank()}) is not a member of group "
+                         f"(torch.distributed.new_group returned GroupMember.NON_GROUP_MEMBER here)")
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"ring_attention: group must be a torch.distributed.ProcessGroup or None (the default "
                         f"group), got {type(group).__name__}")

@@ -171,13 +171,54 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def expect_error(rank: int, world: int, build: Callable) -> Optional[str]:
-    """Job: the error ``ring_attention`` raises on every rank for the arguments ``build(rank, world)``
-    gives (``"type: message"``, rank 0's), and that every rank raised the same; None if it did not raise."""
-    try:
-        args, kwargs = build(rank, world)
-        ring_attention_with_lse(*args, **kwargs)
-        text = None
-    except (ValueError, TypeError, RuntimeError) as e:
-        text = f"{type(e).__name__}: {e}"
-    return text
+# ---------------------------------------------------------------------------
+# Wrong calls: {name: build(rank, world) -> (args, kwargs)}; every rank calls ring_attention with them.
+# ---------------------------------------------------------------------------
+
+def _tensors(rank: int, local_len: int = 8, dtype=torch.float32, heads: int = 2):
+    return [torch.zeros(1, heads, local_len, 16, dtype=dtype) for _ in range(3)]
+
+
+def _unequal_chunks(rank, world):
+    return _tensors(rank, local_len=8 if rank == 0 else 6), {}
+
+
+def _mixed_dtypes(rank, world):
+    return _tensors(rank, dtype=torch.float16 if rank == 0 else torch.float32), {}
+
+
+def _mixed_causal(rank, world):
+    return _tensors(rank), {"causal": rank == 0}
+
+
+def _not_a_group(rank, world):
+    return _tensors(rank), {"group": "world"}
+
+
+def _not_a_member(rank, world):
+    return _tensors(rank), {"group": dist.new_group([0])}  # every rank must call new_group
+
+
+ERRORS = {"unequal_chunks": _unequal_chunks, "mixed_dtypes": _mixed_dtypes, "mixed_causal": _mixed_causal,
+          "not_a_group": _not_a_group, "not_a_member": _not_a_member}
+
+
+def ring_errors(rank: int, world: int, names: list[str]) -> dict:
+    """Job: {name: [what each rank's ring_attention raised ("Type: message"), None if it returned]}."""
+    found = {}
+    for name in names:
+        try:
+            args, kwargs = ERRORS[name](rank, world)
+            ring_attention_with_lse(*args, **kwargs)
+            text = None
+        except (ValueError, TypeError, RuntimeError) as e:
+            text = f"{type(e).__name__}: {e}"
+        texts = [None] * world
+        dist.all_gather_object(texts, text)
+        found[name] = texts
+    return found
+
+
+def ring_suite(rank: int, world: int, cases: list[RingCase], errors: list[str]) -> dict:
+    """Job: :func:`ring_results` and :func:`ring_errors` in one set of processes."""
+    return {"cases": ring_results(rank, world, cases), "errors": ring_errors(rank, world, errors)}
