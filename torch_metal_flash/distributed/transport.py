@@ -51,7 +51,6 @@ class Ring:
         staged = dist.get_backend(group) in _HOST_ONLY and device.type != "cpu"
         self.wire = torch.device("cpu") if staged else device  # where messages live
         self.device = device
-        self.bytes_sent = 0  # this rank's total, for the bench
 
     def to_wire(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """``tensors`` packed into one byte buffer on the wire's device."""
@@ -73,7 +72,6 @@ class Ring:
         """Start sending ``buf`` (a wire buffer) to the next rank and receiving the previous rank's."""
         recv = torch.empty_like(buf)
         ops = [dist.P2POp(dist.isend, buf, self.next, self.group), dist.P2POp(dist.irecv, recv, self.prev, self.group)]
-        self.bytes_sent += buf.numel()
         return Transfer(dist.batch_isend_irecv(ops), recv, buf)
 
 

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..diagnostics import run_counts
 from ..distributed import ring_attention_with_lse, zigzag_shard, zigzag_unshard
 from ..problem.spec import make_spec
 from .oracle import randn
@@ -98,8 +99,7 @@ def ring_results(rank: int, world: int, cases: list[RingCase]) -> dict:
 
 
 def _calls() -> int:
-    from .. import run_counts  # the op calls of every backend, kernels and reference alike
-    return sum(run_counts().values())
+    return sum(run_counts().values())  # the op calls of every backend, kernels and reference alike
 
 
 def _gather(t: torch.Tensor, world: int) -> list[torch.Tensor]:
