@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import os
 import socket
 import traceback
 from typing import Callable, Optional
@@ -23,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..backends import backend as use_backend
 from ..diagnostics import run_counts
 from ..distributed import ring_attention_with_lse, zigzag_shard, zigzag_unshard
 from ..problem.spec import make_spec
@@ -150,13 +150,11 @@ def _to_bytes(result) -> bytes:
 
 
 def _rank_main(rank: int, world: int, port: int, backend: str, job: Callable, args: tuple, queue) -> None:
-    import torch_metal_flash as tmf
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)  # the ranks share the machine's cores
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         try:
-            with tmf.backend(backend, strict=True):
+            with use_backend(backend, strict=True):
                 result = job(rank, world, *args)
         finally:
             dist.destroy_process_group()
