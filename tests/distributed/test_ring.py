@@ -121,3 +121,15 @@ def test_zigzag_shard_and_unshard_are_inverse_and_balance_causal_work(world):
     assert len(set(pairs)) == 1
     with pytest.raises(ValueError, match="multiple of 2 \\* world_size = 4"):
         tmf.distributed.zigzag_shard(torch.zeros(1, 1, 6, 1), 0, 2)
+
+
+def test_a_message_packs_tensors_of_several_dtypes_and_gives_them_back():
+    from torch_metal_flash.distributed.transport import pack, unpack
+    parts = [torch.arange(6, dtype=torch.float16).view(1, 2, 3), torch.arange(4, dtype=torch.float32).view(2, 2),
+             torch.tensor([1.5], dtype=torch.bfloat16)]
+    buf = pack([parts[0].transpose(1, 2), *parts[1:]], torch.device("cpu"))
+    assert buf.dtype == torch.uint8 and buf.numel() == 6 * 2 + 4 * 4 + 2
+    got = unpack(buf, [((1, 3, 2), torch.float16), ((2, 2), torch.float32), ((1,), torch.bfloat16)],
+                 torch.device("cpu"))
+    for g, want in zip(got, [parts[0].transpose(1, 2), *parts[1:]]):
+        assert g.dtype == want.dtype and torch.equal(g, want)

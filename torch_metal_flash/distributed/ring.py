@@ -27,20 +27,24 @@ from .transport import Ring, resolve_group
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def _band(call: layout.Call) -> tuple[int, int, int]:
+    """The ops' (diag_offset, window_left, window_right) of a call: its causal band, or none."""
+    return (0, -1, -1) if call.diag_offset is None else (call.diag_offset, -1, 0)
+
+
 def _block_forward(q, k, v, scale: float, call: layout.Call):
-    """(out, lse) of one call, out unrounded (float32 for float16/bfloat16 inputs)."""
-    diag, right = (0, -1) if call.diag_offset is None else (call.diag_offset, 0)
+    """(out, lse) of one call, out unrounded (float32 for float16/bfloat16 inputs: aux's output rows)."""
     out, lse, aux = torch.ops.metal_flash.fwd(q[:, :, call.q], k[:, :, call.k], v[:, :, call.k], None, None, None,
-                                              scale, diag, -1, right, 0.0, True)
+                                              scale, *_band(call), 0.0, True)
     return (aux[..., 2:] if aux.shape[-1] > 2 else out), lse
 
 
 def _block_backward(dout, q, k, v, out, aux, scale: float, call: layout.Call):
-    diag, right = (0, -1) if call.diag_offset is None else (call.diag_offset, 0)
+    """(dq, dk, dv) of one call from the rows' global output and row state."""
     qs, ks = call.q, call.k
     dq, dk, dv, _, _ = torch.ops.metal_flash.bwd(dout[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks], out[:, :, qs],
-                                                 aux[:, :, qs].contiguous(), None, None, None, None, scale, diag, -1, right, 0.0,
-                                                 False)
+                                                 aux[:, :, qs].contiguous(), None, None, None, None, scale,
+                                                 *_band(call), 0.0, False)
     return dq, dk, dv
 
 

@@ -12,7 +12,7 @@ the CPU is forwarded from its CPU copy, so each block crosses to the host once p
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,24 @@ def resolve_group(group) -> tuple[object, int, int]:
     return group, rank, dist.get_world_size(group)
 
 
+def pack(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """``tensors`` packed into one byte buffer on ``device`` (one message, whatever their dtypes)."""
+    return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]).to(device)
+
+
+def unpack(buf: torch.Tensor, like: Sequence[tuple[torch.Size, torch.dtype]],
+           device: torch.device) -> list[torch.Tensor]:
+    """The tensors of ``like`` (shape, dtype) packed in ``buf``, as views of its copy on ``device``
+    (none when it is there already; the copy to a GPU does not wait for it)."""
+    buf = buf.to(device, non_blocking=True)
+    out, at = [], 0
+    for shape, dtype in like:
+        n = math.prod(shape) * dtype.itemsize
+        out.append(buf[at:at + n].view(dtype).view(shape))
+        at += n
+    return out
+
+
 class Ring:
     """The ring of ``group``: messages go to the next rank and come from the previous one."""
 
@@ -53,20 +71,10 @@ class Ring:
         self.device = device
 
     def to_wire(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        """``tensors`` packed into one byte buffer on the wire's device."""
-        flat = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
-        return torch.cat(flat).to(self.wire)
+        return pack(tensors, self.wire)
 
-    def from_wire(self, buf: torch.Tensor, like: Sequence[tuple[torch.Size, torch.dtype]],
-                  device: Optional[torch.device] = None) -> list[torch.Tensor]:
-        """The tensors of ``like`` (shape, dtype) unpacked from ``buf``, on ``device`` (default: the ring's)."""
-        buf = buf.to(device or self.device, non_blocking=True)
-        out, at = [], 0
-        for shape, dtype in like:
-            n = math.prod(shape) * dtype.itemsize
-            out.append(buf[at:at + n].view(dtype).view(shape))
-            at += n
-        return out
+    def from_wire(self, buf: torch.Tensor, like: Sequence[tuple[torch.Size, torch.dtype]]) -> list[torch.Tensor]:
+        return unpack(buf, like, self.device)
 
     def shift(self, buf: torch.Tensor) -> "Transfer":
         """Start sending ``buf`` (a wire buffer) to the next rank and receiving the previous rank's."""
