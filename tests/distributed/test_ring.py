@@ -133,3 +133,27 @@ def test_a_message_packs_tensors_of_several_dtypes_and_gives_them_back():
                  torch.device("cpu"))
     for g, want in zip(got, [parts[0].transpose(1, 2), *parts[1:]]):
         assert g.dtype == want.dtype and torch.equal(g, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("backend", ["reference", "emulator"])
+def test_backward_calls_on_key_blocks_with_the_whole_rows_state_sum_to_the_whole_gradient(backend, dtype):
+    """What the ring's backward relies on, on both backends: bwd on a block of keys, given the
+    whole row's state (aux = (lse, 1), the whole output), returns that block's share."""
+    from torch_metal_flash.testing import randn
+    g = torch.Generator().manual_seed(3)
+    q, k, v, dout = (randn(1, 2, 12, 16, generator=g, dtype=dtype) for _ in range(4))
+    scale = 0.25
+    with tmf.backend(backend, strict=True):
+        out, lse, aux = torch.ops.metal_flash.fwd(q, k, v, None, None, None, scale, 0, -1, 0, 0.0, True)
+        state = torch.cat((torch.stack((lse, torch.ones_like(lse)), -1), aux[..., 2:]), -1)
+        dq = torch.zeros(q.shape, dtype=torch.float32)
+        dks, dvs = [], []
+        for k0, k1 in ((0, 5), (5, 12)):  # causal: rows before key 5 see nothing of the second block
+            g_q, g_k, g_v, _, _ = torch.ops.metal_flash.bwd(dout, q, k[:, :, k0:k1], v[:, :, k0:k1], out, state, None,
+                                                            None, None, None, scale, -k0, -1, 0, 0.0, False)
+            dq += g_q
+            dks.append(g_k)
+            dvs.append(g_v)
+    spec = tmf.problem.spec.make_spec(q, k, v, scale=scale, window_right=0)
+    check_backward(spec, dout, None, (dq.to(dtype), torch.cat(dks, 2), torch.cat(dvs, 2), None, None))
