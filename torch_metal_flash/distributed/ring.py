@@ -14,6 +14,7 @@ arrive at their owner after ``world`` hops.
 from __future__ import annotations
 
 import math
+import struct
 from typing import Optional
 
 import torch
@@ -89,19 +90,27 @@ def _check_across_ranks(ring: Ring, q: Tensor, k: Tensor, v: Tensor, causal: boo
     """Every rank must call with the same problem: one small all_gather, then the same error on every rank."""
     facts = {"batch": q.shape[0], "query heads": q.shape[1], "kv heads": k.shape[1], "L_local": q.shape[2],
              "head dim": q.shape[3], "value head dim": v.shape[3], "dtype": _DTYPES.index(q.dtype),
-             "causal": int(causal), "scale": scale, "load_balance": int(load_balance)}
-    mine = torch.tensor(list(facts.values()), dtype=torch.float64, device=ring.wire)
+             "causal": int(causal), "scale": _bits(scale), "load_balance": int(load_balance)}
+    mine = torch.tensor(list(facts.values()), dtype=torch.int64, device=ring.wire)  # int64: MPS has no float64
     gathered = [torch.empty_like(mine) for _ in range(ring.world)]
     dist.all_gather(gathered, mine, group=ring.group)
     table = torch.stack(gathered).cpu().tolist()  # setup, once per call: a handful of numbers
     for col, name in enumerate(facts):
         values = {row[col] for row in table}
         if len(values) > 1:
-            show = (lambda x: str(_DTYPES[int(x)]).removeprefix("torch.")) if name == "dtype" else (
-                (lambda x: repr(x)) if name == "scale" else (lambda x: str(int(x))))
+            show = (lambda x: str(_DTYPES[x]).removeprefix("torch.")) if name == "dtype" else (
+                (lambda x: repr(_from_bits(x))) if name == "scale" else str)
             per_rank = ", ".join(f"rank {r}: {show(row[col])}" for r, row in enumerate(table))
             what = "equal chunks (L_local)" if name == "L_local" else f"the same {name}"
             raise ValueError(f"ring_attention: every rank of the group must pass {what}; got {per_rank}")
+
+
+def _bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def _from_bits(b: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", b))[0]
 
 
 class _RingAttention(torch.autograd.Function):
