@@ -4,10 +4,13 @@ precompiled shader libraries; elsewhere a pure-Python package.
 The shaders and the emulator's C++ runtime ship as package data, from the
 repo's shaders/ and csrc/ folders.  On macOS:
 
-* torch comes from ``[build-system] requires`` (marked for darwin, in the
-  supported range), so pip's default isolated build works; Linux builds never
-  import it.
-* ``_C`` is built when that torch was built with MPS.
+* ``_C`` runs only with the torch minor it was built against, so an ordinary
+  (isolated) install builds none: torch is no build requirement, and the
+  package builds ``_C`` at first use against the torch that runs
+  (torch_metal_flash/native/build.py).  A build that can import torch
+  (``--no-build-isolation``: the release wheels, the rebuild command) prebuilds
+  ``_C`` against it when that torch has MPS, and records its version; a
+  prebuilt ``_C`` is refused by any other torch minor.
 * ``shaders/<stem>.metallib`` is compiled from each ``shaders/<stem>.metal``
   when ``xcrun -sdk macosx metal`` works (Xcode with its Metal toolchain):
   MSL 3.1 for macOS 14 (the minimum: ``bfloat`` needs MSL 3.1, and torch's MPS
@@ -25,6 +28,7 @@ repo's shaders/ and csrc/ folders.  On macOS:
 import concurrent.futures
 import json
 import os
+import runpy
 import subprocess
 import sys
 import tempfile
@@ -50,31 +54,36 @@ RELAXED_MATH = ["-fmetal-math-mode=relaxed", "-fmetal-math-fp32-functions=fast"]
 SAFE_MATH = ["-fno-fast-math"]
 
 
-def macos_extension_args() -> dict:
-    """What ``CppExtension`` gets for ``_C`` on macOS (paths relative to this folder).
+def _targets():
+    """torch_metal_flash/native/targets.py, loaded by path: the package itself imports torch."""
+    return runpy.run_path(os.path.join(HERE, "torch_metal_flash", "native", "targets.py"), run_name="tmf_targets")
 
-    The Metal launcher plus the C++ op core it is the Metal encoder of
-    (csrc/core/module.cpp is the core's own module for builds without Metal;
-    torch_metal_flash/_core_build.py).  No ``-std``: cpp_extension's default is
-    the one torch's headers need.  bench/macos_cross_build.py cross-builds
-    exactly this on Linux (tests/tooling/test_cross_build.py).
-    """
-    core = sorted(os.path.join("csrc", "core", f) for f in os.listdir(os.path.join(HERE, "csrc", "core"))
-                  if f.endswith(".cpp") and f != "module.cpp")
-    return dict(
-        sources=["csrc/metal/launcher.mm"] + core,
-        extra_compile_args={"cxx": ["-ObjC++", "-fobjc-arc",
-                                    # a macOS 15 API outside @available, nil where Apple's headers say nonnull
-                                    "-Werror=unguarded-availability-new", "-Werror=nonnull"]},
-        extra_link_args=["-framework", "Metal", "-framework", "Foundation"],
-    )
+
+def macos_extension_args() -> dict:
+    """What ``CppExtension`` gets for ``_C`` on macOS (paths relative to this folder): the
+    launcher target of torch_metal_flash/native/targets.py, which the build at first use
+    compiles too.  No ``-std``: cpp_extension's default is the one torch's headers need.
+    bench/macos_cross_build.py cross-builds the same target on Linux
+    (tests/tooling/test_cross_build.py)."""
+    target = _targets()["launcher"](Path(HERE, "csrc"))
+    return dict(sources=[f"csrc/{s}" for s in target.sources],
+                extra_compile_args={"cxx": list(target.compile_flags)},
+                extra_link_args=list(target.link_flags))
 
 
 def extension():
     """``(ext_modules, cmdclass, torch version, note)``: the launcher on macOS with an MPS torch."""
     if sys.platform != "darwin":
         return [], {}, None, f"not built on {sys.platform} (macOS only)"
-    import torch
+    try:
+        import torch
+    except ImportError:
+        return [], {}, None, ("not prebuilt (no torch at build time): built at first use against the torch "
+                              "that runs")
+    oldest, newest, minor = (_targets()[k] for k in ("TORCH_OLDEST", "TORCH_NEWEST", "torch_minor"))
+    if not oldest <= minor(torch.__version__) <= newest:
+        raise RuntimeError(f"torch_metal_flash: building _C against torch {torch.__version__}, outside the supported "
+                           f"{_targets()['TORCH_REQUIREMENT']}")
     if not torch.backends.mps.is_built():
         return [], {}, torch.__version__, f"torch {torch.__version__} was built without MPS"
     from torch.utils.cpp_extension import BuildExtension, CppExtension

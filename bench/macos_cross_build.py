@@ -1,7 +1,8 @@
 """Cross-build ``torch_metal_flash._C`` for arm64 macOS on Linux, and audit its link.
 
-What ``setup.py`` builds on a Mac (``macos_extension_args()``: the launcher and
-the C++ op core, with its flags), compiled by clang for
+What a Mac builds (``setup.py``'s ``macos_extension_args()``: the launcher target of
+``torch_metal_flash/native/targets.py``, which the build at first use compiles too: the
+launcher and the C++ op core, with its flags), compiled by clang for
 ``arm64-apple-macos14.0`` against Apple's macOS SDK headers and a torch macOS
 wheel's headers, with the flags ``torch.utils.cpp_extension`` adds (that
 wheel's default ``-std``, its include folders as ``-I``, ``TORCH_EXTENSION_NAME``)
@@ -131,7 +132,9 @@ def find_wheel(version: str) -> Path:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--platform",
            "macosx_14_0_arm64", "--python-version", f"{sys.version_info.major}.{sys.version_info.minor}",
            f"torch=={version}", "-d", str(CACHE / "wheels")]
-    result = subprocess.run(cmd, capture_output=True, text=True)
+    # One exact wheel for another platform: a site constraint file capping installable torch releases
+    # (pip's `constraint` setting) is not meant for it.
+    result = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PIP_CONSTRAINT=os.devnull))
     hits = sorted((CACHE / "wheels").glob(_wheel_glob(version)))
     if result.returncode or not hits:
         raise CrossBuildError("wheel", f"`{' '.join(cmd)}` failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
@@ -171,11 +174,11 @@ class TorchTree:
 
     def default_std(self) -> str:
         """The ``-std=`` cpp_extension appends when an extension gives none (c++17 up to torch 2.11, c++20 since)."""
-        text = (self.root / "cpp_extension.py").read_text()
-        match = re.search(r"cpp_flag\s*=\s*cpp_flag_prefix\s*\+\s*'(c\+\+\d+)'", text)
-        if match is None:
-            raise CrossBuildError("wheel", f"cannot find cpp_extension's default -std in torch {self.version}")
-        return f"-std={match.group(1)}"
+        targets = runpy.run_path(str(ROOT / "torch_metal_flash" / "native" / "targets.py"), run_name="tmf_targets")
+        try:  # the parser the first-use build reads the running torch with
+            return targets["cxx_standard"]((self.root / "cpp_extension.py").read_text())
+        except LookupError as exc:
+            raise CrossBuildError("wheel", f"torch {self.version}: {exc}") from None
 
     def imports(self) -> set:
         """What the wheel's dylibs import from libSystem and libc++ (they load on every Mac this torch runs on)."""

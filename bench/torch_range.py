@@ -3,7 +3,7 @@ launcher and the C++ op core (bench/macos_cross_build.py) against the macOS
 arm64 wheel of each, and check that the Python APIs the package calls exist in
 the oldest (by name, in that wheel's sources).  Not part of CI: a wheel is ~100 MB.
 
-    python bench/torch_range.py [--versions 2.10.0 2.11.0 2.12.0 2.13.0]
+    python bench/torch_range.py [--versions 2.10.0 ... 2.15.0]
 
 Writes bench/results/torch_range.md.  Wheels come from ``TORCH_METAL_FLASH_WHEEL_DIR``
 or are downloaded by pip once (cached with their extraction).
@@ -20,7 +20,7 @@ from pathlib import Path
 import harness
 import macos_cross_build as xb
 
-VERSIONS = ["2.10.0", "2.11.0", "2.12.0", "2.13.0"]
+VERSIONS = ["2.10.0", "2.11.0", "2.12.0", "2.13.0", "2.14.1", "2.15.0"]
 # The Python APIs the package calls that are not old torch staples (grep torch_metal_flash/), each with the
 # wheel file that defines it and the text that defines it there.
 PYTHON_APIS = {
@@ -37,6 +37,8 @@ PYTHON_APIS = {
     "torch.mps.synchronize": ("torch/mps/__init__.py", "def synchronize("),
     "torch.backends.mps.is_built": ("torch/backends/mps/__init__.py", "def is_built("),
     "torch.utils.weak.WeakIdKeyDictionary": ("torch/utils/weak.py", "class WeakIdKeyDictionary"),
+    "torch.overrides.TorchFunctionMode": ("torch/overrides.py", "class TorchFunctionMode"),
+    "torch._C.DisableTorchFunction": ("torch/_C/__init__.pyi", "def DisableTorchFunction("),
 }
 
 
@@ -87,7 +89,7 @@ def main(argv=None) -> int:
         "cpp_extension default `-std`, `-Wall -Wextra -Wunguarded-availability-new` clean in our files, linked "
         "into a Mach-O bundle against the wheel's dylibs, every undefined symbol provided "
         "(bench/macos_cross_build.py); and the Python APIs newer than torch 2.0 that the package calls, looked up "
-        "in the wheel's sources. Only 2.13 also runs the test suite (on Linux, in the emulator).", "",
+        "in the wheel's sources. On Linux (kernels in the emulator, CI), 2.13 runs the whole test suite and 2.15 the README's demo and the layers torch's internals reach (.ci/run).", "",
         "| torch | cpp_extension -std | cross-build and link | Python APIs | seconds |", "|---|---|---|---|---|",
         *rows]) + "\n")
     print(f"wrote {out}")

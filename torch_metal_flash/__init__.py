@@ -10,7 +10,11 @@ import importlib.abc as _importlib_abc
 import importlib.util as _importlib_util
 import sys as _sys
 
-from . import distributed, emulator, nn, tuning
+from .native import check_torch as _check_torch
+
+_check_torch()
+
+from . import distributed, emulator, nn, tuning  # noqa: E402
 from ._paths import VERSION as __version__
 from .backends import FallbackWarning, UnsupportedError, backend, set_strict
 from .core import plan_cache_clear, plan_cache_info

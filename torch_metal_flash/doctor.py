@@ -157,7 +157,8 @@ def machine_rows(name, backend, why) -> tuple[list, list]:
     if backend is not None:
         rows.append(("neural accelerators", neural_accelerators(backend)))
     if sys.platform == "darwin" or name == "metal":
-        rows.append(("Metal launcher", metal.unavailable_reason() or "torch_metal_flash._C imports"))
+        rows.append(("Metal launcher", metal.unavailable_reason() or f"torch_metal_flash._C loaded from "
+                                       f"{native.launcher().__file__} (torch {torch.__version__})"))
     info = build_info()
     if info:
         lib = info.get("metallib")

@@ -20,7 +20,7 @@ SDPA_BAD = [
     (dict(query=t(1, 4, 3, 8), key=t(1, 2, 3, 8), value=t(1, 2, 3, 8)), ValueError, "pass enable_gqa=True"),
     (dict(query=t(1, 3, 3, 8), key=t(1, 2, 3, 8), value=t(1, 2, 3, 8), enable_gqa=True), ValueError,
      "must be a multiple"),
-    (dict(query=t(2, 2, 3, 8), key=t(1, 2, 3, 8), value=t(1, 2, 3, 8)), ValueError, "key/value: expected batch dims"),
+    (dict(query=t(2, 2, 3, 8), key=t(3, 2, 3, 8), value=t(3, 2, 3, 8)), RuntimeError, "batch dims .* do not broadcast"),
     (dict(query=t(1, 2, 3, 8), key=t(1, 2, 3, 8), value=t(1, 2, 3, 8), dropout_p=-0.1), ValueError, "dropout_p"),
     (dict(query=t(1, 2, 3, 8), key=t(1, 2, 3, 8), value=t(1, 2, 3, 8), attn_mask=t(4, 3)), ValueError,
      "attn_mask: shape .* does not broadcast"),

@@ -57,14 +57,6 @@ def test_masks_broadcast(mask_shape, kind):
     _check_sdpa("masked sdpa", q, k, v, attn_mask=mask)
 
 
-@pytest.mark.parametrize("kind", ["bool", "float"])
-def test_mask_combines_with_is_causal(kind):
-    torch.manual_seed(6)
-    q, k, v = torch.randn(2, 3, 13, 16), torch.randn(2, 3, 21, 16), torch.randn(2, 3, 21, 16)
-    mask = torch.rand(13, 21) > 0.2 if kind == "bool" else torch.randn(2, 1, 13, 21)
-    _check_sdpa("mask + causal", q, k, v, attn_mask=mask, is_causal=True)
-
-
 def test_fully_masked_rows_are_zero_with_finite_grad():
     q, k, v = (torch.randn(1, 2, 5, 8, requires_grad=True) for _ in range(3))
     mask = torch.ones(5, 5, dtype=torch.bool)

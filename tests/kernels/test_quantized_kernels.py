@@ -187,11 +187,12 @@ def test_sdpa_face(i, case):
         mask = torch.rand(B, 1, Lq, S, generator=g) > 0.3
     elif mask_kind == "float":
         mask = _rand(g, 1, Hq, Lq, S, dtype=DT[qdt])
-    call = lambda: tmf.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=True,  # noqa: E731
-                                                    enable_gqa=True)
     causal = torch.ones(Lq, S, dtype=torch.bool).tril()
-    full = causal.expand(B, Hq, Lq, S) if mask is None else (
-        mask & causal if mask.dtype == torch.bool else mask.expand(B, Hq, Lq, S).masked_fill(~causal, float("-inf")))
+    if mask is not None:  # SDPA takes a mask or is_causal: the causal band folded into the mask
+        mask = mask & causal if mask.dtype == torch.bool else mask.masked_fill(~causal, float("-inf"))
+    call = lambda: tmf.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,  # noqa: E731
+                                                    enable_gqa=True)
+    full = causal.expand(B, Hq, Lq, S) if mask is None else mask.expand(B, Hq, Lq, S)
     _check_face(call, make_spec(q, _plain(k), _plain(v), full, None, None, scale=D ** -0.5), ORDERS[i % 3])
 
 

@@ -1,5 +1,5 @@
-"""``_C`` cross-built for arm64 macOS against Apple's SDK headers and the torch
-2.13 macOS wheel, linked into a Mach-O bundle, every undefined symbol audited
+"""``_C`` cross-built for arm64 macOS against Apple's SDK headers and the oldest and the
+newest torch macOS wheel of the supported range, linked into a Mach-O bundle, every undefined symbol audited
 (bench/macos_cross_build.py says how).  The real build must be clean; four
 planted defects -- a nil where Apple's headers say nonnull, a macOS 15 API or
 MSL 4.0 (macOS 26) used outside ``@available``, a symbol nothing exports -- must
@@ -20,7 +20,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "macos_cross_build.py"
-TORCH_VERSION = "2.13.0"  # the torch CI installs (.ci/run); the others of the range: bench/torch_range.py
+# The oldest and the newest release of the range; all of them: bench/torch_range.py.
+TORCH_VERSIONS = ["2.10.0", "2.15.0"]
 
 if not SCRIPT.is_file():
     pytest.skip("cross-build tests run from a source checkout", allow_module_level=True)
@@ -37,13 +38,13 @@ def _missing_input(exc):
     pytest.skip(message)
 
 
-@pytest.fixture(scope="module")
-def build(tmp_path_factory):
-    """The real sources compiled once (their objects are linked by every test)."""
+@pytest.fixture(scope="module", params=TORCH_VERSIONS)
+def build(request, tmp_path_factory):
+    """The real sources compiled once per torch (their objects are linked by every test)."""
     try:
         tools = xb.Tools.find()
         sdk = xb.sdk_path()
-        tree = xb.torch_tree(TORCH_VERSION, tools)
+        tree = xb.torch_tree(request.param, tools)
     except xb.CrossBuildError as exc:
         _missing_input(exc)
     b = xb.Build(tree, sdk, tools, tmp_path_factory.mktemp("macos-cross"))
@@ -52,12 +53,14 @@ def build(tmp_path_factory):
 
 
 def test_compile_flags_are_setup_pys(build):
-    """The flags compiled with are setup.py's plus cpp_extension's; no -std forced (torch 2.13's default: C++20)."""
+    """The flags compiled with are setup.py's plus cpp_extension's; no -std forced (each torch's default:
+    C++17 up to 2.11, C++20 since)."""
     flags = build.compile_flags()
     setup_flags = build.args["extra_compile_args"]["cxx"]
     assert {"-ObjC++", "-fobjc-arc", "-Werror=unguarded-availability-new", "-Werror=nonnull"} <= set(setup_flags)
     assert not any(f.startswith("-std=") for f in setup_flags)
-    assert [f for f in flags if f.startswith("-std=")] == ["-std=c++20"]
+    want = "-std=c++17" if build.torch.version < "2.12" else "-std=c++20"
+    assert [f for f in flags if f.startswith("-std=")] == [want] == [build.torch.default_std()]
     assert {"-DTORCH_EXTENSION_NAME=_C", "-DTORCH_API_INCLUDE_EXTENSION_H", "-target", xb.TARGET} <= set(flags)
     core = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "core").glob("*.cpp") if p.name != "module.cpp")
     assert build.args["sources"] == ["csrc/metal/launcher.mm", *core]

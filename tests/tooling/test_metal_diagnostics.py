@@ -77,22 +77,3 @@ def test_not_built_is_told_apart_from_a_broken_build(fresh):
 
 def test_device_reason_comes_first():
     assert metal.unavailable_reason(torch.device("cpu")) == "the metal backend runs on MPS tensors, got cpu"
-
-
-def test_a_checkout_shadowing_the_installed_copy_says_so(fresh, tmp_path):
-    """`pip install .` then `python -m torch_metal_flash doctor` in the checkout imports the
-    checkout (the working directory comes first on sys.path), which has no _C: the reason
-    names both folders and the way out, instead of "not built"."""
-    installed = tmp_path / "site-packages" / "torch_metal_flash"
-    installed.mkdir(parents=True)
-    (installed / "_C.cpython-311-darwin.so").write_bytes(b"")
-
-    class Dist:
-        @staticmethod
-        def locate_file(name):
-            return tmp_path / "site-packages" / name
-    fresh.setattr(native.importlib.metadata, "distribution", lambda name: Dist)
-    fresh.setattr(sys, "platform", "darwin")
-    why = metal.unavailable_reason(MPS)
-    assert f"the installed copy in {installed.resolve()} has" in why
-    assert "Run from another directory" in why and "pip install -e ." in why

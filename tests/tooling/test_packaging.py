@@ -150,9 +150,13 @@ DRIVER = textwrap.dedent('''
 
     sys.meta_path.insert(0, BuildEnvironment())
     sysconfig.get_config_vars()  # before the platform is patched: on darwin it reads macOS-only modules
-    import torch
+    import urllib.request  # noqa: F401 -- likewise (on darwin: _scproxy)
+    try:
+        import torch
+        torch.backends.mps.is_built = lambda: True
+    except ModuleNotFoundError:
+        pass  # pip's isolated build: torch is no build requirement
     sys.platform = "darwin"
-    torch.backends.mps.is_built = lambda: True
     sys.argv = ["setup.py", "build_py", "--build-lib", sys.argv[1]]
     runpy.run_path("setup.py", run_name="__main__")
 ''')
@@ -182,16 +186,14 @@ def test_macos_build_finds_what_it_needs_and_declares_what_it_imports(tmp_path, 
     _run([sys.executable, "-c", DRIVER, str(build_lib), json.dumps(sorted(_declared_closure()))], cwd=ROOT)
 
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    (build_torch,) = [r for r in map(Requirement, pyproject["build-system"]["requires"]) if r.name == "torch"]
-    (runtime_torch,) = [r for r in map(Requirement, pyproject["project"]["dependencies"]) if r.name == "torch"]
-    assert build_torch.specifier == runtime_torch.specifier, "build and run against the same torch range (C++ ABI)"
-    assert not build_torch.marker.evaluate(dict(DARWIN, sys_platform="linux", platform_system="Linux"))
+    assert not [r for r in map(Requirement, pyproject["build-system"]["requires"]) if r.name == "torch"], \
+        "_C runs only with the torch it was built against: it is built at first use, not in the build environment"
 
     package = build_lib / "torch_metal_flash"
     record = json.loads((package / "_build_info.json").read_text())
     stems = sorted(p.stem for p in (ROOT / "shaders").glob("*.metal"))
     nax_stems = [s for s in stems if s.endswith("_nax")]  # MSL 4.0 (the stand-in compiler takes it)
-    assert record["extension"] is True and record["torch"]
+    assert record["torch"] is None and record["extension"].startswith("not prebuilt (no torch at build time)")
     assert record["metallib"] == {"files": [f"{s}.metallib" for s in stems if s not in nax_stems], "std": "metal3.1",
                                   "macos_min": "14.0", "math_mode": "relaxed",
                                   "nax": {"files": [f"{s}.metallib" for s in nax_stems], "std": "metal4.0",

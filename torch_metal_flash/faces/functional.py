@@ -97,15 +97,17 @@ def mask_as_4d(attn_mask: torch.Tensor, mask_shape: tuple) -> torch.Tensor:
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False):
-    """Drop-in for :func:`torch.nn.functional.scaled_dot_product_attention` (torch 2.13 semantics).
+    """Drop-in for :func:`torch.nn.functional.scaled_dot_product_attention` (torch's semantics).
 
     ``query`` (..., Hq, L, E), ``key`` (..., Hkv, S, E), ``value`` (..., Hkv, S, Ev).
     ``is_causal`` aligns the mask top-left (query i sees keys j <= i).  A bool
     ``attn_mask`` marks the pairs that take part (True); a float one is added to
-    the scaled scores; both broadcast to (..., Hq, L, S) and combine with
-    ``is_causal`` when both are given (as torch 2.13 does).  ``enable_gqa`` lets
-    Hq be a multiple of Hkv (K/V are never repeated in memory).  Rows with no
-    visible key return zeros.  Returns (..., Hq, L, Ev) in the query's dtype.
+    the scaled scores; both broadcast to (..., Hq, L, S).  A mask together with
+    ``is_causal=True`` is an error, as in torch (its MPS and math paths, every
+    supported release).  Batch dims (all but the last three) broadcast as torch's
+    matmuls broadcast them.  ``enable_gqa`` lets Hq be a multiple of Hkv (K/V are
+    never repeated in memory).  Rows with no visible key return zeros.  Returns
+    (..., Hq, L, Ev) in the query's dtype.
     ``key``/``value`` may be quantized (:class:`~torch_metal_flash.problem.quant.QuantizedTensor`,
     inference only), or float16 / bfloat16 under a float32 ``query``.
     """
@@ -121,7 +123,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 def sdpa_checked(query, key, value, attn_mask, checked):
     """:func:`scaled_dot_product_attention` after its checks (``checked``: what
     :func:`_sdpa_checks` returned for these arguments)."""
-    scale, window_right, dropout_p, mask_shape = checked
+    scale, window_right, dropout_p, mask_shape, lead = checked
+    if lead is not None:  # broadcast batch dims: expanded views (the op's 4-D reshape then copies them)
+        query, key, value = (t.expand(lead + tuple(t.shape[-3:])) for t in (query, key, value))
     if isinstance(key, QuantizedTensor):
         checks.inference_only("quantized key/value", (("query", query), ("attn_mask", attn_mask)))
     mask = None if attn_mask is None else mask_as_4d(attn_mask, mask_shape)
@@ -145,14 +149,14 @@ def _sdpa_checks(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
             checks.last_dim_contiguous(name, t)
         checks.head_dim(name, t)
     checks.kv_dtypes("query", query, ("key", "value"), key, value)
-    checks.same(("query", "key", "value"), (query, key, value), "ndim")
     checks.dim_equal("key", key.shape[-1], query.shape[-1], "embedding size (last dim) equal to query's")
     checks.dim_equal("value", value.shape[-2], key.shape[-2], "sequence length (dim -2) equal to key's")
     dropout_p = checks.dropout(dropout_p)
-    lead = query.shape[:-3]
-    if key.shape[:-3] != lead or value.shape[:-3] != lead:
-        raise ValueError(f"key/value: expected batch dims {tuple(lead)} like query's, "
-                         f"got {tuple(key.shape[:-3])} and {tuple(value.shape[:-3])}")
+    if attn_mask is not None and is_causal:
+        raise RuntimeError("_scaled_dot_product_attention: Explicit attn_mask should not be set when is_causal=True")
+    lead = _broadcast_batch(query, key, value)
+    if lead is not None:
+        query, key, value = (t.expand(lead + tuple(t.shape[-3:])) for t in (query, key, value))
     q, k, v = _as_4d(query), _as_4d(key), _as_4d(value)
     hq, hkv = q.shape[1], k.shape[1]
     checks.dim_equal("value", v.shape[1], hkv, "number of heads (dim -3) equal to key's")
@@ -165,13 +169,28 @@ def _sdpa_checks(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
     mask_shape = None
     if attn_mask is not None:
         checks.tensor("attn_mask", attn_mask)
-        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
-            raise TypeError(f"attn_mask: expected dtype bool or a float dtype, got {attn_mask.dtype}")
+        if attn_mask.dtype != torch.bool and attn_mask.dtype != query.dtype:
+            raise TypeError(f"attn_mask: expected dtype bool or the query's dtype {query.dtype}, got {attn_mask.dtype}")
         checks.same(("query", "attn_mask"), (query, attn_mask), "device")
         mask_shape = tuple(query.shape[:-2]) + (L, S)
         checks.broadcastable("attn_mask", attn_mask, mask_shape)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else checks.scale("scale", scale)
-    return scale, 0 if is_causal else -1, dropout_p, mask_shape
+    return scale, 0 if is_causal else -1, dropout_p, mask_shape, lead
+
+
+def _broadcast_batch(query, key, value) -> Optional[tuple]:
+    """The broadcast batch dims (all but the last three) of query, key and value when they
+    differ in rank or size, as torch's matmuls broadcast them; None when they already agree."""
+    shapes = [tuple(t.shape) for t in (query, key, value)]
+    if len({len(s) for s in shapes}) == 1 and len({s[:-3] for s in shapes}) == 1:
+        return None
+    if min(len(s) for s in shapes) < 3:
+        raise RuntimeError(f"query, key, value: ranks {[len(s) for s in shapes]} differ and one has no heads dim "
+                           f"(dim -3) to broadcast the batch dims against")
+    try:
+        return tuple(torch.broadcast_shapes(*(s[:-3] for s in shapes)))
+    except RuntimeError as e:
+        raise RuntimeError(f"query, key, value: batch dims {[s[:-3] for s in shapes]} do not broadcast: {e}") from None
 
 
 def _flash_checks(q, k, v, *, varlen: bool = False, paged: bool = False) -> bool:

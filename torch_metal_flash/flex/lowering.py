@@ -62,6 +62,28 @@ _VALUE = {torch.bool: "bool", torch.uint8: "uchar", torch.int8: "char", torch.in
           torch.int64: "long"}
 
 
+@torch.library.custom_op("metal_flash::stop_gradient", mutates_args=())
+def stop_gradient(x: torch.Tensor) -> torch.Tensor:
+    """``x``: what a mod's ``.detach()`` is traced as, a node the derivative pass runs as a
+    real ``detach`` (:func:`_call_with`).  make_fx records ``detach`` as ``aten.detach`` in
+    some torch releases and as the differentiable ``aten.alias`` in others (2.15), which would
+    read a detached value as a trainable one; this node keeps the barrier in every release."""
+    return x.clone()
+
+
+stop_gradient.register_fake(lambda x: torch.empty_like(x))
+
+
+_STOP_GRADIENT = torch.ops.metal_flash.stop_gradient.default
+
+
+class _DetachStopsGradient(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.detach, torch.detach):
+            return stop_gradient(args[0])
+        return func(*args, **(kwargs or {}))
+
+
 class CapturedGradientError(ValueError):
     """A captured tensor needs a gradient the kernels cannot reduce deterministically (raised, not a
     fallback: the dense path would scatter it with atomics on the GPU)."""
@@ -128,7 +150,7 @@ def _trace(fn: Callable, example: list, what: str) -> torch.fx.GraphModule:
         with mode:
             args = [torch.empty(shape, dtype=dtype) if dtype is not None else shape for dtype, shape in example]
         try:
-            with torch.no_grad(), TransformGetItemToIndex():
+            with torch.no_grad(), TransformGetItemToIndex(), _DetachStopsGradient():
                 return make_fx(fn, tracing_mode="real")(*args)
         except UnsupportedError:
             raise
@@ -163,6 +185,9 @@ def _call_with(gm: Callable, n_args: int, reads: dict) -> Callable:
                 if n.op == "placeholder":
                     next(self.args_iter)
                 return self.extra[reads[n]]
+            if n.target is _STOP_GRADIENT:
+                with torch._C.DisableTorchFunction():  # the real detach, not the tracing mode's stand-in
+                    return self.env[n.args[0]].detach()
             return super().run_node(n)
 
     def call(*args):
@@ -401,7 +426,8 @@ _ARITH = {aten.add: "+", aten.sub: "-", aten.mul: "*"}
 _COMPARE = {aten.eq: "==", aten.ne: "!=", aten.lt: "<", aten.le: "<=", aten.gt: ">", aten.ge: ">="}
 _BITWISE = {aten.bitwise_and: "&", aten.bitwise_or: "|", aten.bitwise_xor: "^"}
 _LOGICAL = {aten.logical_and.default: "&&", aten.logical_or.default: "||", aten.logical_xor.default: "!="}
-_PASS = {aten.lift_fresh_copy.default, aten.clone.default, aten.alias.default, aten.detach.default}
+_PASS = {aten.lift_fresh_copy.default, aten.clone.default, aten.alias.default, aten.detach.default,
+         _STOP_GRADIENT}
 
 
 def _out_type(node) -> str:

@@ -407,8 +407,10 @@ def _draw_sdpa(draw, mask_min_rank=1, kv=True):
     p = draw_sizes(draw)
     p["rank"] = draw(st.sampled_from((4, 4, 3))) if p["batch"] == 1 else 4
     p["layouts"] = [draw_layout(draw, p["rank"]) for _ in range(3)]
-    p["causal"] = draw(st.booleans())
     p["mask"] = draw_mask(draw, (p["batch"], p["hq"], p["lq"], p["lk"]), p["dtype"], mask_min_rank)
+    if p["mask"] is not None and p["mask"]["kind"] == "float":
+        p["mask"]["dtype"] = p["dtype"]  # torch's SDPA takes a bool mask or one of the query's dtype
+    p["causal"] = p["mask"] is None and draw(st.booleans())  # and a mask or is_causal, not both
     if p["mask"] is not None and p["rank"] == 3:
         p["mask"]["shape"] = p["mask"]["shape"][-3:] if len(p["mask"]["shape"]) == 4 else p["mask"]["shape"]
     p["scale"] = draw(st.sampled_from((None, None, 0.3, 1.0)))
