@@ -69,6 +69,15 @@ def _measure(rank: int, world: int, lengths: list[int]) -> list[dict]:
     return rows
 
 
+def _per_step(ranks) -> str:
+    """'bytes x steps' when every rank sent the same bytes at every step, else every rank's list."""
+    lists = [list(r) for r in ranks]
+    values = {b for steps in lists for b in steps}
+    if len(values) == 1 and len({len(steps) for steps in lists}) == 1:
+        return f"{values.pop()} x {len(lists[0])}"
+    return "; ".join(str(steps) for steps in lists)
+
+
 def main() -> int:
     ap = harness.parser(__doc__, results=True)
     ap.add_argument("--quick", action="store_true")
@@ -79,12 +88,13 @@ def main() -> int:
              f"kernels in the emulator (strict), causal, {str(DTYPE)[6:]}, B=1, Hq={HQ}, Hkv={HKV}, D={D}, "
              "forward + backward.", ""]
     lines += ["## Bytes each rank sends per ring step", "",
-              *harness.table_head("world", "L", "L_local", "forward: K/V per step", "backward: K/V per step",
-                                  "backward: dK/dV per step", "expected K/V", "expected dK/dV",
+              *harness.table_head("world", "L", "L_local", "forward: K/V bytes x steps", "backward: K/V bytes x steps",
+                                  "backward: dK/dV bytes x steps", "expected K/V", "expected dK/dV",
                                   right=(1, 2, 3, 4, 5, 6, 7))]
     memory = ["", "## Peak allocation per rank (torch's CPU allocator, forward + backward)", "",
               *harness.table_head("world", "L", "L_local", "max over ranks (MiB)", "x previous L",
                                   "per rank (MiB)", right=(1, 2, 3, 4))]
+    peaks: dict = {}
     for world in (2, 4):
         rows = run_world(world, _measure, lengths)
         previous = None
@@ -92,16 +102,19 @@ def main() -> int:
             L = everyone[0]["L"]
             local = L // world
             kv = 2 * HKV * local * D * DTYPE.itemsize
-            fwd = sorted({b for r in everyone for b in r["forward"]})  # one value: every step the same
-            bwd = everyone[0]["backward"]  # K/V and dK/dV shifts interleave: kv, g, kv, g, ..., g
-            bwd_kv = sorted({b for r in everyone for b in r["backward"][0:-1:2]})
-            bwd_g = sorted({b for r in everyone for b in r["backward"][1::2]} | {bwd[-1]})
+            # the backward's shifts interleave, K/V then dK/dV per step, the last step dK/dV only
+            fwd = _per_step(r["forward"] for r in everyone)
+            bwd_kv = _per_step(r["backward"][0:-1:2] for r in everyone)
+            bwd_g = _per_step(r["backward"][1::2] + r["backward"][-1:] for r in everyone)
             peak = max(r["peak"] for r in everyone)
+            peaks.setdefault(L, {})[world] = peak
             lines.append(harness.row(world, L, local, fwd, bwd_kv, bwd_g, kv, kv * 4 // DTYPE.itemsize))
             memory.append(harness.row(world, L, local, f"{peak / 2**20:.2f}",
                                       "" if previous is None else f"{peak / previous:.2f}",
                                       ", ".join(f"{r['peak'] / 2**20:.2f}" for r in everyone)))
             previous = peak
+    memory += ["", "Twice the ranks, at the same L: " + ", ".join(
+        f"L={L}: {p[4] / p[2]:.2f}x the memory per rank" for L, p in peaks.items()) + "."]
     text = "\n".join(lines + memory) + "\n"
     print(text)
     harness.write_result("ring.md", text, args.results)
