@@ -25,7 +25,7 @@ LAYERS = [
     {"core"},
     {"ops"},
     {"tuning"},
-    {"faces", "flex"},
+    {"faces", "flex", "distributed"},
     {"integrations", "nn"},
     {"diagnostics", "testing"},
     {"doctor", "__main__", ""},  # "" is the package's __init__
