@@ -14,7 +14,7 @@ from .native import check_torch as _check_torch
 
 _check_torch()
 
-from . import emulator, nn, tuning  # noqa: E402
+from . import distributed, emulator, nn, tuning  # noqa: E402
 from ._paths import VERSION as __version__
 from .backends import FallbackWarning, UnsupportedError, backend, set_strict
 from .core import plan_cache_clear, plan_cache_info
@@ -38,6 +38,7 @@ __all__ = [
     "clear_caches",
     "disable_flex",
     "disable_sdpa",
+    "distributed",
     "enable_flex",
     "enable_sdpa",
     "flash_attn_func",

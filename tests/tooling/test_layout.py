@@ -15,7 +15,7 @@ NAME = "torch_metal_flash"
 
 # Bottom to top; a module may import its own layer and the layers below.
 LAYERS = [
-    {"_paths", "caches"},
+    {"_paths", "caches", "progress"},
     {"emulator"},
     {"native"},
     {"problem"},
@@ -25,7 +25,7 @@ LAYERS = [
     {"core"},
     {"ops"},
     {"tuning"},
-    {"faces", "flex"},
+    {"faces", "flex", "distributed"},
     {"integrations", "nn"},
     {"diagnostics", "testing"},
     {"doctor", "__main__", ""},  # "" is the package's __init__

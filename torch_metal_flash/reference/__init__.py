@@ -74,6 +74,7 @@ class _Chunk:
             else:
                 s = s + m.to(ct)
         s = s.masked_fill(~visible, float("-inf"))
+        self.s = s
         self.visible = s > float("-inf")  # a -inf float mask entry hides its key too
         row_max = s.amax(dim=-1, keepdim=True) if s.shape[-1] else s.new_full((*s.shape[:-1], 1), float("-inf"))
         sink = None
@@ -108,6 +109,21 @@ class _Chunk:
     def sink_probs(self) -> torch.Tensor:
         return torch.where(self.total != 0, self.sink_e / self.total, 0.0).squeeze(-1)
 
+    def use_row_state(self, m: torch.Tensor, l: torch.Tensor) -> torch.Tensor:
+        """Rebuild ``P = exp(s - m) / l`` from a given row state (aux's ``m`` and ``l``, (B, H, rows)),
+        as the kernels' backward does; returns which rows pass a gradient (``l > 0``, not saturated).
+        The forward's own state gives back the same P; another one -- the global state of a row
+        whose keys are split over several calls (ring attention) -- gives that row's share of it."""
+        m, l = m.unsqueeze(-1).to(self.s.dtype), l.unsqueeze(-1).to(self.s.dtype)
+        live = (l > 0) & (m > SATURATED_LSE)
+        inv_l = torch.where(live, 1.0 / torch.where(live, l, 1.0), 0.0)
+        self.p = torch.where(live, torch.exp(self.s - torch.where(live, m, 0.0)), 0.0) * inv_l
+        if self.spec.sinks is not None:
+            self.total = torch.where(live, l, 0.0)
+            sink = self.spec.sinks.to(self.s.dtype)[None, :, None, None]
+            self.sink_e = torch.where(live, torch.exp(sink - torch.where(live, m, 0.0)), 0.0)
+        return live.squeeze(-1)
+
 
 def forward(spec: AttentionSpec, aux: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns ``out`` (q's dtype and layout) and ``lse`` (float32, (B, Hq, Lq)).
@@ -140,8 +156,8 @@ def backward(spec: AttentionSpec, dout: torch.Tensor, out: torch.Tensor, aux: to
              dlse: Optional[torch.Tensor] = None, compute_dbias: bool = False):
     """Gradients ``(dq, dk, dv, dbias, dsinks)`` from the saved ``out`` and ``aux``.
 
-    The probabilities are recomputed with the row maximum (see :class:`_Chunk`);
-    ``delta = rowsum(dO * O)`` takes O from ``aux`` when it holds the unrounded
+    The probabilities are rebuilt from aux's row state, ``P = exp(s - m) / l``, as the
+    kernels do (:meth:`_Chunk.use_row_state`); ``delta = rowsum(dO * O)`` takes O from ``aux`` when it holds the unrounded
     output (float16/bfloat16 inputs), else from ``out``.
 
     ``dbias`` (B, Hq, Lq, Lk) when ``compute_dbias`` (else empty) and ``dsinks``
@@ -160,8 +176,7 @@ def backward(spec: AttentionSpec, dout: torch.Tensor, out: torch.Tensor, aux: to
     dsinks = torch.zeros((H,) if spec.sinks is not None else (0,), dtype=ct, device=spec.q.device)
     for r0, r1 in _row_chunks(spec):
         c = _Chunk(spec, r0, r1, kf)
-        live = c.lse > SATURATED_LSE
-        c.p = c.p * live.unsqueeze(-1)
+        live = c.use_row_state(aux[:, :, r0:r1, 0], aux[:, :, r0:r1, 1])
         do = dout[:, :, r0:r1].to(ct)
         o = aux[:, :, r0:r1, 2:] if aux.shape[-1] > 2 else out[:, :, r0:r1]
         delta = (do * o.to(ct)).sum(-1)  # D = rowsum(dO * O)

@@ -5,7 +5,8 @@
 * Case matrices and problem builders, imported by name so that importing
   this package stays light: ``forward_cases``, ``backward_cases``,
   ``precision_cases``, ``varlen_cases``, ``kvcache_cases`` (with the independent
-  float64 implementation ``kvcache_oracle``), ``fuzz_problems`` (whole problems
+  float64 implementation ``kvcache_oracle``), ``ring_cases`` (ring attention's problems and
+  a process group of spawned gloo processes to run them), ``fuzz_problems`` (whole problems
   of every face; needs hypothesis, a test dependency) and ``portable``
   (``torch.randn_like`` / ``Tensor.normal_`` through :func:`randn`).
 """
