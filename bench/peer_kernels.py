@@ -139,6 +139,9 @@ instantiate_kernel("nax_attn_{n}_{d}_mask_{m}", attention_nax, {t}, 64, 32, {d},
               for n, (t, _) in MLX_NAX_TYPES.items() for d in MLX_NAX_HEAD_DIMS
               for m, mt in (("float", t), ("bool", "bool")) if m == "float" or d == 64) + "\n"
 MLX_NAX_BLOCKS = (64, 32, 4, 1)  # BQ, BK, WM, WN of sdpa_full_self_attention_nax
+# MLX runs its NAX kernels only where the neural accelerators are (M5 class): they read and write Apple10's
+# cooperative-tensor layout, so the emulator runs them as that family.
+MLX_NAX_FAMILY = "apple10"
 
 
 def run_mlx_nax_attention(inc, q, k, v, scale, *, mask=None, causal=False, order=None, checked=None):
@@ -154,9 +157,10 @@ def run_mlx_nax_attention(inc, q, k, v, scale, *, mask=None, causal=False, order
     if mask is not None:
         bufs.update({5: struct.pack("<3q", *mask.stride()[:3]), 6: mask})
     kind = "bool" if mask is not None and mask.dtype == torch.bool else "float"
-    st = lib[f"nax_attn_{MLX_DTYPE_NAMES[q.dtype]}_{d}_mask_{kind}"](
-        q, k, v, o, buffers=bufs, grid=(-(-ql // bq) * 32, H * wm, B * wn), threadgroup=(32, wm, wn), order=order,
-        checked=checked)
+    with emulator.settings(family=MLX_NAX_FAMILY):
+        st = lib[f"nax_attn_{MLX_DTYPE_NAMES[q.dtype]}_{d}_mask_{kind}"](
+            q, k, v, o, buffers=bufs, grid=(-(-ql // bq) * 32, H * wm, B * wn), threadgroup=(32, wm, wn),
+            order=order, checked=checked)
     return o, st
 
 
@@ -191,8 +195,9 @@ def run_mlx_nax_gemm(inc, a, b, *, transpose_a=False, transpose_b=False, tile=ML
         bufs.update({2: c, 5: struct.pack("<2iq2f", c.stride(0), c.stride(1), M * N, alpha, beta)})
     name = f"nax_gemm_{'t' if transpose_a else 'n'}{'t' if transpose_b else 'n'}_{MLX_DTYPE_NAMES[a.dtype]}_" \
            f"{bm}_{bn}_{bk}_{wm}_{wn}"
-    st = lib[name](a, b, buffers={**bufs, 3: d}, grid=(tn * 32, tm * wn, wm), threadgroup=(32, wn, wm),
-                   order=order, checked=checked)
+    with emulator.settings(family=MLX_NAX_FAMILY):
+        st = lib[name](a, b, buffers={**bufs, 3: d}, grid=(tn * 32, tm * wn, wm), threadgroup=(32, wn, wm),
+                       order=order, checked=checked)
     return d, st
 
 
