@@ -41,10 +41,10 @@ from ._paths import build_info, is_nax_source
 from .backends import metal
 from .planner import variants
 from .problem.spec import make_spec
-from .testing import error_budget, forward_reference, grad_errors, randn
+from .testing import error_budget, forward_reference, grad_errors, inject_faults, randn
 
 MIN_MACOS = (14, 0)  # MSL 3.1 (bfloat) and torch's MPS backend
-SECTIONS = ("compile", "probes", "timing")
+SECTIONS = ("compile", "probes", "faults", "timing")
 MAX_LISTED = 10  # compile failures listed per shader file
 
 
@@ -386,6 +386,45 @@ def run_probes(grid, name, device, out=print) -> tuple[list, list]:
 # Timing.
 # ---------------------------------------------------------------------------
 
+def check_fault_fallback(name: str, device) -> tuple[list, list]:
+    """A forward kernel that fails to compile and a backward kernel whose pipeline fails to build
+    (testing.inject_faults), as a compiler that rejects them would: each call must fall back to the
+    reference path with a warning naming the kernel and give its results, and the kernels must run
+    again afterwards."""
+    import warnings
+
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (randn(1, 2, 64, 64, generator=g).to(device).requires_grad_() for _ in range(3))
+    rows, failures = [], []
+    with tmf.backend("reference"):
+        out_ref = tmf.scaled_dot_product_attention(q, k, v, is_causal=True)
+        grads_ref = torch.autograd.grad(out_ref.sum(), (q, k, v))
+    for stage, pattern in (("compile", "flash_fwd_"), ("pipeline", "flash_bwd_")):
+        with warnings.catch_warnings(record=True) as record, tmf.backend(name):
+            warnings.simplefilter("always")
+            with inject_faults(**{stage: pattern}) as fault:
+                out = tmf.scaled_dot_product_attention(q, k, v, is_causal=True)
+                grads = torch.autograd.grad(out.sum(), (q, k, v))
+        said = [str(w.message) for w in record if issubclass(w.category, backends.FallbackWarning)]
+        same = torch.allclose(out, out_ref, atol=1e-5, rtol=1e-4) and all(
+            torch.allclose(a, b, atol=1e-4, rtol=1e-3) for a, b in zip(grads, grads_ref))
+        ok = fault.fired > 0 and len(said) == 1 and pattern in said[0] and same
+        rows.append((f"{stage} fault in {pattern}* kernels", said[0].split(": ", 2)[-1] if said else "no warning",
+                     "ok" if ok else "FAIL"))
+        if not ok:
+            failures.append(f"an injected {stage} fault in {pattern}* did not fall back as it should "
+                            f"(fired {fault.fired}, warnings {said}, results {'equal' if same else 'differ'})")
+    before = tmf.run_counts().get(name, 0)
+    with tmf.backend(name):
+        tmf.scaled_dot_product_attention(q, k, v, is_causal=True)
+    again = tmf.run_counts().get(name, 0) > before
+    rows.append(("after the faults", f"the {name} kernels run again" if again else "still on the reference path",
+                 "ok" if again else "FAIL"))
+    if not again:
+        failures.append(f"after the injected faults the {name} kernels did not run again")
+    return rows, failures
+
+
 def _ms(fn, device, iters: int) -> float:
     fn()
     if device.type == "mps":
@@ -505,6 +544,12 @@ def main(argv=None) -> int:
             failures += fails
             sections.append("## Probes (acceptance rule, torch_metal_flash.testing: max|x - ref64| <= 2 max|lowp - ref64| + atol)\n\n"
                             + _table(("probe", "worst: error / allowed", "result", "seconds"), rows))
+        if "faults" not in skip:
+            print("faults ...")
+            rows, fails = check_fault_fallback(name, device)
+            failures += fails
+            sections.append("## Kernel faults (testing.inject_faults: the fallback when a kernel cannot be built)\n\n"
+                            + _table(("injected", "what the call said", "result"), rows))
         if "timing" not in skip:
             print("timing ...")
             rows, fails = run_timing(name, device, full)

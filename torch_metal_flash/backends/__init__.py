@@ -52,6 +52,15 @@ class FallbackWarning(UserWarning):
     """A call ran on the reference path instead of the selected backend."""
 
 
+class KernelsUnavailable(RuntimeError):
+    """Raised by an op whose planner found no kernel that can run the call (``reason``), for a caller
+    that serves it on the reference path itself (after :func:`fallback`)."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
 def _check_name(name: str, source: str) -> str:
     if name not in BACKENDS:
         raise ValueError(f"{source}: unknown backend {name!r}; expected one of {', '.join(BACKENDS)}")

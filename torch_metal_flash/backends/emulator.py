@@ -33,6 +33,7 @@ from ..caches import LRU
 from ..emulator import config
 from ..planner.plan import Plan
 from ..planner.tiles import NAX_FAMILY
+from . import faults
 
 
 # Shared by every instance (what they hold depends only on the key).
@@ -105,11 +106,21 @@ class EmulatorBackend:
 
     def pipeline_info(self, source: str, kernel: str, function_constants: dict) -> dict:
         """The kernel's limits (keys as ``_C.pipeline_info``), cached; builds its library
-        first, as the Metal backend builds the pipeline."""
+        first, as the Metal backend builds the pipeline.  A kernel that cannot be built
+        raises :class:`~torch_metal_flash.planner.limits.KernelBuildError`, remembered
+        (:mod:`.faults`)."""
+        faults.check(self.name, source, kernel)
         key = (source, kernel, tuple(sorted(function_constants.items())))
         info = _pipeline_infos.get(key)
         if info is None:
-            info = dict(self.library(source, function_constants).pipeline_info(kernel))
+            try:
+                lib = self.library(source, function_constants)
+            except emulator.CompileError as e:
+                raise faults.remember(self.name, source, kernel, "compile", str(e)) from None
+            try:
+                info = dict(lib.pipeline_info(kernel))
+            except emulator.CompileError as e:  # kernels are built on first use
+                raise faults.remember(self.name, source, kernel, "function", str(e)) from None
             _pipeline_infos.put(key, info)
         return info
 

@@ -105,8 +105,8 @@ def _plan_inputs(mods: str, captured, lists, blocks):
 
 
 def _run(backend, plan) -> None:
-    if isinstance(plan, Unsupported):
-        raise RuntimeError(f"torch_metal_flash: FlexAttention planning failed: {plan}")
+    if isinstance(plan, Unsupported):  # e.g. a kernel that cannot be built: the face falls back
+        raise backends.KernelsUnavailable(plan.reason)
     backend.run(plan)
     backends.record_run(backend.name)
 
