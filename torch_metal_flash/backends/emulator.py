@@ -4,7 +4,7 @@ Each launch compiles ``shaders_dir() / launch.source``, or the text of a
 source generated at run time under that name (``_paths.generated_source``;
 include dir: the shaders folder; one build serves every function-constant value) in the math
 mode the Metal launcher uses (``TORCH_METAL_FLASH_MATH_MODE``, default
-relaxed; ``emulator.settings(math_mode=...)`` overrides it) and runs
+safe; ``emulator.settings(math_mode=...)`` overrides it) and runs
 ``launch.kernel`` over ``launch.grid_threads``, binding the launch's buffers
 by index.  Schedule order, checked mode and seed come from
 :func:`torch_metal_flash.emulator.settings`, then the environment

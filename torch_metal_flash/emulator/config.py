@@ -7,7 +7,7 @@ built-in defaults (checked, forward, 0).
 
 The emulator backend compiles the package's shaders in the math mode the
 Metal launcher uses: ``settings(math_mode=...)``, else
-``TORCH_METAL_FLASH_MATH_MODE`` (the launcher's variable), else "relaxed".
+``TORCH_METAL_FLASH_MATH_MODE`` (the launcher's variable), else "safe" (the launcher's one mode).
 ``compile_shader`` itself takes ``math_mode=`` per compile ("fast" by default,
 like Metal's ``newLibraryWithSource``).
 """
@@ -80,7 +80,7 @@ def backend_math_mode() -> str:
     s = _ctx.get()
     if s.get("math_mode") is not None:
         return s["math_mode"]
-    return check_math_mode(os.environ.get("TORCH_METAL_FLASH_MATH_MODE", "relaxed") or "relaxed")
+    return check_math_mode(os.environ.get("TORCH_METAL_FLASH_MATH_MODE", "safe") or "safe")
 
 
 def default_timeout() -> float:
