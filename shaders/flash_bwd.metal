@@ -270,7 +270,7 @@ template <typename T, int BD, int BQ, int BK>
     const int kb = steps.at(t, word);
     if (kFlex && (kb < 0 || kb >= Lk)) continue;  // uniform: past the keys of a last, partial block
     // (FlexAttention) the chunks of keys some sub-block of these rows sees; none: skip the step
-    const uint chunks = kFlex ? flash::flex_chunks<CH, BK / CH>(*FLEX_PARAMS_PTR, word, q0, i_last, kb) : kAllChunks;
+    const uint chunks = kFlex ? steps.sub.chunks<CH, BK / CH>(word, q0, i_last, kb) : kAllChunks;
     if (chunks == 0) continue;  // uniform
     kb_end = kb + BK;
     const int k_valid = Lk - kb;
@@ -316,8 +316,7 @@ template <typename T, int BD, int BQ, int BK>
           float s = sc.s;
           float grad = 1.0f;  // d score / d x of the flex score_mod
           if (kFlex) {
-            s = flash::flex_score<true>(s, b, h, my_row, j, flash::flex_sub_state(*FLEX_PARAMS_PTR, word, my_row, j),
-                                        cap, vis, grad);
+            s = flash::flex_score<true>(s, b, h, my_row, j, steps.sub.state(word, my_row, j), cap, vis, grad);
           }
           float ds = 0.0f;
           if (vis) {
@@ -482,8 +481,7 @@ template <typename T, int BD, int BK, int BQ, int MODE>
       const int qb = steps.at(t, word);
       if (kFlex && (qb < 0 || qb >= Lq)) continue;  // uniform: past the rows of a last, partial block
       // (FlexAttention) the chunks of queries some sub-block of these keys sees; none: skip the step
-      const uint chunks = kFlex ? flash::flex_chunks<CH, BQ / CH>(*FLEX_PARAMS_PTR, word, kb0, kb_last, qb)
-                                : kAllChunks;
+      const uint chunks = kFlex ? steps.sub.chunks<CH, BQ / CH>(word, kb0, kb_last, qb) : kAllChunks;
       if (chunks == 0) continue;  // uniform
       const int q_valid = Lq - qb;
       flash::load_tile_chunks<T, BQ, BD, NT, CH>(Qs, LD, qp + long(qb) * f.q_stride_l, f.q_stride_l, q_valid,
@@ -548,8 +546,7 @@ template <typename T, int BD, int BK, int BQ, int MODE>
             float s = sc.s;
             float grad = 1.0f;  // d score / d x of the flex score_mod
             if (kFlex) {
-              s = flash::flex_score<true>(s, b, h, i, my_key, flash::flex_sub_state(*FLEX_PARAMS_PTR, word, my_key, i),
-                                          cap, vis, grad);
+              s = flash::flex_score<true>(s, b, h, i, my_key, steps.sub.state(word, my_key, i), cap, vis, grad);
             }
             float pr = 0.0f;
             float ds = 0.0f;
@@ -694,6 +691,8 @@ template <typename T, int BD, int BQ, int BK>
   const int d0 = int(tgid.x) * ND;  // first owned diagonal
   const flash::FragCoord fc = flash::frag_coord(lane);
   const flex::Captured cap = FLEX_CAPTURED;
+  flash::FlexSub sub{};
+  if (kFlex) sub = flash::flex_sub(*FLEX_PARAMS_PTR);
   const device T* kp = k + long(b) * f.k_stride_b + long(kvh) * f.k_stride_h;
   const device T* vp = v + long(b) * f.v_stride_b + long(kvh) * f.v_stride_h;
 
@@ -740,7 +739,7 @@ template <typename T, int BD, int BQ, int BK>
           bool vis = row_ok && j < Lk && t >= 0 && t < ND;
           const float x = S[kk].thread_elements()[e];
           float unused;
-          const int state = flash::flex_sub_state(*FLEX_PARAMS_PTR, word, my_row, j);
+          const int state = sub.state(word, my_row, j);
           const float s = flash::flex_score<false>(x, b, h, my_row, j, state, cap, vis, unused);
           if (vis) {
             const float ds = flash_bwd::prob(s, my_stats) * (dP[kk].thread_elements()[e] - my_delta);

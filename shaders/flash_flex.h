@@ -65,30 +65,43 @@ constant constexpr uint kFlexPartialWord = 0x55555555u;
 // Positions per load chunk of a tile (sub-blocks are multiples of it).
 constant constexpr int kFlexChunk = 16;
 
-// The state (0 hidden, 1 mask_mod, 2 visible) of the element at outer position
-// `outer`, inner position `inner` of a block with state word `word`.
-inline int flex_sub_state(constant FlexParams& p, uint word, int outer, int inner) {
-  const int r = p.row_sub > 0 ? (outer % p.row_block) / p.row_sub : 0;
-  const int c = p.col_sub > 0 ? (inner % p.col_block) / p.col_sub : 0;
-  const int per_row = p.col_sub > 0 ? p.col_block / p.col_sub : 1;
-  return int(word >> (2 * (r * per_row + c))) & 3;
-}
+// The sub-block geometry of a list direction, read from the params once per
+// kernel (kept in registers: the element loop reads no constant buffer).
+struct FlexSub {
+  int row_block;
+  int col_block;
+  int row_sub;  // 0: whole row blocks
+  int col_sub;  // 0: whole listed blocks
 
-// Bit c: chunk c (CHUNK inner positions from `inner` + c * CHUNK) holds a
-// sub-block that some outer position in [o_first, o_last] does not hide.
-template <int CHUNK, int N>
-inline uint flex_chunks(constant FlexParams& p, uint word, int o_first, int o_last, int inner) {
-  if (word == kFlexFullWord || word == kFlexPartialWord || (p.row_sub == 0 && p.col_sub == 0)) {
-    return (1u << N) - 1u;
+  // The state (0 hidden, 1 mask_mod, 2 visible) of the element at outer
+  // position `outer`, inner position `inner` of a block with state word `word`.
+  int state(uint word, int outer, int inner) const {
+    if (word == kFlexFullWord) return 2;
+    if (word == kFlexPartialWord) return 1;
+    const int r = row_sub > 0 ? (outer % row_block) / row_sub : 0;
+    const int c = col_sub > 0 ? (inner % col_block) / col_sub : 0;
+    const int per_row = col_sub > 0 ? col_block / col_sub : 1;
+    return int(word >> (2 * (r * per_row + c))) & 3;
   }
-  const int r_step = p.row_sub > 0 ? p.row_sub : p.row_block;
-  uint bits = 0;
-  for (int c = 0; c < N; ++c) {
-    for (int o = o_first - o_first % r_step; o <= o_last; o += r_step) {
-      if (flex_sub_state(p, word, o, inner + c * CHUNK) != 0) bits |= 1u << c;
+
+  // Bit c: chunk c (CHUNK inner positions from `inner` + c * CHUNK) holds a
+  // sub-block that some outer position in [o_first, o_last] does not hide.
+  template <int CHUNK, int N>
+  uint chunks(uint word, int o_first, int o_last, int inner) const {
+    if (word == kFlexFullWord || word == kFlexPartialWord) return (1u << N) - 1u;
+    const int r_step = row_sub > 0 ? row_sub : row_block;
+    uint bits = 0;
+    for (int c = 0; c < N; ++c) {
+      for (int o = o_first - o_first % r_step; o <= o_last; o += r_step) {
+        if (state(word, o, inner + c * CHUNK) != 0) bits |= 1u << c;
+      }
     }
+    return bits;
   }
-  return bits;
+};
+
+inline FlexSub flex_sub(constant FlexParams& p) {
+  return FlexSub{p.row_block, p.col_block, p.row_sub, p.col_sub};
 }
 
 // A line's gradient sum and where it goes (index -1: nowhere, a read out of range).
@@ -130,6 +143,7 @@ struct InnerSteps {
   int col_block;
   int n_partial;
   int words;  // offset of the partial blocks' state words after their indices (0: none)
+  FlexSub sub;
   const device int* partial;
   const device int* full;
 
@@ -142,7 +156,7 @@ struct InnerSteps {
   }
 
   // The first position of step t (-1: a listed block out of range, skip it);
-  // `word`: the state word of the step's block (flex_sub_state).
+  // `word`: the state word of the step's block (FlexSub::state).
   int at(int t, thread uint& word) const {
     if (partial == nullptr) {
       word = kFlexPartialWord;
@@ -174,6 +188,7 @@ inline InnerSteps flex_steps(FlexLists l, int b, int h, int pos, int tile, int e
   InnerSteps s{};
   s.tile = tile;
   s.per_block = (min(p.col_block, max(extent, 1)) + tile - 1) / tile;
+  s.sub = flex_sub(p);
   s.col_block = p.col_block;
   const long r = flex_list_row(p, b, h, pos);
   if (r < 0) return s;
@@ -188,7 +203,7 @@ inline InnerSteps flex_steps(FlexLists l, int b, int h, int pos, int tile, int e
 }
 
 // The state word of the block holding (pos, col_pos): 0 not listed (never
-// visible), else its flex_sub_state word.
+// visible), else its FlexSub::state word.
 inline uint flex_block_word(FlexLists l, int b, int h, int pos, int col_pos) {
   constant FlexParams& p = *l.p;
   const long r = flex_list_row(p, b, h, pos);
@@ -264,7 +279,7 @@ constant constexpr int kFlexColSlots = FLEX_COL_READS > 0 ? FLEX_COL_READS : 1;
 constant constexpr int kFlexDiagSlots = FLEX_DIAG_READS > 0 ? FLEX_DIAG_READS : 1;
 
 // The flex part of the score of element (i, j) of batch b, query head h: hidden
-// in a hidden sub-block, mask_mod in a partial one (`state`: flex_sub_state),
+// in a hidden sub-block, mask_mod in a partial one (`state`: FlexSub::state),
 // then score_mod on the score x.  `vis` in: inside the problem; out: visible
 // (a score_mod result <= -FLT_MAX, torch's -inf, hides the element).  `grad`,
 // when asked: d score / d x.

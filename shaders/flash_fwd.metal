@@ -129,12 +129,12 @@ inline void load_key_chunks(threadgroup T* dst, int ld, const device T* head, lo
 // when need_band, a bool mask or a -inf float mask) hold -FLT_MAX and have
 // their bit 2 * kk + e set in the result.  FlexAttention (kFlex): flash::flex_score
 // of batch b, query head h for rows inside the problem (row_ok), by the state
-// word of the step's block (`word`, flash::flex_sub_state of the lists `fp`).
+// word of the step's block (`word`, read through `sub`).
 template <typename T, int NF, int NK, int LD>
 inline uint block_scores(thread simdgroup_float8x8* S, const thread simdgroup_float8x8* Qf,
                          const threadgroup T* Ks, flash::FragCoord fc, int kb, int i, bool row_ok, int lk,
                          bool need_band, flash::Band band, float slope, const device uchar* mask, long mask_row,
-                         constant FlashFwdParams& p, int b, int h, uint word, constant flash::FlexParams* fp,
+                         constant FlashFwdParams& p, int b, int h, uint word, flash::FlexSub sub,
                          thread const flex::Captured& cap) {
   flash::qk_block<NF, NK, LD>(S, Qf, Ks, fc);
   uint hidden = 0;  // bit 2 * kk + e: element e of S[kk] is invisible
@@ -155,7 +155,7 @@ inline uint block_scores(thread simdgroup_float8x8* S, const thread simdgroup_fl
                                          mask, mask_row + long(j) * m_stride_k, row_ok, vis).s;
         float unused;
         if (kFlex && row_ok) {
-          s = flash::flex_score<false>(s, b, h, i, j, flash::flex_sub_state(*fp, word, i, j), cap, vis, unused);
+          s = flash::flex_score<false>(s, b, h, i, j, sub.state(word, i, j), cap, vis, unused);
         }
         S[kk].thread_elements()[e] = vis ? s : -FLT_MAX;
         hidden |= vis ? 0u : 1u << (2 * kk + e);
@@ -277,8 +277,7 @@ template <typename T, int BD, int BQ, int BK, bool SHARED_KV>
     const int kb = steps.at(t, word);
     if (kFlex && (kb < 0 || kb >= Lk)) continue;  // uniform: past the keys of a last, partial block
     // (FlexAttention) the chunks of keys some sub-block of these rows sees; none: skip the step
-    const uint chunks = kFlex ? flash::flex_chunks<CH, BK / CH>(*FLEX_PARAMS_PTR, word, i_first, i_last, kb)
-                              : kAllChunks;
+    const uint chunks = kFlex ? steps.sub.chunks<CH, BK / CH>(word, i_first, i_last, kb) : kAllChunks;
     if (chunks == 0) continue;  // uniform
     const int k_valid = Lk - kb;
     fwd_detail::load_key_chunks<T, BK, BD, NT, CH>(Ks, LD, kh, k_stride_b, k_stride_l, sq.k0, bt_row, p, kb, k_valid,
@@ -307,7 +306,7 @@ template <typename T, int BD, int BQ, int BK, bool SHARED_KV>
     if (sg_active) {
       const uint hidden = fwd_detail::block_scores<T, NF, NK, LD>(S, Qf, Ks, fc, kb, i, row_ok, Lk, need_band,
                                                                   band, slope, mask, mask_row, p, b, h, word,
-                                                                  FLEX_PARAMS_PTR, cap);
+                                                                  steps.sub, cap);
 
       flash::softmax_step<NK, NF>(S, hidden, m_i, l_i, Of);
       if (has_dropout) {  // after the sum: the softmax sums every probability, dropped or not
@@ -386,7 +385,7 @@ template <typename T, int BD, int BQ, int BK, bool SHARED_KV>
       if (r0 < rows) {
         hidden = fwd_detail::block_scores<T, NF, NK, LD>(S, Qf, Ks, fc, kb, i, row_ok, Lk, has_band, band, slope,
                                                         mask, mask_row, p, b, h, flash::kFlexPartialWord,
-                                                        FLEX_PARAMS_PTR, cap);
+                                                        flash::FlexSub{}, cap);
       }
       for (int kk = 0; kk < NK; ++kk) {
         for (int e = 0; e < 2; ++e) {
