@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 import torch_metal_flash as tmf
 
-from . import backends, native
+from . import backends, native, progress
 from ._paths import build_info, is_nax_source
 from .backends import metal
 from .planner import variants
@@ -230,37 +230,45 @@ def compile_pipelines(backend, all_variants: bool, out=print) -> tuple[list, lis
     for v in chosen:
         by_source[v.source].append(v)
     rows, notes, failures = [], [], []
-    for source, group in by_source.items():
-        inactive = is_nax_source(source) and backend.neural_accelerators_reason
-        if inactive:  # the backend refuses to compile these here
-            rows.append((source, len(group), 0, f"- (not compiled: neural accelerators inactive: {inactive})", "-"))
-            out(f"  {source}: {len(group)} pipelines not compiled (neural accelerators inactive)")
-            continue
-        start = time.perf_counter()
-        failed, lowest, below = 0, None, set()
-        for v in group:
-            try:
-                info = backend.pipeline_info(v.source, v.kernel, v.constants)
-            except Exception as exc:  # noqa: BLE001 -- every failure is reported, none stops the others
-                failed += 1
-                if failed <= MAX_LISTED:
-                    failures.append(f"compile {v.kernel} {v.constants}: {type(exc).__name__}: {exc}")
-                continue
-            limit = info["max_total_threads_per_threadgroup"]
-            if lowest is None or limit < lowest[0]:
-                lowest = (limit, v.kernel)
-            if limit < planned[v.kernel]:
-                below.add(f"{v.kernel} ({limit} < {planned[v.kernel]})")
-        seconds = time.perf_counter() - start
-        if failed > MAX_LISTED:
-            failures.append(f"compile: {failed - MAX_LISTED} more pipelines of {source} failed")
-        low = f"{lowest[0]} ({lowest[1]})" if lowest else "-"
-        rows.append((source, len(group), failed, low, f"{seconds:.1f}"))
-        out(f"  {source}: {len(group)} pipelines, {failed} failed, {seconds:.1f} s")
-        if below:
-            notes.append(f"{source}: pipelines allowing fewer threads than their tile plans (the planner takes "
-                         f"another variant for these): {', '.join(sorted(below))}")
+    with progress.bar(len(chosen), "doctor: compiling pipelines", "pipeline") as bar:
+        for source, group in by_source.items():
+            _compile_source(backend, source, group, planned, rows, notes, failures, out, bar)
     return rows, notes, failures
+
+
+def _compile_source(backend, source, group, planned, rows, notes, failures, out, bar) -> None:
+    """Compile one shader file's pipelines, adding its row, notes and failures."""
+    inactive = is_nax_source(source) and backend.neural_accelerators_reason
+    if inactive:  # the backend refuses to compile these here
+        rows.append((source, len(group), 0, f"- (not compiled: neural accelerators inactive: {inactive})", "-"))
+        out(f"  {source}: {len(group)} pipelines not compiled (neural accelerators inactive)")
+        bar.update(len(group))
+        return
+    start = time.perf_counter()
+    failed, lowest, below = 0, None, set()
+    for v in group:
+        bar.update(1, v.kernel)
+        try:
+            info = backend.pipeline_info(v.source, v.kernel, v.constants)
+        except Exception as exc:  # noqa: BLE001 -- every failure is reported, none stops the others
+            failed += 1
+            if failed <= MAX_LISTED:
+                failures.append(f"compile {v.kernel} {v.constants}: {type(exc).__name__}: {exc}")
+            continue
+        limit = info["max_total_threads_per_threadgroup"]
+        if lowest is None or limit < lowest[0]:
+            lowest = (limit, v.kernel)
+        if limit < planned[v.kernel]:
+            below.add(f"{v.kernel} ({limit} < {planned[v.kernel]})")
+    seconds = time.perf_counter() - start
+    if failed > MAX_LISTED:
+        failures.append(f"compile: {failed - MAX_LISTED} more pipelines of {source} failed")
+    low = f"{lowest[0]} ({lowest[1]})" if lowest else "-"
+    rows.append((source, len(group), failed, low, f"{seconds:.1f}"))
+    out(f"  {source}: {len(group)} pipelines, {failed} failed, {seconds:.1f} s")
+    if below:
+        notes.append(f"{source}: pipelines allowing fewer threads than their tile plans (the planner takes "
+                     f"another variant for these): {', '.join(sorted(below))}")
 
 
 # ---------------------------------------------------------------------------
@@ -390,8 +398,24 @@ def _ms(fn, device, iters: int) -> float:
     return (time.perf_counter() - start) / iters * 1e3
 
 
+def _kernel_names(op: str, q, v, causal: bool) -> str:
+    """The kernels in force for the class (forced, tuned or the family's default), even where it is routed to torch."""
+    from . import tuning
+    names = []
+    for part in tuning.PARTS[op]:
+        dims = dict(dtype=q.dtype, head_dim=q.shape[-1], head_dim_v=v.shape[-1])
+        name = tuning.planned(op, part, dims["dtype"], dims["head_dim"], dims["head_dim_v"], seqlen_q=q.shape[-2],
+                              seqlen_k=v.shape[-2], causal=causal, features={})
+        names.append(name or tuning.space.part_variants(op, part, dims["dtype"], dims["head_dim"],
+                                                        dims["head_dim_v"], tuning._family(None))[0])
+    return " + ".join(names)
+
+
 def run_timing(name, device, full: bool, out=print) -> tuple[list, list]:
-    """(rows, failures): ms per call of ours and of F.scaled_dot_product_attention."""
+    """(rows, failures): per case our kernels against F.scaled_dot_product_attention, as
+    ``tune``'s table (tuning/cli.py ROUTE_HEADER): ms, speed-up, peak memory of each, the route."""
+    from .faces import stock as face_stock
+    from .tuning import cli, stock
     dtype = torch.float16
     sizes = [(1, 16, 16, 1024, 1024, 64), (1, 16, 16, 4096, 4096, 64), (1, 16, 16, 2048, 2048, 128)] if full \
         else [(1, 2, 2, 64, 64, 32)]
@@ -412,15 +436,25 @@ def run_timing(name, device, full: bool, out=print) -> tuple[list, list]:
         label = f"{kind} B{B} H{Hq}/{Hkv} Lq{Lq} Lk{Lk} d{D} fp16"
         try:
             with tmf.backend(name, strict=True):
-                ours = _ms(call(tmf.scaled_dot_product_attention), device, iters)
+                op, _ = face_stock.op_class(q, k, v, None, 0.0, causal)
+                kernels = _kernel_names(op, q, v, causal)
+                route = "torch" if face_stock.takes_torch(None, q, k, v, None, 0.0, causal) else "kernels"
+                ours = _ms(call(face_stock.kernels_sdpa), device, iters)
+                ours_peak = stock.peak_bytes(call(face_stock.kernels_sdpa))
             theirs = _ms(call(F.scaled_dot_product_attention), device, iters)
+            theirs_peak = stock.peak_bytes(call(F.scaled_dot_product_attention))
         except Exception as exc:  # noqa: BLE001
             failures.append(f"timing {label}: {type(exc).__name__}: {exc}")
-            rows.append((label, "error", "", ""))
+            rows.append((label, "error") + ("",) * (len(TIMING_HEADER) - 2))
             continue
-        rows.append((label, f"{ours:.3f}", f"{theirs:.3f}", f"{theirs / ours:.2f}x"))
-        out(f"  {label}: {ours:.3f} ms (torch {theirs:.3f} ms)")
+        rows.append((label, kernels, f"{ours:.3f}", f"{theirs:.3f}", f"{theirs / ours:.2f}x",
+                     cli.size(ours_peak), cli.size(theirs_peak), route))
+        out(f"  {label}: {ours:.3f} ms (torch {theirs:.3f} ms), route: {route}")
     return rows, failures
+
+
+TIMING_HEADER = ("case", "kernel in force", "kernel ms", "torch ms", "speed-up (torch ms / kernel ms)",
+                 "kernel peak", "torch peak", "route")
 
 
 # ---------------------------------------------------------------------------
@@ -476,8 +510,8 @@ def main(argv=None) -> int:
             rows, fails = run_timing(name, device, full)
             failures += fails
             note = "" if name == "metal" else "\n\nThe emulator runs on the CPU: these times say nothing about a GPU."
-            sections.append("## Timing (ms per call)\n\n" + _table(
-                ("case", "torch_metal_flash", "F.scaled_dot_product_attention", "speed-up"), rows) + note)
+            sections.append("## Timing (ms per call): the kernels against F.scaled_dot_product_attention, and the "
+                            "route each class takes (docs/tuning.md)\n\n" + _table(TIMING_HEADER, rows) + note)
     machine.append(("math mode", math_mode(name, backend)))
     try:
         tuned, rows = tuning_rows(backend.family) if backend is not None else (None, [])

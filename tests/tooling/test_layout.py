@@ -15,7 +15,7 @@ NAME = "torch_metal_flash"
 
 # Bottom to top; a module may import its own layer and the layers below.
 LAYERS = [
-    {"_paths", "caches"},
+    {"_paths", "caches", "progress"},
     {"emulator"},
     {"native"},
     {"problem"},

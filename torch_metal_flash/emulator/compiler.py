@@ -46,6 +46,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from .. import progress
 from . import analysis, prepass, rules, syntax
 from .errors import CompileError, CompilerNotFoundError
 
@@ -289,6 +290,11 @@ def _lock_for(key: str) -> threading.Lock:
         return _build_locks.setdefault(key, threading.Lock())
 
 
+_STEPS = {"rules": "checking a kernel source's MSL rules", "analysis": "analysing a kernel source",
+          "syntax": "parsing a kernel source", "shim": "precompiling the emulator's header",
+          "libmtlrt": "building the emulator's runtime", "tmf_core": "compiling the C++ op core"}
+
+
 def _atomic_write(target: Path, build) -> Path:
     """Produce target through a temporary file next to it, then rename (safe across processes)."""
     if target.exists():
@@ -299,7 +305,10 @@ def _atomic_write(target: Path, build) -> Path:
         fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=str(target.parent))
         os.close(fd)
         try:
-            build(tmp)
+            # a first use waits on clang for seconds: say so (later processes read the file)
+            what = target.name.split("-")[0]
+            with progress.bar(None, f"{_STEPS.get(what, f'compiling {what}')} (first use, cached)"):
+                build(tmp)
             os.replace(tmp, target)
         finally:
             if os.path.exists(tmp):

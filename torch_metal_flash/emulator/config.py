@@ -108,13 +108,20 @@ def backend_family() -> str:
     return family_override() or DEFAULT_FAMILY
 
 
+def tensor_layout() -> int:
+    """The cooperative-tensor layout of tensor ops for the family the emulator runs as (runtime.LAYOUT_*):
+    Apple10's on apple10, Apple8/9's (PyTorch's MppAttention.h) below it (docs/emulator.md)."""
+    return 0 if backend_family() == "apple10" else 1
+
+
 @contextlib.contextmanager
 def settings(*, order: Optional[str] = None, checked: Optional[bool] = None, seed: Optional[int] = None,
              math_mode: Optional[str] = None, family: Optional[str] = None) -> Iterator[None]:
     """Defaults for launches in this context (also those the emulator backend
     makes; ``math_mode`` applies to the backend's shader libraries; ``family``
     (``"apple7"`` ... ``"apple10"``) is the GPU family whose tile tables the
-    backend plans with, default apple8)::
+    backend plans with, default apple8, and whose cooperative-tensor layout
+    every launch's tensor ops use)::
 
         with emulator.settings(order="reverse", checked=True, math_mode="fast", family="apple9"):
             out = op(...)

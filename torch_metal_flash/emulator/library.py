@@ -65,6 +65,7 @@ _ERRORS = {
     rt.E_MMA_DIVERGENCE: SimdgroupMatrixDivergenceError,
     rt.E_OUT_OF_BOUNDS: OutOfBoundsError,
     rt.E_TG_MEMORY: ThreadgroupMemoryError,
+    rt.E_UNBOUND: LaunchError,
     rt.E_RACE: DataRaceError,
     rt.E_TIMEOUT: KernelTimeoutError,
     rt.E_CRASH: KernelCrashError,
@@ -369,6 +370,7 @@ def launch(fn: KernelFunction, args, *, grid, threadgroup, threadgroup_memory, o
     d.max_workers = 1 if checked else config.default_workers()
     d.stats = ctypes.pointer(st)
     d.err = ctypes.pointer(err)
+    d.tensor_layout = config.tensor_layout()
     t0 = time.perf_counter()
     with build.lock:
         if build.pre.constants:
@@ -391,6 +393,12 @@ def launch(fn: KernelFunction, args, *, grid, threadgroup, threadgroup_memory, o
     seconds = time.perf_counter() - t0
     del keep
     if code:
+        if code == rt.E_UNBOUND:  # name the argument
+            p = next((p for p in kernel.params if p.kind == prepass.P_BUFFER and p.index == err.buffer), None)
+            if p is not None:
+                err.msg = (f"{err.msg.decode(errors='replace')}: the kernel uses parameter '{p.name}' "
+                           f"[[buffer({p.index})]], so it must be bound (pass it as positional argument {p.index} "
+                           f"or buffers={{{p.index}: ...}})").encode()[:2047]
         raise _make_error(build, kname, err, code)
     return _recorded(LaunchStats(
         threadgroups=st.threadgroups, threads=st.threads,

@@ -15,6 +15,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .. import core, ops, reference  # noqa: F401  (ops registers torch.ops.metal_flash)
+from . import stock
 from ..problem import checks, philox
 from ..problem.quant import QuantizedTensor, flat_format
 from ..problem.spec import stats_dtype
@@ -109,7 +110,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     never repeated in memory).  Rows with no visible key return zeros.  Returns
     (..., Hq, L, Ev) in the query's dtype.
     ``key``/``value`` may be quantized (:class:`~torch_metal_flash.problem.quant.QuantizedTensor`,
-    inference only), or float16 / bfloat16 under a float32 ``query``.
+    inference only), or float16 / bfloat16 under a float32 ``query``.  A problem class the
+    tuner routed to torch (docs/tuning.md) runs torch's own SDPA (:mod:`.stock`).
     """
     signature = checks.memo_key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     checked = _SDPA_CHECKED.get(signature)
@@ -117,6 +119,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         checked = _sdpa_checks(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         if signature is not None:
             _SDPA_CHECKED.put(signature, checked)
+    if stock.takes_torch(signature, query, key, value, attn_mask, dropout_p, is_causal):
+        return stock.run_torch(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     return sdpa_checked(query, key, value, attn_mask, checked)
 
 

@@ -60,6 +60,7 @@ import torch
 
 from .. import backends, ops
 from ..problem import checks
+from . import stock
 from .functional import _as_4d, _sdpa_checks, mask_as_4d, scaled_dot_product_attention, sdpa_checked
 
 __all__ = ["enable_sdpa", "disable_sdpa", "sdpa_override", "sdpa_stats", "reset_sdpa_stats", "is_sdpa_enabled"]
@@ -75,6 +76,7 @@ _lib: Optional[torch.library.Library] = None
 _depth = 0  # nesting of enable_sdpa() / sdpa_override()
 _cpu_modes: list = []  # the cpu= argument of each active enable, innermost last
 
+ROUTED_TO_TORCH = "the tuned route: torch's SDPA is faster for this problem class (docs/tuning.md)"
 _stats_lock = threading.Lock()
 _stats = {"routed": 0, "original": 0, "traced_routed": 0, "traced_original": 0}
 _reasons: collections.Counter = collections.Counter()
@@ -180,8 +182,7 @@ def _aten_original():
 
 def _call_original(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
     # torch's own CompositeImplicitAutograd kernel: exactly what the operator runs without us.
-    return _aten_original()._op_dk(torch._C.DispatchKey.CompositeImplicitAutograd, query, key, value, attn_mask,
-                                   dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    return stock.original_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
 
 
 def _cpu_mode() -> Optional[bool]:
@@ -215,7 +216,7 @@ def _broadcasts(shape, target) -> bool:
 
 
 def _checks(tracing: bool, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> tuple:
-    """``(reason, face_checks)``: why a call goes to torch's original whatever the kernels
+    """``(reason, face_checks, signature)``: why a call goes to torch's original whatever the kernels
     say (or None), and the SDPA face's own checks of it.  Memoised per call signature
     (with the selected backend and the CPU routing mode)."""
     signature = None
@@ -238,7 +239,7 @@ def _checks(tracing: bool, query, key, value, attn_mask, dropout_p, is_causal, s
         checked = (reason, face_checks)
         if signature is not None:
             _CHECKED.put(signature, checked)
-    return checked
+    return (*checked, signature)
 
 
 _CHECKED = checks.Memo("checks.override")
@@ -334,8 +335,11 @@ def _record(routed: bool, reason: Optional[str], query, traced: bool) -> None:
 def _kernel(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
     args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     tracing = _is_tracing()
-    reason, face_checks = _checks(tracing, *args)
+    reason, face_checks, signature = _checks(tracing, *args)
     out = None
+    if reason is None and stock.takes_torch(signature, query, key, value, attn_mask, dropout_p, is_causal):
+        _record(False, ROUTED_TO_TORCH, query, tracing)
+        return stock.run_torch(*args)
     if reason is None:
         if tracing or _cpu_mode() is True or dropout_p > 0 or ops.needs_grad(query, key, value, attn_mask):
             # Ask first: the backward must be served too, a dropout call must not draw its seed

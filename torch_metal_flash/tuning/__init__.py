@@ -28,9 +28,10 @@ import torch
 from . import cache as _cache
 from .cache import TuningCacheWarning, feature_class, seq_class
 from .space import OPS, PARTS, accepts, as_dtype, catalog, check_family, check_op, part_variants
+from .stock import STOCK
 
-__all__ = ["OPS", "variants", "use", "choice", "tune", "cache_path", "current_family", "TuningCacheWarning",
-           "reload"]
+__all__ = ["OPS", "STOCK", "variants", "use", "choice", "tune", "cache_path", "current_family",
+           "TuningCacheWarning", "reload"]
 
 FEATURES = ("mask", "dropout", "varlen")
 DTYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
@@ -74,22 +75,34 @@ def _forced() -> dict:
 def use(op: str, variant: str) -> Iterator[None]:
     """Force ``variant`` for the calls of ``op`` this thread makes inside (problems it
     applies to: its dtype and head-dim bucket; others keep their choice).  Nested uses
-    force one variant per part (e.g. a dQ and a dK/dV kernel)."""
+    force one variant per part (e.g. a dQ and a dK/dV kernel).  ``"torch"`` forces the
+    stock route: the SDPA face and override call torch's own SDPA (the flash-attn faces
+    keep the kernels)."""
     check_op(op)
     parts = catalog(op)
-    if variant not in parts:
+    if variant not in parts and variant != STOCK:
         raise ValueError(f"tuning.use: {variant!r} is not a variant of {op!r}; valid variants: "
-                         f"{', '.join(sorted(parts))}")
+                         f"{STOCK!r} (torch's own SDPA), {', '.join(sorted(parts))}")
+    global _forcing_stock, _stock_hint
     from .. import core
     core.load()  # the plan cache keys on the forced variants from the first call on
     before = _forced()
-    _local.forced = {**before, (op, parts[variant]): variant}
+    _local.forced = {**before, (op, parts.get(variant, "route")): variant}
     sync_thread()
+    stock = variant == STOCK
+    if stock:
+        with _cache_lock:
+            _forcing_stock += 1
+            _stock_hint = None
     try:
         yield
     finally:
         _local.forced = before
         sync_thread()
+        if stock:
+            with _cache_lock:
+                _forcing_stock -= 1
+                _stock_hint = None
 
 
 # ----------------------------------------------------------------------------- plan-cache keying
@@ -112,15 +125,23 @@ def sync_thread() -> None:
     state = _thread_state()
     with _tokens_lock:
         token = _tokens.setdefault(state, len(_tokens))
+    _local.token = token
     if core.loaded():
         core.load().core.set_thread_tuning(token)
 
 
+def state_key() -> tuple:
+    """What a choice made on the host depends on besides the problem: the cache's generation
+    and this thread's token (forced variants or route, emulator family), as the plan cache keys."""
+    return _generation, getattr(_local, "token", 0)
+
+
 def _bump() -> None:
     """The cache's contents changed: plans made before may pick other variants."""
-    global _generation
+    global _generation, _stock_hint
     from .. import core
     _generation += 1
+    _stock_hint = None
     if core.loaded():
         core.load().core.set_tuning_generation(_generation)
 
@@ -216,12 +237,13 @@ def autotune_budget() -> float:
 
 def budget_timer(budget: float, warmup: int = 1, repeats: int = 3) -> Callable:
     """:func:`gpu_timer` that stops timing once ``budget`` seconds have passed: the
-    variants left are not run (they cannot win); the first (the default) always is."""
+    variants left are not run (they cannot win); the first (the default) and the stock
+    route (``"torch"``, the baseline a class is routed to) always are."""
     timer, start = gpu_timer(warmup, repeats), time.perf_counter()
     first = [True]
 
     def timed(variant, run):
-        if not first[0] and time.perf_counter() - start > budget:
+        if not first[0] and variant != STOCK and time.perf_counter() - start > budget:
             return float("inf")
         first[0] = False
         return timer(variant, run)
@@ -261,13 +283,60 @@ def choice(op: str, *, dtype, head_dim: int, seqlen_q: int, seqlen_k: int, causa
     names = part_variants(op, part, dtype, head_dim, head_dim_v, fam)
     if not names:
         raise ValueError(f"tuning.choice: no {op} kernel takes dtype {dtype}, head dims {head_dim}/{head_dim_v}")
+    if _forced().get((op, "route")) == STOCK:
+        return STOCK, "forced"
     forced = _forced().get((op, part))
     if forced is not None and accepts(op, part, forced, dtype, head_dim, head_dim_v, fam):
         return forced, "forced"
     entry = _current_cache(fam).get(_key(op, part, dtype, head_dim, head_dim_v, seqlen_q, seqlen_k, causal, features))
+    if entry is not None and _stock_route(entry):
+        return STOCK, "tuned"
     if entry is not None and accepts(op, part, entry["variant"], dtype, head_dim, head_dim_v, fam):
         return entry["variant"], "tuned"
     return names[0], "default"
+
+
+def _stock_route(entry: dict) -> bool:
+    stock = entry.get("stock")
+    return isinstance(stock, dict) and stock.get("route") == STOCK
+
+
+_stock_hint: Optional[bool] = None  # whether any call may take the stock route (None: to be worked out)
+_forcing_stock = 0  # threads inside use(op, "torch")
+
+
+def stock_possible() -> bool:
+    """False when no call can take the stock route: no verdict for torch in this device's
+    cache, no thread forcing it, no autotuning (the faces skip the lookup then: one flag)."""
+    global _stock_hint
+    hint = _stock_hint
+    if hint is None:
+        generation = _generation
+        with _cache_lock:
+            forcing = _forcing_stock > 0
+        hint = forcing or any(_stock_route(e) for e in _current_cache(_family(None)).entries.values())
+        if generation == _generation:  # else the cache changed meanwhile: work it out again next time
+            _stock_hint = hint
+    return hint or autotune_enabled()
+
+
+def takes_torch(op: str, dtype: torch.dtype, head_dim: int, head_dim_v: int, seqlen_q: int, seqlen_k: int,
+                causal: bool, features: dict) -> bool:
+    """Whether a torch-semantics call of ``op``'s class goes to torch's own SDPA: forced with
+    ``use(op, "torch")``, or the cache's verdict for the class (a forced kernel variant of
+    ``op`` keeps the kernels).  A host-side lookup, no device work; the faces memoise it
+    per call signature and :func:`state_key`."""
+    forced = _forced()
+    if forced.get((op, "route")) == STOCK:
+        return True
+    if any(o == op for o, part in forced if part != "route"):
+        return False
+    fam = _family(None)
+    key = _key(op, PARTS[op][0], dtype, head_dim, head_dim_v, seqlen_q, seqlen_k, causal, features)
+    entry = _current_cache(fam).get(key)
+    if entry is None and autotune_enabled() and not any(features.values()):
+        entry = _autotune(op, dtype, head_dim, head_dim_v, seqlen_q, seqlen_k, causal, fam, key)
+    return entry is not None and _stock_route(entry)
 
 
 def tuned_entries(family: Optional[str] = None) -> list[dict]:
@@ -301,10 +370,11 @@ def gpu_timer(warmup: int = 2, repeats: int = 7) -> Callable[[str, Callable[[], 
     return timer
 
 
-def _runner(problem: dict, device: torch.device) -> Callable[[], None]:
+def _runner(problem: dict, device: torch.device, forward_backward: bool = False) -> Callable[[], None]:
     """A closure that runs ``problem``'s op once on ``device``: the forward op (which takes
     the decode kernels for decode shapes), or the backward op alone (its forward run once
-    here).  The ops are called directly: no autograd, so this also works inside a backward
+    here), or with ``forward_backward`` both (the stock route's comparison).  The ops are
+    called directly: no autograd, so this also works inside a backward
     pass (autotuning) and times the kernels, not the faces."""
     op, dtype = problem["op"], as_dtype(problem["dtype"])
     B, H = int(problem.get("batch", 1)), int(problem.get("heads", 8))
@@ -326,8 +396,12 @@ def _runner(problem: dict, device: torch.device) -> Callable[[], None]:
     with torch.no_grad():
         out, _, aux = forward(True)
     dout = torch.randn(B, H, Lq, Dv, generator=g).to(dtype).to(device)
-    return lambda: torch.ops.metal_flash.bwd(dout, q, k, v, out, aux, None, None, None, None, *scalars, False,
-                                             *rest, 0, 0)
+
+    def backward(out, aux):
+        return torch.ops.metal_flash.bwd(dout, q, k, v, out, aux, None, None, None, None, *scalars, False, *rest, 0, 0)
+    if forward_backward:
+        return lambda: backward(*forward(True)[::2])
+    return lambda: backward(out, aux)
 
 
 # Checks a variant's results on this machine before it is timed: (op, problem, device) -> None, or
@@ -341,10 +415,11 @@ def install_result_check(check: Callable[[str, dict, torch.device], Optional[str
 
 
 def tune(problems, *, timer: Optional[Callable] = None, cache=None, progress: Optional[Callable] = None,
-         verify: bool = True) -> list:
+         verify: bool = True, stock: bool = True) -> list:
     """Time every variant of every part of each problem, keep the fastest in the cache
     and return the choices: dicts with the problem, ``part``, ``variant`` (the winner),
-    ``default``, ``seconds`` (variant -> seconds) and ``speedup`` (default / winner).
+    ``default``, ``seconds`` (variant -> seconds), ``speedup`` (default / winner) and
+    ``stock`` (the stock route's verdict, below).
 
     ``problems``: dicts with ``op`` plus the keyword arguments of :func:`choice`
     (optionally ``batch``, ``heads`` and ``kv_heads``, default 1, 8 and ``heads``).  ``timer(variant, run)``
@@ -353,14 +428,19 @@ def tune(problems, *, timer: Optional[Callable] = None, cache=None, progress: Op
     ``verify``: each variant first runs a small problem of the class against the float64
     oracle (:mod:`torch_metal_flash.testing.tuning_gate`); one that fails is not timed, never
     chosen, and listed in the result's ``rejected`` (variant -> what differs); ``variant`` is
-    None when all fail."""
+    None when all fail.  ``stock``: also time torch's own SDPA on the problem (``timer("torch",
+    run)``; forward + backward for ``"bwd"``, against our forward + backward with the winners,
+    ``timer("kernels", run)``), measure both routes' peak memory and route the class to torch
+    when :func:`torch_metal_flash.tuning.stock.verdict` says so: ``stock`` holds ``route``,
+    ``why``, ``kernels_seconds``, ``torch_seconds``, ``kernels_peak_bytes``,
+    ``torch_peak_bytes`` and ``working_set_bytes``."""
     timer = timer or gpu_timer()
     device = torch.device("mps") if torch.backends.mps.is_available() else torch.device("cpu")
     from .. import backends
     backend_name = "metal" if device.type == "mps" else "emulator"
     steps = []
     here = _family(None)
-    for problem in problems:
+    for index, problem in enumerate(problems):
         problem = dict(problem)
         op = check_op(problem.pop("op"))
         dtype, fam = as_dtype(problem["dtype"]), _family(problem.get("family"))
@@ -371,12 +451,12 @@ def tune(problems, *, timer: Optional[Callable] = None, cache=None, progress: Op
         for part in PARTS[op]:
             names = part_variants(op, part, dtype, problem["head_dim"], problem.get("head_dim_v"), fam)
             if names:
-                steps.append((op, part, dtype, fam, features, problem, names))
-    total = sum(len(s[-1]) for s in steps)
+                steps.append((index, op, part, dtype, fam, features, problem, names))
+    total = sum(len(s[-1]) for s in steps) + (len({s[0] for s in steps}) if stock else 0)
     done = 0
     results = []
     c = _cache.Cache(Path(cache), _cache.gpu_name(here)) if cache is not None else _current_cache(here)
-    for op, part, dtype, fam, features, problem, names in steps:
+    for i, (index, op, part, dtype, fam, features, problem, names) in enumerate(steps):
         run = _runner({**problem, "op": op}, device)
         seconds, rejected = {}, {}
         with backends.backend(backend_name, strict=True):
@@ -393,18 +473,24 @@ def tune(problems, *, timer: Optional[Callable] = None, cache=None, progress: Op
         timed = [n for n in names if n in seconds]
         if not timed:
             results.append({**problem, "op": op, "part": part, "family": fam, "variant": None, "default": names[0],
-                            "seconds": {}, "speedup": 1.0, "rejected": rejected})
-            continue
-        winner = min(timed, key=lambda n: (seconds[n], names.index(n)))
-        seconds = {n: s for n, s in seconds.items() if s != float("inf")}  # not timed (a time budget)
-        key = _key(op, part, dtype, problem["head_dim"], problem.get("head_dim_v"), problem["seqlen_q"],
-                   problem["seqlen_k"], problem["causal"], features)
-        entry = dict(zip(_cache._KEY, key), variant=winner, seconds=seconds)
-        c.put(entry)
-        base = seconds.get(names[0])
-        results.append({**problem, "op": op, "part": part, "family": fam, "variant": winner, "default": names[0],
-                        "seconds": seconds, "speedup": base / seconds[winner] if base and seconds[winner] else 1.0,
-                        "rejected": rejected})
+                            "seconds": {}, "speedup": 1.0, "rejected": rejected, "stock": None})
+        else:
+            winner = min(timed, key=lambda n: (seconds[n], names.index(n)))
+            seconds = {n: s for n, s in seconds.items() if s != float("inf")}  # not timed (a time budget)
+            key = _key(op, part, dtype, problem["head_dim"], problem.get("head_dim_v"), problem["seqlen_q"],
+                       problem["seqlen_k"], problem["causal"], features)
+            c.put(dict(zip(_cache._KEY, key), variant=winner, seconds=seconds))
+            base = seconds.get(names[0])
+            results.append({**problem, "op": op, "part": part, "family": fam, "variant": winner,
+                            "default": names[0], "seconds": seconds, "rejected": rejected, "stock": None,
+                            "speedup": base / seconds[winner] if base and seconds[winner] else 1.0})
+        last_part = i + 1 == len(steps) or steps[i + 1][0] != index
+        if stock and last_part:
+            if progress is not None:
+                progress(done, total, f"{op} torch's SDPA")
+            mine = results[len(results) - sum(1 for s in steps if s[0] == index):]
+            _time_stock(op, problem, mine, timer, device, backend_name, c, features)
+            done += 1
     if progress is not None:
         progress(total, total, "done")
     c.save()
@@ -412,10 +498,46 @@ def tune(problems, *, timer: Optional[Callable] = None, cache=None, progress: Op
     return results
 
 
+def _time_stock(op, problem, mine, timer, device, backend_name, c, features) -> None:
+    """Time torch's SDPA on a problem whose parts ``mine`` were tuned, record the verdict on
+    their results and cache entries (the route of the class)."""
+    from .. import backends
+    from . import stock
+    if any(r["variant"] is None for r in mine):
+        return  # no verified kernel to compare with: the class keeps the kernels' fallback
+    forward = {**problem, "op": op}
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(backends.backend(backend_name, strict=True))
+        for r in mine:
+            stack.enter_context(use(op, r["variant"]))
+        if op == "bwd":
+            ours = _runner(forward, device, forward_backward=True)
+            kernels_seconds = float(timer("kernels", ours))
+        else:
+            ours = _runner(forward, device)
+            kernels_seconds = mine[0]["seconds"][mine[0]["variant"]]
+        kernels_peak = stock.peak_bytes(ours)
+    torch_seconds, torch_peak, oom = stock.measure(timer, stock.torch_runner(forward, device, backward=op == "bwd"))
+    working_set = stock.working_set_bytes(device)
+    if torch_seconds is None:
+        route, why = "kernels", oom
+    else:
+        route, why = stock.verdict(kernels_seconds, torch_seconds, torch_peak, working_set)
+    verdict = {"route": route, "why": why, "kernels_seconds": kernels_seconds, "torch_seconds": torch_seconds,
+               "kernels_peak_bytes": kernels_peak, "torch_peak_bytes": torch_peak, "working_set_bytes": working_set}
+    for r in mine:
+        r["stock"] = verdict
+        key = _key(op, r["part"], as_dtype(problem["dtype"]), problem["head_dim"], problem.get("head_dim_v"),
+                   problem["seqlen_q"], problem["seqlen_k"], problem["causal"], features)
+        c.entries[key]["stock"] = verdict
+
+
 # ----------------------------------------------------------------------------- hooks into the layers below
 
 def _sync_family(_family: Optional[str]) -> None:
-    # the plan cache keys on the family this thread plans with
+    # the plan cache keys on the family this thread plans with; its cache may hold other routes
+    global _stock_hint
+    _stock_hint = None
     from .. import core
     core.load()
     sync_thread()

@@ -2,10 +2,11 @@
 
 Location: ``TORCH_METAL_FLASH_TUNING_CACHE`` (a file name), else
 ``~/.cache/torch_metal_flash/tuning/<GPU name>.json``.  Each entry holds the
-machine it was measured on (GPU name, OS version, package version) and the
-problem class (op, part, dtype, head dims, feature class, sequence-length
-class).  Entries of another machine or package version are stale and
-ignored; a file that cannot be read or parsed is ignored as a whole.  Either
+machine it was measured on (GPU name, OS version, package version, torch
+version: torch's own kernels, timed as the stock route, change between
+releases) and the problem class (op, part, dtype, head dims, feature class,
+sequence-length class).  Entries of another machine, package or torch version
+are stale and ignored; a file that cannot be read or parsed is ignored as a whole.  Either
 way one warning per file says so and the family defaults apply: a cache can
 make a call slower, never wrong (every variant is verified) nor crash it.
 """
@@ -66,6 +67,11 @@ def package_version() -> str:
     return VERSION
 
 
+def torch_version() -> str:
+    import torch
+    return torch.__version__
+
+
 def default_path(gpu: str) -> Path:
     env = os.environ.get(ENV, "").strip()
     if env:
@@ -85,7 +91,7 @@ class Cache:
         self._load()
 
     def machine(self) -> dict:
-        return {"gpu": self.gpu, "os": os_version(), "package": package_version()}
+        return {"gpu": self.gpu, "os": os_version(), "package": package_version(), "torch": torch_version()}
 
     def _load(self) -> None:
         if not self.path.exists():
@@ -110,8 +116,9 @@ class Cache:
                   f"Re-run `python -m torch_metal_flash tune` or delete the file.")
             return
         if stale and not self.entries:
-            _warn(f"torch_metal_flash: the tuning cache {self.path} was measured on another GPU, OS or package "
-                  f"version ({stale} entries); the family defaults apply. Re-run `python -m torch_metal_flash tune`.")
+            _warn(f"torch_metal_flash: the tuning cache {self.path} was measured on another GPU, OS, package or "
+                  f"torch version ({stale} entries); the family defaults apply. "
+                  f"Re-run `python -m torch_metal_flash tune`.")
 
     def get(self, key: tuple) -> Optional[dict]:
         return self.entries.get(key)

@@ -15,6 +15,7 @@ import time
 import torch
 
 from ..planner.tiles import FAMILIES, HEAD_DIM_BUCKETS
+from .. import progress
 from . import cache_path, tune, variants
 from .space import OPS
 
@@ -49,13 +50,63 @@ def rate(result: dict, seconds: float) -> str:
     return f"{flops / seconds / 1e12:.2f} TFLOP/s"
 
 
-def _progress(i: int, n: int, text: str) -> None:
-    width = 30
-    filled = width * i // max(n, 1)
-    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {i}/{n} {text[:60]:<60}")
-    if i == n:
-        sys.stderr.write("\n")
-    sys.stderr.flush()
+def progress_reporter(description: str = "tuning"):
+    """A ``progress(i, n, text)`` for :func:`tune` drawing a bar on stderr (torch_metal_flash.progress)."""
+    state = {"bar": None, "i": 0}
+
+    def report(i: int, n: int, text: str) -> None:
+        if state["bar"] is None:
+            state["bar"] = progress.Bar(n, description, "run")
+        state["bar"].update(i - state["i"], text)
+        state["i"] = i
+        if i >= n:
+            state["bar"].close()
+    return report
+
+
+def size(nbytes) -> str:
+    """Bytes as a person reads them (KiB under 1 MiB)."""
+    if nbytes is None:
+        return "—"
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 1024:.1f} KiB"
+
+
+def route_rows(results: list) -> list:
+    """One row per problem class with a stock verdict: (op, dtype, D, L_q x L_k, causal, best
+    kernel, its ms, torch's ms, speed-up of the kernels over torch, kernels' and torch's peak memory,
+    route)."""
+    rows, seen = [], {}
+    for r in results:
+        if not r.get("stock"):
+            continue
+        key = (r["op"], str(r["dtype"]), r["head_dim"], r["seqlen_q"], r["seqlen_k"], r["causal"])
+        if key in seen:
+            seen[key][5] += f" + {r['variant']}"
+            continue
+        v = r["stock"]
+        t = v["torch_seconds"]
+        row = [r["op"] if r["op"] != "bwd" else "fwd+bwd", str(r["dtype"])[6:], r["head_dim"],
+               f"{r['seqlen_q']} x {r['seqlen_k']}", r["causal"], r["variant"], f"{v['kernels_seconds'] * 1e3:.3f}",
+               "—" if t is None else f"{t * 1e3:.3f}",
+               "—" if t is None else f"{t / v['kernels_seconds']:.2f}x", size(v["kernels_peak_bytes"]),
+               size(v["torch_peak_bytes"]), "torch" if v["route"] == "torch" else "kernels"]
+        seen[key] = row
+        rows.append(row)
+    return rows
+
+
+ROUTE_HEADER = ("op", "dtype", "D", "L_q x L_k", "causal", "best kernel", "kernel ms", "torch ms",
+                "speed-up (torch ms / kernel ms)", "kernel peak", "torch peak", "route")
+
+
+def markdown(header, rows) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
+
+
+def route_table(results: list) -> str:
+    """The per-class table ``tune`` ends with: the best kernel against torch's own SDPA, and the route."""
+    return markdown(ROUTE_HEADER, route_rows(results))
 
 
 def table(results: list) -> str:
@@ -189,7 +240,10 @@ def main(argv=None) -> int:
         return 2
     problems = grid(args.ops, dtypes, args.head_dims or (64, 128), args.quick)
     start = time.perf_counter()
-    results = tune(problems, progress=_progress)
+    results = tune(problems, progress=progress_reporter())
     print(table(results))
+    print("\nPer problem class: the best kernel against torch's own SDPA (forward; fwd+bwd: forward + backward), "
+          "peak memory of each, the route taken (docs/tuning.md, the memory rule):\n")
+    print(route_table(results))
     print(f"\n{len(results)} choices in {time.perf_counter() - start:.0f} s, written to {cache_path()}")
     return 0
