@@ -2,7 +2,6 @@
 above its own, so there is no import cycle; few modules at the top level; the old module
 paths still import."""
 import ast
-import importlib
 import types
 from pathlib import Path
 
@@ -101,17 +100,7 @@ def test_at_most_ten_modules_at_the_top_level():
     assert len(top) <= 10, top
 
 
-@pytest.mark.parametrize("old, new", sorted(torch_metal_flash._MOVED.items()))
-def test_old_module_paths_import_the_moved_module(old, new):
-    moved = importlib.import_module(f"{NAME}.{new}")
-    assert importlib.import_module(f"{NAME}.{old}") is moved
-    if old != "sdpa_override":  # the package's attribute of that name is the function
-        assert getattr(torch_metal_flash, old) is moved
-    assert moved.__spec__.name == f"{NAME}.{new}"
-
-
-def test_the_old_sdpa_override_path_keeps_the_function():
-    importlib.import_module(f"{NAME}.sdpa_override")
+def test_the_package_attribute_sdpa_override_is_the_function():
     assert not isinstance(torch_metal_flash.sdpa_override, types.ModuleType)
     with torch_metal_flash.sdpa_override():
         pass
