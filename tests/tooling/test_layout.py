@@ -1,6 +1,7 @@
 """The package's layout shows its layers (docs/architecture.md): no module imports a layer
-above its own, so there is no import cycle; few modules at the top level; the old module
-paths still import."""
+above its own, no module takes part in an import cycle (a package's ``__init__`` counted with
+its submodules: a submodule never imports from its own package's ``__init__``), few modules
+at the top level."""
 import ast
 import types
 from pathlib import Path
@@ -93,6 +94,70 @@ def test_only_the_top_layer_imports_the_package_itself():
              for target, name, line in _imports(module, is_package, path)
              if target == NAME and (name is None or f"{NAME}.{name}" not in known)]
     assert not wrong, f"these import the package's __init__ (a cycle): {wrong}"
+
+
+def import_cycles(modules) -> list[list[str]]:
+    """The import cycles among ``modules`` ((dotted name, is_package, source text) triples): every
+    import counts, at module level or inside a function. ``from P import x`` imports ``P.x`` when that
+    is a module, and always ``P`` itself (its ``__init__`` runs and gives the name), so a submodule
+    that writes ``from . import x`` depends on its package's ``__init__``; ``import P.x as x`` imports
+    ``P.x``."""
+    modules = list(modules)
+    known = {m for m, _, _ in modules}
+    graph = {}
+    for module, is_package, text in modules:
+        out = set()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = module.split(".") if is_package else module.split(".")[:-1]
+                    base = base[:len(base) - node.level + 1]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                out |= {target} | {f"{target}.{a.name}" for a in node.names}
+            elif isinstance(node, ast.Import):
+                out |= {a.name for a in node.names}
+        graph[module] = (out & known) - {module}
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(v):  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_import_cycles():
+    cycles = import_cycles((m, is_package, path.read_text()) for m, is_package, path in _modules())
+    assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_cycle_check_sees_a_submodule_importing_its_package():
+    pkg = [("p", True, "from . import a\nfrom .a import f"), ("p.a", False, "from . import b"), ("p.b", False, "")]
+    assert import_cycles(pkg) == [["p", "p.a"]]  # p.a's `from . import b` runs p's __init__
+    fixed = [pkg[0], ("p.a", False, "import p.b as b"), pkg[2]]
+    assert import_cycles(fixed) == []
+    assert import_cycles([("x", False, "def f():\n    import y"), ("y", False, "from x import f")]) == [["x", "y"]]
 
 
 def test_at_most_ten_modules_at_the_top_level():

@@ -15,7 +15,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from ..problem import philox
+import torch_metal_flash.problem.philox as philox
 from ..problem.layout import empty_in_layout
 from ..problem.spec import AttentionSpec, stats_dtype
 
