@@ -160,6 +160,15 @@ def test_the_cycle_check_sees_a_submodule_importing_its_package():
     assert import_cycles([("x", False, "def f():\n    import y"), ("y", False, "from x import f")]) == [["x", "y"]]
 
 
+def test_the_reference_path_never_calls_the_ops():
+    """reference/ is plain PyTorch: it never reaches torch.ops.metal_flash (which may run kernels)."""
+    calls = [f"{path.relative_to(PACKAGE.parent)}:{node.lineno}"
+             for path in sorted((PACKAGE / "reference").rglob("*.py"))
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Attribute) and node.attr == "metal_flash" and ast.unparse(node.value) == "torch.ops"]
+    assert not calls, f"the reference path calls the ops: {calls}"
+
+
 def test_at_most_ten_modules_at_the_top_level():
     top = sorted(p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
     assert len(top) <= 10, top
