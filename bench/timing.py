@@ -120,7 +120,7 @@ def variant_rows(B, H, L, D, causal, dtype, device, repeats) -> list:
 
 def run_config(B, H, L, D, causal, dtype, device, repeats) -> dict:
     """{route: (forward seconds, forward + backward seconds) or None (not installed) or the error}."""
-    from torch_metal_flash.faces.stock import kernels_sdpa
+    from torch_metal_flash.faces.functional import kernels_sdpa
     q, k, v = (torch.randn(B, H, L, D, dtype=dtype, device=device, requires_grad=True) for _ in range(3))
     dout = torch.randn(B, H, L, D, dtype=dtype, device=device)
     out = {}

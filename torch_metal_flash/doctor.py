@@ -36,10 +36,12 @@ import torch.nn.functional as F
 
 import torch_metal_flash as tmf
 
-from . import backends, native, progress
+import torch_metal_flash.backends as backends
+import torch_metal_flash.native as native
+import torch_metal_flash.progress as progress
 from ._paths import build_info, is_nax_source
-from .backends import metal
-from .planner import variants
+import torch_metal_flash.backends.metal as metal
+import torch_metal_flash.planner.variants as variants
 from .problem.spec import make_spec
 from .testing import error_budget, forward_reference, grad_errors, inject_faults, randn
 
@@ -122,7 +124,7 @@ def choose_backend(name: str):
             return "metal", None, torch.device("mps"), why or "torch reports no usable MPS device"
     with tmf.backend("emulator"):
         chosen, why = backends.select(torch.device("cpu"))
-    from . import emulator
+    import torch_metal_flash.emulator as emulator
     try:
         compiler = emulator.find_compiler().ident
     except emulator.CompilerNotFoundError as exc:
@@ -149,7 +151,7 @@ def machine_rows(name, backend, why) -> tuple[list, list]:
             f"plans as {backend.family})"
         rows += [("GPU family", family), ("Metal language", f"MSL {native.launcher().LANGUAGE_VERSION}")]
     elif name == "emulator":
-        from . import emulator
+        import torch_metal_flash.emulator as emulator
         checks = "race and bounds checks" if emulator.default_checked() else "fast mode, no checks"
         rows += [("GPU family", f"{backend.family} (the emulator plans as this family; "
                                 f"emulator.settings(family=...) changes it)" if backend is not None else "apple8"),
@@ -191,7 +193,7 @@ TUNING_PROBLEMS = [(op, dtype, d, lq, lk) for op in ("fwd", "bwd") for dtype in 
 
 def tuning_rows(family: str) -> tuple[str, list]:
     """(whether this machine is tuned, the choices in force for common problems)."""
-    from . import tuning
+    import torch_metal_flash.tuning as tuning
     from .planner.tiles import table_family
     family = table_family(family)
     entries = tuning.tuned_entries(family)
@@ -213,7 +215,7 @@ def tuning_rows(family: str) -> tuple[str, list]:
 def math_mode(name, backend) -> str:
     if name == "metal" and backend is not None:
         return native.launcher().math_mode()
-    from . import emulator
+    import torch_metal_flash.emulator as emulator
     mode = getattr(emulator, "math_mode", None)
     return mode() if callable(mode) else "the host CPU's IEEE float math (emulated)"
 
@@ -439,7 +441,7 @@ def _ms(fn, device, iters: int) -> float:
 
 def _kernel_names(op: str, q, v, causal: bool) -> str:
     """The kernels in force for the class (forced, tuned or the family's default), even where it is routed to torch."""
-    from . import tuning
+    import torch_metal_flash.tuning as tuning
     names = []
     for part in tuning.PARTS[op]:
         dims = dict(dtype=q.dtype, head_dim=q.shape[-1], head_dim_v=v.shape[-1])
@@ -453,8 +455,10 @@ def _kernel_names(op: str, q, v, causal: bool) -> str:
 def run_timing(name, device, full: bool, out=print) -> tuple[list, list]:
     """(rows, failures): per case our kernels against F.scaled_dot_product_attention, as
     ``tune``'s table (tuning/cli.py ROUTE_HEADER): ms, speed-up, peak memory of each, the route."""
-    from .faces import stock as face_stock
-    from .tuning import cli, stock
+    import torch_metal_flash.faces.stock as face_stock
+    from torch_metal_flash.faces.functional import kernels_sdpa
+    import torch_metal_flash.tuning.cli as cli
+    import torch_metal_flash.tuning.stock as stock
     dtype = torch.float16
     sizes = [(1, 16, 16, 1024, 1024, 64), (1, 16, 16, 4096, 4096, 64), (1, 16, 16, 2048, 2048, 128)] if full \
         else [(1, 2, 2, 64, 64, 32)]
@@ -478,8 +482,8 @@ def run_timing(name, device, full: bool, out=print) -> tuple[list, list]:
                 op, _ = face_stock.op_class(q, k, v, None, 0.0, causal)
                 kernels = _kernel_names(op, q, v, causal)
                 route = "torch" if face_stock.takes_torch(None, q, k, v, None, 0.0, causal) else "kernels"
-                ours = _ms(call(face_stock.kernels_sdpa), device, iters)
-                ours_peak = stock.peak_bytes(call(face_stock.kernels_sdpa))
+                ours = _ms(call(kernels_sdpa), device, iters)
+                ours_peak = stock.peak_bytes(call(kernels_sdpa))
             theirs = _ms(call(F.scaled_dot_product_attention), device, iters)
             theirs_peak = stock.peak_bytes(call(F.scaled_dot_product_attention))
         except Exception as exc:  # noqa: BLE001

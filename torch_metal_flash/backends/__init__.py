@@ -28,7 +28,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from .. import caches
+import torch_metal_flash.caches as caches
 
 BACKENDS = ("auto", "metal", "emulator", "reference")
 

@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import threading
 
-from .. import emulator
+import torch_metal_flash.emulator as emulator
 from .._paths import generated_source, is_nax_source, shader_language, shaders_dir
 from ..caches import LRU
-from ..emulator import config
+import torch_metal_flash.emulator.config as config
 from ..planner.plan import Plan
 from ..planner.tiles import NAX_FAMILY
-from . import faults
+import torch_metal_flash.backends.faults as faults
 
 
 # Shared by every instance (what they hold depends only on the key).

@@ -17,7 +17,7 @@ import dataclasses
 import threading
 from typing import Optional
 
-from .. import caches
+import torch_metal_flash.caches as caches
 from ..planner.limits import KernelBuildError
 
 _WHOLE_LIBRARY = ""  # the kernel name under which a library's compile failure is kept

@@ -22,7 +22,7 @@ from ..caches import LRU
 from ..native import launcher, load_launcher
 from ..planner.plan import Plan
 from ..planner.tiles import NAX_FAMILY
-from . import faults
+import torch_metal_flash.backends.faults as faults
 
 
 def chip_name() -> str:

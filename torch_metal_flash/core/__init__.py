@@ -34,10 +34,12 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from .. import backends, caches, native
-from ..backends import metal
+import torch_metal_flash.backends as backends
+import torch_metal_flash.caches as caches
+import torch_metal_flash.native as native
+import torch_metal_flash.backends.metal as metal
 from ..planner.plan import Plan, Unsupported
-from ..problem import checks
+import torch_metal_flash.problem.checks as checks
 
 __all__ = ["CoreOp", "register", "load", "loaded", "plan_cache_info", "plan_cache_clear", "configure_plan_cache",
            "python_body"]

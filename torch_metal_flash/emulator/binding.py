@@ -15,8 +15,8 @@ import ctypes
 import struct
 import sys
 
-from . import prepass
-from . import runtime as rt
+import torch_metal_flash.emulator.prepass as prepass
+import torch_metal_flash.emulator.runtime as rt
 from .errors import LaunchError
 
 _SINT = {1: "b", 2: "h", 4: "i", 8: "q"}

@@ -12,13 +12,17 @@ from pathlib import Path
 from typing import Optional, Union
 
 from ..caches import LRU
-from . import compiler, config, prepass, recorder, rules
+import torch_metal_flash.emulator.compiler as compiler
+import torch_metal_flash.emulator.config as config
+import torch_metal_flash.emulator.prepass as prepass
+import torch_metal_flash.emulator.recorder as recorder
+import torch_metal_flash.emulator.rules as rules
 from .binding import bind_arguments
 from .compiler import find_compiler, preprocess
 from .errors import (CompileError, DataRaceError, DivergentBarrierError, EmulatorError, KernelCrashError,
                      KernelTimeoutError, LaunchError, MisalignedAccessError, OutOfBoundsError,
                      SimdgroupMatrixDivergenceError, ThreadgroupMemoryError)
-from . import runtime as rt
+import torch_metal_flash.emulator.runtime as rt
 
 
 @dataclasses.dataclass

@@ -35,10 +35,10 @@ from torch._C import DispatchKey
 from torch._higher_order_ops.flex_attention import flex_attention as flex_attention_hop
 from torch._subclasses.fake_tensor import FakeTensor
 
-from .. import backends
+import torch_metal_flash.backends as backends
 from ..planner.tiles import DTYPE_NAMES, MAX_HEAD_DIM
 from ..problem.layout import empty_in_layout
-from . import lowering
+import torch_metal_flash.flex.lowering as lowering
 from .blocks import kernel_lists
 from .reference import dense_flex_attention
 

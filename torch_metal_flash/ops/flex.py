@@ -37,8 +37,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import backends
-from ..planner import flex as flex_planner
+import torch_metal_flash.backends as backends
+import torch_metal_flash.planner.flex as flex_planner
 from ..planner.plan import Unsupported
 from ..problem.layout import empty_in_layout
 from ..problem.spec import aux_width, make_spec

@@ -36,8 +36,8 @@ import torch
 
 from ..problem.quant import QuantizedTensor
 from ..problem.spec import AttentionSpec
-from . import choice
-from . import kvformat
+import torch_metal_flash.planner.choice as choice
+import torch_metal_flash.planner.kvformat as kvformat
 from .kvformat import MIXED_KV_DTYPES
 from .limits import PipelineInfo, first_fitting
 from .plan import Launch, Plan, Unsupported

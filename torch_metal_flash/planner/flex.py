@@ -33,8 +33,8 @@ import torch
 
 from .._paths import register_generated_source
 from ..problem.spec import AttentionSpec
-from . import backward as bwd_planner
-from . import forward as fwd_planner
+import torch_metal_flash.planner.backward as bwd_planner
+import torch_metal_flash.planner.forward as fwd_planner
 from .backward_tiles import THREADGROUP_BYTES, _ELEM_SIZE, tile_ld
 from .limits import PipelineInfo, plan_misfit
 from .plan import Launch, Plan, Unsupported

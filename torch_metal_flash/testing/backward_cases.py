@@ -14,7 +14,7 @@ from torch_metal_flash._paths import shaders_dir
 from torch_metal_flash.problem.layout import empty_in_layout
 from torch_metal_flash.planner.plan import Plan
 from torch_metal_flash.problem.spec import AttentionSpec
-from . import forward_cases as fc
+import torch_metal_flash.testing.forward_cases as fc
 from .oracle import check_backward, randn
 
 ORDER_PAIRS = (("forward", "reverse"), ("reverse", "random"), ("random", "forward"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator, Optional
 
-from ..backends import faults
+import torch_metal_flash.backends.faults as faults
 
 
 @contextlib.contextmanager
