@@ -476,14 +476,18 @@ def analyze(comp: Compiler, text: str, name: str) -> dict:
     return result
 
 
+# The host runtime's compile flags (csrc/emulator/runtime.cpp and its runtime/ headers).
+RUNTIME_FLAGS = ["-std=c++20", "-O2", "-fPIC", "-fvisibility=hidden", "-U_FORTIFY_SOURCE", "-D_FORTIFY_SOURCE=0", "-w",
+                 "-g1"]
+
+
 def build_runtime(comp: Compiler) -> Path:
     src = csrc_emulator_dir() / "runtime.cpp"
     key = _hash("runtime", runtime_sources_hash(), comp.ident, sys.platform, os.uname().machine)
     target = cache_dir() / f"libmtlrt-{key}.so"
 
     def build(tmp):
-        argv = list(comp.argv) + ["-std=c++20", "-O2", "-fPIC", "-fvisibility=hidden", "-U_FORTIFY_SOURCE",
-                                  "-D_FORTIFY_SOURCE=0", "-w", "-g1", str(src), "-o", tmp] + _shared_flags()
+        argv = list(comp.argv) + RUNTIME_FLAGS + [str(src), "-o", tmp] + _shared_flags()
         if sys.platform != "darwin":
             argv += ["-lpthread", "-ldl"]
         proc = _run(argv)

@@ -1,8 +1,10 @@
-// Part of the emulator runtime's one translation unit: included by ../runtime.cpp (after its anonymous namespace),
-// after the types and helpers it declares; not a self-contained header.
-
 // Atomic operations (threadgroup or device memory).  Exempt from race checks,
 // bounds-checked and counted like ordinary accesses.
+#pragma once
+
+#include "race_detector.h"  // atomics are bounds-checked like every access
+#include "state.h"
+
 enum { A_LOAD, A_STORE, A_XCHG, A_ADD, A_SUB, A_MIN, A_MAX, A_AND, A_OR, A_XOR, A_CAS };
 enum { AT_I32, AT_U32, AT_F32, AT_I64, AT_U64 };
 

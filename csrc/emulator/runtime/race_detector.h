@@ -1,8 +1,10 @@
 // Checked builds: which binding an address belongs to, bounds, and the per-byte shadow state
 // that finds data races.
-// Part of the emulator runtime's one translation unit: included by ../runtime.cpp (inside its anonymous namespace),
-// after the types and helpers it declares; not a self-contained header.
+#pragma once
 
+#include "state.h"
+
+namespace {
 
 // The binding an address belongs to, or -1.  *region receives the region.
 int find_bind(Launch* L, uintptr_t a, size_t size, int* region) {
@@ -329,3 +331,5 @@ inline void on_access(void* p, size_t size, bool wr, void* pc) {
   if (a - (uintptr_t)w->pool < w->pool_len) return;  // thread-private (fiber stacks, scratch)
   slow_access(w, a, size, wr, pc);
 }
+
+}  // namespace

@@ -1,7 +1,10 @@
 // Worker threads, fibers, simd collectives and barriers, threadgroup memory: the scheduler.
-// Part of the emulator runtime's one translation unit: included by ../runtime.cpp (inside its anonymous namespace),
-// after the types and helpers it declares; not a self-contained header.
+#pragma once
 
+#include "signals.h"  // the watchdog watches each worker
+#include "state.h"
+
+namespace {
 
 std::mutex g_pool_mu;
 std::vector<Worker*> g_free_workers;
@@ -382,3 +385,5 @@ void run_worker(Worker* w) {
   }
   tls_w = nullptr;
 }
+
+}  // namespace

@@ -1,8 +1,10 @@
 // Fault signals (turned into errors that jump back to the scheduler) and the watchdog that stops
 // kernels that never finish.
-// Part of the emulator runtime's one translation unit: included by ../runtime.cpp (inside its anonymous namespace),
-// after the types and helpers it declares; not a self-contained header.
+#pragma once
 
+#include "state.h"
+
+namespace {
 
 std::mutex g_sig_mu;
 int g_sig_users = 0;
@@ -113,3 +115,5 @@ void watch_remove(Worker* w) {
   for (size_t i = 0; i < g_watches.size(); i++)
     if (g_watches[i].w == w) { g_watches.erase(g_watches.begin() + i); break; }
 }
+
+}  // namespace

@@ -1,7 +1,9 @@
 // Launch setup: the kernel image's segments and the staging of buffers into guarded copies.
-// Part of the emulator runtime's one translation unit: included by ../runtime.cpp (inside its anonymous namespace),
-// after the types and helpers it declares; not a self-contained header.
+#pragma once
 
+#include "state.h"
+
+namespace {
 
 #if defined(__APPLE__)
 // The segments of the Mach-O image that contains `addr`.
@@ -124,3 +126,5 @@ void unstage_buffers(Launch* L, size_t page, bool copy_back) {
   }
   L->regions.clear();
 }
+
+}  // namespace
