@@ -87,3 +87,12 @@ kernel void k(const device float* x [[buffer(0)]], device float* y [[buffer(1)]]
     y = torch.zeros(4)
     emulator.compile_shader(src, name="rows.metal").k(torch.arange(8.0), y, grid=4, threadgroup=4)
     assert y.tolist() == [0.0, 2.0, 4.0, 6.0]
+
+
+def test_the_prepass_is_its_named_steps_in_order():
+    """prepass.run runs prepass.STEPS, each a named function over one _Source, in this order."""
+    from torch_metal_flash.emulator import prepass
+    names = [name for name, _ in prepass.STEPS]
+    assert names == ["unroll pragmas and half literals", "function references", "syntax rewrites",
+                     "kernel instantiations", "kernel definitions", "function constants", "remaining attributes"]
+    assert all(callable(step) and step.__doc__ for _, step in prepass.STEPS)

@@ -637,46 +637,79 @@ def _reject_virtual(masked: str, lines: "_Lines") -> None:
                                line=line, rule="virtual")
 
 
-def run(text: str, *, default_file: str, syntax, only: Optional[set] = None) -> Result:
-    """Rewrite preprocessed MSL.  `syntax`: view text -> syntax.facts (compiler.syntax_facts, clang's
-    AST of the view).  `only`: host names to build (the other template instantiations are dropped,
-    so a big file can be compiled in parallel pieces); the result still lists every kernel, with
-    glue for the selected ones only."""
-    text = _UNROLL_PRAGMA_WITH_NAMES.sub(lambda m: " " * len(m.group()), text)
-    masked = _blank_literals_and_directives(text)
-    text, masked = _half_literals(text, masked)
-    facts = syntax(syntax_view(text, masked))
-    text, masked = _function_references(text, masked, facts)
-    text, masked, where = _rewrite_syntax(text, masked, facts)
-    namespaces = [(where(a), where(b), name) for a, b, name in facts["namespaces"] if name]
-    program_scope = [(where(a), where(b)) for a, b in facts["globals"]]
-    lines = _Lines(text, default_file)
-    _reject_virtual(masked, lines)
-    edits = _Edits(text)
-    attrs = _attributes(masked)
-    handled_attrs = set()
+@dataclasses.dataclass
+class _Source:
+    """The text being rewritten and what the steps have learned about it.  Until `edits` exists the
+    steps rewrite `text` (and its same-length `masked` copy, literals and directives blanked) whole;
+    from then on they record edits of that text, applied once at the end."""
+    text: str
+    default_file: str
+    syntax: object  # view text -> syntax.facts
+    only: Optional[set]
+    masked: str = ""
+    facts: dict = None
+    where: object = None  # offset in the syntax view -> offset in `text`
+    namespaces: list = None
+    program_scope: list = None
+    lines: object = None
+    edits: object = None
+    attrs: list = None
+    handled_attrs: set = dataclasses.field(default_factory=set)
+    instantiations: list = dataclasses.field(default_factory=list)  # (host_name, func_expr, template_name, offset)
+    templates: dict = dataclasses.field(default_factory=dict)  # name -> Kernel (a template's parameters, thread limit)
+    kernels: list = dataclasses.field(default_factory=list)
+    constants: list = dataclasses.field(default_factory=list)  # FunctionConstant
+    fc_names: dict = dataclasses.field(default_factory=dict)
+    derived: list = dataclasses.field(default_factory=list)  # (name, type, expr) in source order
 
-    # --- explicit instantiations: template [[host_name("x")]] [[kernel]] ... ;
-    instantiations = []  # (host_name, func_expr, template_name, offset)
-    for m in re.finditer(r"\btemplate\b(?=\s*(?:\[\[|kernel\b))", masked):
-        end = _stmt_end(masked, m.end())
+
+def _unroll_pragmas_and_half_literals(S: _Source) -> None:
+    """Blanks `#pragma unroll(N)` with names (clang's pragma takes literals only), masks literals
+    and directives, and spells `half` literals (`1.0h`) as casts."""
+    S.text = _UNROLL_PRAGMA_WITH_NAMES.sub(lambda m: " " * len(m.group()), S.text)
+    S.masked = _blank_literals_and_directives(S.text)
+    S.text, S.masked = _half_literals(S.text, S.masked)
+
+
+def _function_references_step(S: _Source) -> None:
+    """Clang's AST of the view: references to functions (Metal has no function pointers) rewritten."""
+    S.facts = S.syntax(syntax_view(S.text, S.masked))
+    S.text, S.masked = _function_references(S.text, S.masked, S.facts)
+
+
+def _syntax_rewrites(S: _Source) -> None:
+    """Casts, initialisers and threadgroup declarations the AST found, rewritten; then the edit
+    phase starts over the result."""
+    S.text, S.masked, S.where = _rewrite_syntax(S.text, S.masked, S.facts)
+    S.namespaces = [(S.where(a), S.where(b), name) for a, b, name in S.facts["namespaces"] if name]
+    S.program_scope = [(S.where(a), S.where(b)) for a, b in S.facts["globals"]]
+    S.lines = _Lines(S.text, S.default_file)
+    _reject_virtual(S.masked, S.lines)
+    S.edits = _Edits(S.text)
+    S.attrs = _attributes(S.masked)
+
+
+def _kernel_instantiations(S: _Source) -> None:
+    """Explicit instantiations: ``template [[host_name("x")]] [[kernel]] ... ;``."""
+    for m in re.finditer(r"\btemplate\b(?=\s*(?:\[\[|kernel\b))", S.masked):
+        end = _stmt_end(S.masked, m.end())
         if end < 0:
             continue
-        stmt = masked[m.end():end]
+        stmt = S.masked[m.end():end]
         host = None
         is_kernel = False
-        for a in attrs:
+        for a in S.attrs:
             if m.end() <= a[0] < end:
-                handled_attrs.add(a[0])
+                S.handled_attrs.add(a[0])
                 for name, arg in _attr_items(a[2]):
                     if name == "host_name":
-                        host = _string_value(text[a[0]:a[1]])
+                        host = _string_value(S.text[a[0]:a[1]])
                     if name == "kernel":
                         is_kernel = True
-                edits.blank(a[0], a[1])
+                S.edits.blank(a[0], a[1])
         for k in re.finditer(r"\bkernel\b", stmt):
             is_kernel = True
-            edits.blank(m.end() + k.start(), m.end() + k.end())
+            S.edits.blank(m.end() + k.start(), m.end() + k.end())
         if not is_kernel:
             continue
         body = _blank_attrs(stmt)
@@ -693,83 +726,107 @@ def run(text: str, *, default_file: str, syntax, only: Optional[set] = None) -> 
                 gt = _match_angle(body, lt)
                 expr = body[vm.start(1):gt + 1].strip()
         if not expr:
-            raise _error(lines, m.start(), "cannot understand this kernel instantiation; use "
+            raise _error(S.lines, m.start(), "cannot understand this kernel instantiation; use "
                          "`template [[host_name(\"name\")]] [[kernel]] decltype(f<T>) f<T>;`, "
                          "`... void f<T>(params);` or `... f_type f<T>;` with explicit template arguments")
         expr = " ".join(expr.split())
         tname = re.match(r"[\w:]+", expr).group(0)
-        instantiations.append((host or tname, expr, tname, m.start()))
-        if only is not None and (host or tname) not in only:
-            edits.blank(m.start(), end + 1)
+        S.instantiations.append((host or tname, expr, tname, m.start()))
+        if S.only is not None and (host or tname) not in S.only:
+            S.edits.blank(m.start(), end + 1)
 
-    # --- kernel definitions
-    templates = {}  # name -> Kernel (the template's parameters and thread limit)
-    kernels = []
-    for a in attrs:
-        if a[0] in handled_attrs:
+
+def _kernel_definitions(S: _Source) -> None:
+    """``[[kernel]]`` / ``kernel void`` definitions, then the instantiations of kernel templates."""
+    for a in S.attrs:
+        if a[0] in S.handled_attrs:
             continue
         items = _attr_items(a[2])
         if not any(n == "kernel" for n, _ in items):
             continue
-        _define_kernel(text, masked, lines, edits, attrs, a[0], a[1], templates, kernels, namespaces)
-    for m in re.finditer(r"\bkernel\b(?=\s*(?:\[\[[^\]]*\]\]\s*)*void\b)", masked):
-        if any(inst[3] <= m.start() < _stmt_end(masked, inst[3]) for inst in instantiations):
+        _define_kernel(S.text, S.masked, S.lines, S.edits, S.attrs, a[0], a[1], S.templates, S.kernels, S.namespaces)
+    for m in re.finditer(r"\bkernel\b(?=\s*(?:\[\[[^\]]*\]\]\s*)*void\b)", S.masked):
+        if any(inst[3] <= m.start() < _stmt_end(S.masked, inst[3]) for inst in S.instantiations):
             continue
-        edits.blank(m.start(), m.end())
-        _define_kernel(text, masked, lines, edits, attrs, m.start(), m.end(), templates, kernels, namespaces)
-    for host, expr, tname, off in instantiations:
+        S.edits.blank(m.start(), m.end())
+        _define_kernel(S.text, S.masked, S.lines, S.edits, S.attrs, m.start(), m.end(), S.templates, S.kernels,
+                       S.namespaces)
+    for host, expr, tname, off in S.instantiations:
         short = tname.split("::")[-1]
-        if short not in templates:
-            raise _error(lines, off, f"kernel instantiation '{host}': no [[kernel]] template named '{tname}'")
-        tmpl = templates[short]
+        if short not in S.templates:
+            raise _error(S.lines, off, f"kernel instantiation '{host}': no [[kernel]] template named '{tname}'")
+        tmpl = S.templates[short]
         max_threads = tmpl.max_threads
         if max_threads is not None and not max_threads.isdigit():  # depends on the template arguments
             max_threads = tmpl.max_threads.replace("@ARGS@", expr[len(tname):])
-        f2, l2 = lines.at(off)
-        kernels.append(Kernel(host, expr, tmpl.params, f2, l2, max_threads))
+        f2, l2 = S.lines.at(off)
+        S.kernels.append(Kernel(host, expr, tmpl.params, f2, l2, max_threads))
 
-    # --- function constants: values set at launch, never constant expressions
-    constants, fc_names = [], {}
-    for m in _FUNCTION_CONSTANT.finditer(masked):
-        handled_attrs.update(a[0] for a in attrs if m.start() <= a[0] < m.end())
+
+def _function_constants(S: _Source) -> None:
+    """Function constants: values set at launch, never constant expressions."""
+    for m in _FUNCTION_CONSTANT.finditer(S.masked):
+        S.handled_attrs.update(a[0] for a in S.attrs if m.start() <= a[0] < m.end())
         idx = _constant_int(m.group(3))
         if idx is None:
-            raise _error(lines, m.start(), f"function constant '{m.group(2)}': the emulator needs an index made of "
+            raise _error(S.lines, m.start(), f"function constant '{m.group(2)}': the emulator needs an index made of "
                          f"integer literals and arithmetic in [[function_constant(...)]], got '{m.group(3)}'")
-        file, line = lines.at(m.start())
+        file, line = S.lines.at(m.start())
         fc = FunctionConstant(m.group(2), idx, " ".join(m.group(1).split()), file, line)
-        constants.append(fc)
-        fc_names[fc.name] = fc
-        edits.replace(m.start(), m.end(), f"MTL_FUNCTION_CONSTANT({fc.type}, {fc.name});")
+        S.constants.append(fc)
+        S.fc_names[fc.name] = fc
+        S.edits.replace(m.start(), m.end(), f"MTL_FUNCTION_CONSTANT({fc.type}, {fc.name});")
     # program-scope constants computed from function constants are set at launch too
-    derived = []  # (name, type, expr) in source order
-    if constants:
+    if S.constants:
         der_re = re.compile(r"\bconstant\s+([\w:<>\s,]+?)\s+(\w+)\s*=\s*([^;]*);")
-        names = set(fc_names)
-        for m in der_re.finditer(masked):
-            if not any(a <= m.start() < b for a, b in program_scope):
+        names = set(S.fc_names)
+        for m in der_re.finditer(S.masked):
+            if not any(a <= m.start() < b for a, b in S.program_scope):
                 continue
-            expr = _FC_DEFINED.sub(r"__mtl_fcdef_\1", text[m.start(3):m.end(3)])
-            toks = set(_IDENT.findall(masked[m.start(3):m.end(3)]))
+            expr = _FC_DEFINED.sub(r"__mtl_fcdef_\1", S.text[m.start(3):m.end(3)])
+            toks = set(_IDENT.findall(S.masked[m.start(3):m.end(3)]))
             if not (toks & names) and "is_function_constant_defined" not in toks:
                 continue
             names.add(m.group(2))
             typ = " ".join(m.group(1).split())
-            derived.append((m.group(2), typ, expr))
-            edits.replace(m.start(), m.end(), f"MTL_DERIVED_CONSTANT({typ}, {m.group(2)}, {expr});")
-    for m in _FC_DEFINED.finditer(masked):
-        edits.replace(m.start(), m.end(), f"__mtl_fcdef_{m.group(1)}")
+            S.derived.append((m.group(2), typ, expr))
+            S.edits.replace(m.start(), m.end(), f"MTL_DERIVED_CONSTANT({typ}, {m.group(2)}, {expr});")
+    for m in _FC_DEFINED.finditer(S.masked):
+        S.edits.replace(m.start(), m.end(), f"__mtl_fcdef_{m.group(1)}")
 
-    # --- remaining attributes: blank all but the standard ones
-    for start, end, content in attrs:
+
+def _remaining_attributes(S: _Source) -> None:
+    """Blanks every attribute but the standard ones."""
+    for start, end, content in S.attrs:
         items = _attr_items(content)
         if items and all(n in STD_ATTRS or n.startswith(("clang::", "gnu::")) for n, _ in items):
             continue
-        edits.blank(start, end)
+        S.edits.blank(start, end)
 
-    out = edits.apply()
-    glued = kernels if only is None else [k for k in kernels if k.host_name in only]
-    return Result(out, _glue(glued, constants, derived), kernels, constants, glued)
+
+# The rewrite, in order: each step reads and extends the _Source.
+STEPS = [
+    ("unroll pragmas and half literals", _unroll_pragmas_and_half_literals),
+    ("function references", _function_references_step),
+    ("syntax rewrites", _syntax_rewrites),
+    ("kernel instantiations", _kernel_instantiations),
+    ("kernel definitions", _kernel_definitions),
+    ("function constants", _function_constants),
+    ("remaining attributes", _remaining_attributes),
+]
+
+
+def run(text: str, *, default_file: str, syntax, only: Optional[set] = None) -> Result:
+    """Rewrite preprocessed MSL.  `syntax`: view text -> syntax.facts (compiler.syntax_facts, clang's
+    AST of the view).  `only`: host names to build (the other template instantiations are dropped,
+    so a big file can be compiled in parallel pieces); the result still lists every kernel, with
+    glue for the selected ones only."""
+    S = _Source(text, default_file, syntax, only)
+    for _, step in STEPS:
+        step(S)
+    out = S.edits.apply()
+    glued = S.kernels if only is None else [k for k in S.kernels if k.host_name in only]
+    return Result(out, _glue(glued, S.constants, S.derived), S.kernels, S.constants, glued)
 
 
 def _blank_attrs(s: str) -> str:
