@@ -168,3 +168,16 @@ def test_reference_row_of_finfo_min_scores_averages_the_values():
     assert torch.equal(q.grad[:, :, 1], torch.zeros_like(q.grad[:, :, 1]))
     # dO = 1: each live row spreads 1 over the keys, per query head of the group (2 rows x 2 heads).
     torch.testing.assert_close(v.grad.sum(dim=2), torch.full_like(v.grad.sum(dim=2), 2.0 * 2))
+
+
+def test_the_spec_clamps_the_window_once_and_derives_causality():
+    """make_spec turns a window side wider than every (i, j) distance into -1 (unbounded), keeps
+    every narrower side as given, and reads causality from the band (window_right == 0)."""
+    q, k, v = _inputs(Lq=5, Lk=7)
+    reach = 5 + 7 + 2 + 1  # Lq + Lk + |diag_offset| + 1
+    wide = make_spec(q, k, v, scale=0.3, diag_offset=2, window_left=reach, window_right=reach)
+    assert (wide.window_left, wide.window_right, wide.has_band, wide.causal) == (-1, -1, False, False)
+    narrow = make_spec(q, k, v, scale=0.3, diag_offset=2, window_left=reach - 1, window_right=0)
+    assert (narrow.window_left, narrow.window_right, narrow.has_band, narrow.causal) == (reach - 1, 0, True, True)
+    i, j = torch.arange(5)[:, None], torch.arange(7)[None, :]
+    assert torch.equal(wide.visible(i, j), torch.ones(5, 7, dtype=torch.bool))

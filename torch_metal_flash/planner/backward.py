@@ -39,8 +39,7 @@ from ..problem.spec import AttentionSpec
 import torch_metal_flash.planner.choice as choice
 from .backward_tiles import (DSINKS_KERNEL, DSINKS_THREADS, PRE_ROWS_PER_GROUP, PRE_THREADS, BackwardTiles,
                              backward_candidates, backward_tiles)
-from .forward import (MASK_KINDS, _last_dim_contiguous, check_aux, check_problem, effective_band, max_seqlens,
-                      score_scale)
+from .forward import MASK_KINDS, _last_dim_contiguous, check_aux, check_problem, max_seqlens, score_scale
 from .limits import PipelineInfo, first_fitting
 from .params import FlashFwdParams
 from .plan import Launch, Plan, Unsupported
@@ -136,11 +135,11 @@ def plan_backward(spec: AttentionSpec, dout: torch.Tensor, out: torch.Tensor, au
     reason = _check(spec, dout, out, aux, dlse, dq, dk, dv, dbias, dsinks)
     if reason is not None:
         return Unsupported(reason)
-    from .forward import features, is_causal, max_seqlens
+    from .forward import features, max_seqlens
     max_q, max_k = max_seqlens(spec)
     try:
         chosen = [choice.planned("bwd", part, spec.q.dtype, spec.head_dim, spec.head_dim_v, family=family,
-                                 seqlen_q=max_q, seqlen_k=max_k, causal=is_causal(spec), features=features(spec))
+                                 seqlen_q=max_q, seqlen_k=max_k, causal=spec.causal, features=features(spec))
                   for part in ("dq", "dkv")]
         candidates = backward_candidates(spec.q.dtype, max(spec.head_dim, spec.head_dim_v), family, *chosen)
     except (KeyError, ValueError) as e:
@@ -187,7 +186,7 @@ def _plan_tiles(spec: AttentionSpec, dout, out, aux, dlse, dq, dk, dv, dbias, ds
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
     compute_dbias = dbias is not None and dbias.numel() > 0
 
-    wl, wr, has_band = effective_band(spec)
+    wl, wr, has_band = spec.window_left, spec.window_right, spec.has_band
     has_softcap = spec.softcap > 0
     qk_scale, softcap = score_scale(spec)
     max_q, max_k = max_seqlens(spec)

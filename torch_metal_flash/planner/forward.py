@@ -203,17 +203,6 @@ def gqa_pack(gqa: int, seqlen_q: int, bq: int) -> int:
     return 1
 
 
-def effective_band(spec: AttentionSpec) -> tuple[int, int, bool]:
-    """(window_left, window_right, has_band) for the kernels: a window side wider
-    than every (i, j) distance constrains nothing and becomes -1."""
-    if spec.varlen is not None:  # per sequence: diag_offset + Lk_b - Lq_b
-        reach = 2 * (spec.varlen.max_seqlen_q + spec.varlen.max_seqlen_k) + abs(spec.diag_offset) + 1
-    else:
-        reach = spec.seqlen_q + spec.seqlen_k + abs(spec.diag_offset) + 1
-    wl, wr = (-1 if w < 0 or w >= reach else w for w in (spec.window_left, spec.window_right))
-    return wl, wr, wl >= 0 or wr >= 0
-
-
 def plan_forward(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor, aux: Optional[torch.Tensor] = None,
                  family: str = "apple8", pipeline_info: Optional[PipelineInfo] = None,
                  probs: Optional[torch.Tensor] = None, pack_heads: bool = True) -> Union[Plan, Unsupported]:
@@ -236,7 +225,7 @@ def plan_forward(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor, aux:
     max_q, max_k = max_seqlens(spec)
     try:
         variant = choice.planned("fwd", "fwd", spec.q.dtype, spec.head_dim, spec.head_dim_v, family=family,
-                                 seqlen_q=max_q, seqlen_k=max_k, causal=is_causal(spec), features=features(spec))
+                                 seqlen_q=max_q, seqlen_k=max_k, causal=spec.causal, features=features(spec))
         # the accelerator kernel writes no probs (the debug output): the simdgroup kernel does
         tiles = forward_candidates(spec.q.dtype, max(spec.head_dim, spec.head_dim_v), family, variant,
                                    nax=probs is None)
@@ -246,11 +235,6 @@ def plan_forward(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor, aux:
         return Plan(launches=())
     return first_fitting((_plan_tile(spec, out, lse, aux, tile, probs, pack_heads) for tile in tiles),
                          pipeline_info)
-
-
-def is_causal(spec: AttentionSpec) -> bool:
-    """Whether the tuner files ``spec`` under causal problems (no key right of the diagonal)."""
-    return spec.window_right == 0
 
 
 def features(spec: AttentionSpec) -> dict:
@@ -312,7 +296,7 @@ def _plan_tile(spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor, aux: O
     B, Hq, Lq, D = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
     max_q, max_k = max_seqlens(spec)
-    wl, wr, has_band = effective_band(spec)
+    wl, wr, has_band = spec.window_left, spec.window_right, spec.has_band
     has_softcap = spec.softcap > 0
 
     p = FlashFwdParams()

@@ -141,6 +141,11 @@ class AttentionSpec:
     def has_band(self) -> bool:
         return self.window_left >= 0 or self.window_right >= 0
 
+    @property
+    def causal(self) -> bool:
+        """No key right of the (offset) diagonal: how a face's ``causal`` arrives (``window_right = 0``)."""
+        return self.window_right == 0
+
     def visible(self, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
         """Band visibility of query rows ``i`` (column) and keys ``j`` (row)."""
         rel = j - (i + self.diag_offset)
@@ -178,5 +183,12 @@ def make_spec(q, k, v, mask=None, alibi_slopes=None, sinks=None, *, scale, diag_
     if alibi_slopes is not None:
         alibi_slopes = alibi_slopes.expand(B if varlen is None else varlen.num_seqs, H)
     dropout = Dropout(float(dropout_p), rng_state) if dropout_p > 0 else None
+    # A window side wider than every (i, j) distance constrains nothing: -1, once, here (the kernels
+    # and the reference read the spec's band as it is).
+    if varlen is not None:  # per sequence: diag_offset + Lk_b - Lq_b
+        reach = 2 * (varlen.max_seqlen_q + varlen.max_seqlen_k) + abs(int(diag_offset)) + 1
+    else:
+        reach = Lq + Lk + abs(int(diag_offset)) + 1
+    window_left, window_right = (-1 if w < 0 or w >= reach else int(w) for w in (window_left, window_right))
     return AttentionSpec(q, k, v, mask, alibi_slopes, sinks, float(scale), int(diag_offset),
-                         int(window_left), int(window_right), float(softcap), dropout, varlen)
+                         window_left, window_right, float(softcap), dropout, varlen)
