@@ -111,13 +111,7 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _check_variant(op, problem, device):
-    """The tuner's correctness gate (torch_metal_flash.testing.tuning_gate), imported when first used."""
-    from .testing import tuning_gate
-    return tuning_gate.wrong_result(op, problem, device)
-
-
-tuning.install_result_check(_check_variant)
+from . import _compose  # noqa: E402,F401  (wires the layers' upward callbacks, once)
 
 _sys.meta_path.append(_OldPaths())
 for _old, _new in _MOVED.items():  # those already imported: no finder, and no package attribute rebound

@@ -35,9 +35,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from .. import backends, caches, native
-from ..backends import metal
 from ..planner.plan import Plan, Unsupported
-from ..problem import checks
 
 __all__ = ["CoreOp", "register", "load", "loaded", "plan_cache_info", "plan_cache_clear", "configure_plan_cache",
            "python_body"]
@@ -150,8 +148,6 @@ def load():
                           _emulator_encode)
             for i in range(len(_OPS)):
                 _register_with(ext, i)
-            backends.mirror_choice_to(ext.core.set_thread_backend)
-            checks.use_native_signature(getattr(ext.core, "signature", None))
             transpose_12 = getattr(ext.core, "transpose_12", _transpose_12)
             for hook in _on_load:
                 hook(ext)
@@ -264,9 +260,6 @@ def run_counts(reset: bool = False) -> dict:
         return {}
     return {name: n for name, n in _ext.core.run_counts(reset).items() if n}
 
-
-backends.count_runs_from(run_counts)
-metal.run_plans_with(run_plan)
 
 
 # ---------------------------------------------------------------------------
