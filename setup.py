@@ -48,10 +48,9 @@ MACOS_MIN = "14.0"
 NAX_SUFFIX = "_nax.metal"
 NAX_METAL_STD = "metal4.0"
 NAX_MACOS_MIN = "26.2"
-# Inf/NaN-honouring fast math, as the launcher's runtime default on macOS 15+
-# (docs/metal_launcher.md); compilers without these flags get -fno-fast-math.
-RELAXED_MATH = ["-fmetal-math-mode=relaxed", "-fmetal-math-fp32-functions=fast"]
-SAFE_MATH = ["-fno-fast-math"]
+# The one math mode of the package: safe, as the launcher's run-time compiles on
+# every macOS (csrc/metal/launcher.mm, docs/metal_launcher.md).
+MATH_MODE, MATH_FLAGS = "safe", ["-fno-fast-math"]
 
 
 def _targets():
@@ -114,15 +113,14 @@ def compile_metallibs(shader_dir: Path, out_dir: Path) -> dict:
     sources = sorted(shader_dir.glob("*.metal"))
     nax_sources = [s for s in sources if s.name.endswith(NAX_SUFFIX)]
     with tempfile.TemporaryDirectory() as tmp:
-        math_mode, math_flags = "relaxed", RELAXED_MATH
         probe = Path(tmp, "probe.metal")
         probe.write_text("kernel void probe(device float* x [[buffer(0)]]) { x[0] = 1.0f; }\n")
 
         def probe_fails(*flags) -> bool:
+            """Whether this compiler rejects ``flags`` -- the very flags a real compile uses."""
             return bool(_run([*XCRUN, "metal", *flags, "-c", str(probe), "-o", str(probe.with_suffix(".air"))])
                         .returncode)
-        if probe_fails(*RELAXED_MATH):
-            math_mode, math_flags = "safe", SAFE_MATH
+        math_mode, math_flags = MATH_MODE, MATH_FLAGS
         flags = [f"-std={METAL_STD}", f"-mmacosx-version-min={MACOS_MIN}"]
         nax_flags = [f"-std={NAX_METAL_STD}", f"-mmacosx-version-min={NAX_MACOS_MIN}"]
         nax_precompiled = bool(nax_sources) and not probe_fails(*nax_flags, *math_flags)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import shutil
 import struct
 import tempfile
 from pathlib import Path
@@ -138,6 +139,9 @@ instantiate_kernel("nax_attn_{n}_{d}_mask_{m}", attention_nax, {t}, 64, 32, {d},
               for n, (t, _) in MLX_NAX_TYPES.items() for d in MLX_NAX_HEAD_DIMS
               for m, mt in (("float", t), ("bool", "bool")) if m == "float" or d == 64) + "\n"
 MLX_NAX_BLOCKS = (64, 32, 4, 1)  # BQ, BK, WM, WN of sdpa_full_self_attention_nax
+# MLX runs its NAX kernels only where the neural accelerators are (M5 class): they read and write Apple10's
+# cooperative-tensor layout, so the emulator runs them as that family.
+MLX_NAX_FAMILY = "apple10"
 
 
 def run_mlx_nax_attention(inc, q, k, v, scale, *, mask=None, causal=False, order=None, checked=None):
@@ -153,9 +157,10 @@ def run_mlx_nax_attention(inc, q, k, v, scale, *, mask=None, causal=False, order
     if mask is not None:
         bufs.update({5: struct.pack("<3q", *mask.stride()[:3]), 6: mask})
     kind = "bool" if mask is not None and mask.dtype == torch.bool else "float"
-    st = lib[f"nax_attn_{MLX_DTYPE_NAMES[q.dtype]}_{d}_mask_{kind}"](
-        q, k, v, o, buffers=bufs, grid=(-(-ql // bq) * 32, H * wm, B * wn), threadgroup=(32, wm, wn), order=order,
-        checked=checked)
+    with emulator.settings(family=MLX_NAX_FAMILY):
+        st = lib[f"nax_attn_{MLX_DTYPE_NAMES[q.dtype]}_{d}_mask_{kind}"](
+            q, k, v, o, buffers=bufs, grid=(-(-ql // bq) * 32, H * wm, B * wn), threadgroup=(32, wm, wn),
+            order=order, checked=checked)
     return o, st
 
 
@@ -190,21 +195,25 @@ def run_mlx_nax_gemm(inc, a, b, *, transpose_a=False, transpose_b=False, tile=ML
         bufs.update({2: c, 5: struct.pack("<2iq2f", c.stride(0), c.stride(1), M * N, alpha, beta)})
     name = f"nax_gemm_{'t' if transpose_a else 'n'}{'t' if transpose_b else 'n'}_{MLX_DTYPE_NAMES[a.dtype]}_" \
            f"{bm}_{bn}_{bk}_{wm}_{wn}"
-    st = lib[name](a, b, buffers={**bufs, 3: d}, grid=(tn * 32, tm * wn, wm), threadgroup=(32, wn, wm),
-                   order=order, checked=checked)
+    with emulator.settings(family=MLX_NAX_FAMILY):
+        st = lib[name](a, b, buffers={**bufs, 3: d}, grid=(tn * 32, tm * wn, wm), threadgroup=(32, wn, wm),
+                       order=order, checked=checked)
     return d, st
 
 
-# ---------------------------------------------------------------- PyTorch MPS prefill attention
+# ---------------------------------------------------------------- PyTorch's MPS attention kernels
 
-PYTORCH_PREFILL = """#include <metal_stdlib>
-using namespace metal;
-#include <c10/metal/utils.h>
-#include <ATen/native/mps/kernels/PrefillAttention.h>
-"""
 PYTORCH_TYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+PYTORCH_METAL_TYPES = {torch.float16: "half", torch.bfloat16: "bfloat", torch.float32: "float"}
 PYTORCH_PARAM_BUFFERS = (4, 5)  # PrefillAttnParams and PrefillAttnMaskParams structs
-PREFILL_HEADER = Path("ATen/native/mps/kernels/PrefillAttention.h")
+KERNELS = Path("ATen/native/mps/kernels")
+PREFILL_HEADER = KERNELS / "PrefillAttention.h"
+DECODE_HEADER = KERNELS / "DecodeAttention.h"
+MPP_HEADER = KERNELS / "MppAttention.h"
+
+
+def _pytorch_source(header: Path) -> str:
+    return f"#include <metal_stdlib>\nusing namespace metal;\n#include <c10/metal/utils.h>\n#include <{header}>\n"
 
 
 def pytorch_include(root: Path) -> Path:
@@ -215,28 +224,138 @@ def pytorch_include(root: Path) -> Path:
     raise FileNotFoundError(f"--pytorch {root}: no {PREFILL_HEADER} under it (nor under torch/include or include)")
 
 
-def pytorch_prefill_blocks(head_dim: int) -> tuple[int, int]:
-    """(BQ, BK) of the kernel's instantiation for this head dim (its own instantiation list)."""
-    return {32: (32, 32), 64: (32, 32), 72: (32, 32), 80: (32, 32), 96: (32, 32), 128: (32, 16),
-            256: (16, 8)}[head_dim]
+def pytorch_wheel_include(version: str) -> Path:
+    """torch ``version``'s Metal kernel headers (``ATen/native/mps/kernels``, ``c10/metal``), extracted once from
+    its macOS wheel (bench/macos_cross_build.py finds or downloads it) into a cache folder; returns that include
+    folder.  Nothing of torch's is stored in this repository."""
+    import zipfile
+
+    import macos_cross_build as mcb
+
+    final = mcb.CACHE / f"torch-{version}-metal-kernels"
+    if (final / PREFILL_HEADER).is_file():
+        return final
+    wheel = mcb.find_wheel(version)
+    mcb.CACHE.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=mcb.CACHE))
+    with zipfile.ZipFile(wheel) as z:
+        names = [n for n in z.namelist() if n.startswith(("torch/include/ATen/native/mps/kernels/",
+                                                          "torch/include/c10/metal/"))]
+        z.extractall(tmp, names)
+    try:
+        (tmp / "torch" / "include").rename(final)
+    except OSError:  # another process got there first
+        pass
+    shutil.rmtree(tmp, ignore_errors=True)
+    return final
 
 
-def run_pytorch_prefill(inc, q, k, v, scale, *, causal=False, order=None, checked=None):
-    """Launch PyTorch's prefill attention on (B, H, L, D) tensors (no mask); returns (out, LaunchStats)."""
+_C_FIELDS = {"int": "i", "uint": "I", "float": "f", "int64_t": "q", "uint32_t": "I", "int32_t": "i"}
+
+
+def struct_format(inc: Path, header: Path, name: str) -> str:
+    """The struct-module format of ``struct name`` as the header declares it (scalar and array fields of the
+    types above, with C alignment): torch 2.13's PrefillAttnParams has int32 strides, 2.15's int64."""
+    import re
+
+    text = (inc / header).read_text()
+    m = re.search(r"struct\s+" + name + r"\s*\{(.*?)\};", text, re.S)
+    if not m:
+        raise ValueError(f"{header}: no struct {name}")
+    fmt, offset, align = "<", 0, 1
+    for ctype, count in re.findall(r"^\s*(\w+)\s+\w+(?:\[(\d+)\])?\s*;", re.sub(r"//[^\n]*", "", m.group(1)), re.M):
+        code = _C_FIELDS[ctype]
+        size = struct.calcsize(code)
+        pad = -offset % size
+        fmt += "x" * pad + f"{int(count or 1)}{code}"
+        offset += pad + size * int(count or 1)
+        align = max(align, size)
+    return fmt + "x" * (-offset % align)
+
+
+def pytorch_prefill_blocks(head_dim: int, mpp: bool = False) -> tuple[int, int, int]:
+    """(BQ, BK, WM) torch's host picks for its prefill kernel (the MPP one: 64 x 32, 4 simdgroups)."""
+    if mpp:
+        return 64, 32, 4
+    return {32: (32, 32, 4), 64: (32, 32, 4), 72: (32, 32, 4), 80: (32, 32, 4), 96: (32, 32, 4),
+            128: (32, 16, 4), 256: (16, 8, 2)}[head_dim]
+
+
+def run_pytorch_prefill(inc, q, k, v, scale, *, causal=False, mask=None, mpp=None, order=None, checked=None):
+    """Launch PyTorch's prefill attention on (B, H, L, D) tensors as its host (Attention.mm) binds it; ``mpp``
+    "a10" or "a9" runs the Metal 4 tensor-op kernel of that GPU class instead (MppAttention.h, MSL 4.0).
+    Returns (out, LaunchStats)."""
     B, H, ql, d = q.shape
     Hk, kl = k.shape[1], k.shape[2]
-    bq, bk = pytorch_prefill_blocks(d)
-    wm = 4 if bq == 32 else 2
+    bq, bk, wm = pytorch_prefill_blocks(d, mpp is not None)
     o = torch.zeros_like(q)
     strides = [s for t in (q, k, v, o) for s in t.stride()[:3]]
-    params = struct.pack("<6i2f12i", B, H, d, ql, kl, H // Hk, scale, 1.0, *strides)
-    lib = compile_source(PYTORCH_PREFILL, "pytorch_prefill.metal", [inc])
-    name = (f"prefill_attention_{PYTORCH_TYPES[q.dtype]}_bq{bq}_bk{bk}_bd{d}_wm{wm}_wn1_hm0_dc{int(causal)}"
-            f"_mask{PYTORCH_TYPES[q.dtype]}")
-    unused_mask = torch.zeros(1, dtype=q.dtype)  # bound as the host binds it; never read without a mask
-    st = lib[name](q, k, v, o, buffers={4: params, 5: bytes(16), 6: unused_mask},
-                   grid=(-(-ql // bq) * 32, H * wm, B), threadgroup=(32, wm, 1), order=order, checked=checked)
+    header = PREFILL_HEADER if mpp is None else MPP_HEADER
+    params = struct.pack(struct_format(inc, PREFILL_HEADER, "PrefillAttnParams"), B, H, d, ql, kl, H // Hk, scale,
+                         1.0, *strides)
+    lib = compile_source(_pytorch_source(header), f"pytorch_{header.stem}.metal", [inc], math_mode="safe",
+                         language_version="4.0" if mpp else None)
+    dt = PYTORCH_TYPES[q.dtype]
+    if mask is not None:
+        mask = mask.expand(B, H, ql, kl)
+        mask_params = struct.pack(struct_format(inc, PREFILL_HEADER, "PrefillAttnMaskParams"), *mask.stride())
+        bufs = {5: mask_params, 6: mask}
+    else:
+        bufs = {5: bytes(4), 6: bytes(4)}  # the host binds a 4-byte zero to each; the kernel never reads them
+    kind = dt if mask is None or mask.dtype != torch.bool else "bool_"
+    name = (f"prefill_attention{f'_mpp_{mpp}' if mpp else ''}_{dt}_bq{bq}_bk{bk}_bd{d}_wm{wm}_wn1"
+            f"_hm{int(mask is not None)}_dc{int(causal)}_mask{kind}")
+    st = lib[name](q, k, v, o, buffers={4: params, **bufs}, grid=(-(-ql // bq) * 32, H * wm, B),
+                   threadgroup=(32, wm, 1), order=order, checked=checked)
     return o, st
+
+
+PYTORCH_DECODE_BLOCKS = 32  # the two-pass decode's key blocks (Attention.mm)
+
+
+def pytorch_decode_two_pass(q, k) -> bool:
+    """Whether torch's host takes the two-pass decode: 1K+ keys, or 4K+ with grouped heads."""
+    return k.shape[2] >= 1024 or (k.shape[1] < q.shape[1] and k.shape[2] >= 4096)
+
+
+def run_pytorch_decode(inc, q, k, v, scale, *, causal=False, mask=None, two_pass=None, order=None, checked=None):
+    """Launch PyTorch's sdpa_vector decode (DecodeAttention.h, at most 8 query rows) on (B, H, L, D) tensors as
+    its host binds it: nothing at the mask's slots without a mask.  ``two_pass`` None: as the host decides.
+    Returns (out, [LaunchStats per pass])."""
+    B, H, ql, d = q.shape
+    Hk, kl = k.shape[1], k.shape[2]
+    if two_pass is None:
+        two_pass = pytorch_decode_two_pass(q, k)
+    lib = compile_source(_pytorch_source(DECODE_HEADER), "pytorch_decode.metal", [inc], math_mode="safe")
+    t = PYTORCH_METAL_TYPES[q.dtype]
+    suffix = ("none" if mask is None else "bool" if mask.dtype == torch.bool else t) + ("_causal" if causal else "")
+    o = torch.zeros_like(q)
+    dims = struct.pack("<2I", H // Hk, kl)
+    heads = struct.pack("<3I", q.stride(1), k.stride(1), v.stride(1))
+    seqs = struct.pack("<3I", q.stride(2), k.stride(2), v.stride(2))
+    tail = struct.pack("<4I", q.stride(0), k.stride(0), v.stride(0), H)
+    masks = {}
+    if mask is not None:
+        mask = mask.expand(B, H, ql, kl)
+        masks = {0: mask, 1: struct.pack("<4I", *(mask.stride(i) if mask.shape[i] > 1 else 0 for i in (3, 2, 1, 0)))}
+    if not two_pass:
+        bufs = {4: dims[:4], 5: dims[4:], 6: heads, 7: seqs, 8: struct.pack("<f", scale), 11: tail}
+        bufs.update({9 + i: m for i, m in masks.items()})
+        st = lib[f"sdpa_vector_{t}_{d}_{d}_mask{suffix}"](q, k, v, o, buffers=bufs, grid=(B * H * 1024, ql, 1),
+                                                           threadgroup=(1024, 1, 1), order=order, checked=checked)
+        return o, [st]
+    blocks = PYTORCH_DECODE_BLOCKS
+    partial = torch.zeros(B, H, ql, blocks, d, dtype=q.dtype)
+    sums = torch.zeros(B, H, ql, blocks)
+    maxs = torch.zeros(B, H, ql, blocks)
+    bufs = {4: sums, 5: maxs, 6: dims[:4], 7: dims[4:], 8: heads, 9: seqs, 10: struct.pack("<f", scale), 13: tail}
+    bufs.update({11 + i: m for i, m in masks.items()})
+    st1 = lib[f"sdpa_vector_2pass_1_{t}_{d}_{d}_mask{suffix}"](
+        q, k, v, partial, buffers=bufs, grid=(B * H * 256, ql, blocks), threadgroup=(256, 1, 1), order=order,
+        checked=checked)
+    st2 = lib[f"sdpa_vector_2pass_2_{t}_{d}"](partial, sums, maxs, o, grid=(B * H * 1024, ql, 1),
+                                               threadgroup=(1024, 1, 1), order=order, checked=checked)
+    return o, [st1, st2]
 
 
 def default_scale(head_dim: int) -> float:
@@ -245,5 +364,5 @@ def default_scale(head_dim: int) -> float:
 
 __all__ = ["MLX_NAX_GEMM_TILES", "MLX_NAX_HEAD_DIMS", "MLX_NAX_TYPES", "MLX_PARAM_BUFFERS", "MLX_STEEL", "MLX_TYPES", "PYTORCH_PARAM_BUFFERS", "TOL", "attention_reference",
            "compile_source", "default_scale", "max_error", "mlx_steel_blocks", "pytorch_include",
-           "pytorch_prefill_blocks", "run_mlx_nax_attention", "run_mlx_nax_gemm", "run_mlx_steel",
-           "run_pytorch_prefill"]
+           "pytorch_decode_two_pass", "pytorch_prefill_blocks", "pytorch_wheel_include", "run_mlx_nax_attention",
+           "run_mlx_nax_gemm", "run_mlx_steel", "run_pytorch_decode", "run_pytorch_prefill", "struct_format"]

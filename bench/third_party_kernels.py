@@ -18,6 +18,15 @@ you have (the instantiations below are ours; the kernels are theirs, read from y
     --pytorch DIR  a folder holding PyTorch's aten/src/ATen/native/mps/kernels/RMSNorm.metal
                    (compiled against the installed torch's c10/metal headers, which are
                    compiled and used by a small kernel of ours in any case)
+    --torch-kernels VERSION (default 2.15.0; "none" to skip)
+                   torch's own attention kernels from that release's macOS wheel (pip
+                   downloads it once; only ATen/native/mps/kernels and c10/metal are
+                   extracted, into ~/.cache/torch_metal_flash/macos-cross), launched as
+                   torch's host binds them, in MSL 4.0 and safe math as torch builds them:
+                   the prefill kernel (bool / float masks, causal, GQA, ragged lengths), the
+                   sdpa_vector decode in one and two passes (unmasked: nothing bound at the
+                   mask's slots; bool / float masks; GQA) and the tensor-op prefill for
+                   Apple10 (a10, run as apple10) and Apple8/9 (a9, run as apple8 and apple9)
 
     python bench/third_party_kernels.py --mlx DIR --llama DIR --pytorch DIR [--orders forward,reverse]
 
@@ -39,7 +48,9 @@ import harness
 from torch_metal_flash import emulator
 
 from peer_kernels import (MLX_NAX_GEMM_TILES, MLX_NAX_HEAD_DIMS, MLX_NAX_TYPES, MLX_TYPES, TOL, attention_reference,
-                          compile_source, max_error, run_mlx_nax_attention, run_mlx_nax_gemm, run_mlx_steel)
+                          compile_source, max_error, pytorch_decode_two_pass, pytorch_wheel_include,
+                          run_mlx_nax_attention, run_mlx_nax_gemm, run_mlx_steel, run_pytorch_decode,
+                          run_pytorch_prefill)
 
 results = []  # (name, ok)
 
@@ -353,11 +364,67 @@ def run_pytorch(root, orders, quick):
                        order, dt)
 
 
+def _torch_mask(kind, shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    if kind == "bool":
+        return torch.rand(shape, generator=g) > 0.3
+    return (torch.randn(shape, generator=g) * 2).to(dtype) if kind == "float" else None
+
+
+def run_torch_kernels(version, orders, quick):
+    """torch ``version``'s prefill, decode and tensor-op attention from its wheel, as its host binds them."""
+    inc = pytorch_wheel_include(version)
+    dtypes = (torch.float16,) if quick else (torch.float16, torch.bfloat16, torch.float32)
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape, dtype):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    for dt in dtypes:
+        for d in (64, 128):
+            for mask_kind, causal in ((None, False), (None, True), ("bool", False), ("float", False)):
+                q, k, v = rand(2, 4, 37, d, dtype=dt), rand(2, 2, 45, d, dtype=dt), rand(2, 2, 45, d, dtype=dt)
+                mask = _torch_mask(mask_kind, (2, 1, 37, 45), dt, d)
+                visible = torch.arange(45)[None] <= torch.arange(37)[:, None] if causal else mask
+                ref = attention_reference(q, k, v, d ** -0.5, mask=visible)
+                for order in orders:
+                    out, _ = run_pytorch_prefill(inc, q, k, v, d ** -0.5, causal=causal, mask=mask, order=order,
+                                                 checked=True)
+                    report(f"torch {version} prefill {dt} d{d} mask={mask_kind} causal={causal} GQA 4:2 37x45",
+                           out, ref, order, dt)
+            for kl in (300, 1100, 4100):
+                for mask_kind in (None, "bool", "float"):
+                    q, k, v = rand(1, 8, 1, d, dtype=dt), rand(1, 2, kl, d, dtype=dt), rand(1, 2, kl, d, dtype=dt)
+                    mask = _torch_mask(mask_kind, (1, 8, 1, kl), dt, kl)
+                    ref = attention_reference(q, k, v, d ** -0.5, mask=mask)
+                    passes = 2 if pytorch_decode_two_pass(q, k) else 1
+                    for order in orders:
+                        out, _ = run_pytorch_decode(inc, q, k, v, d ** -0.5, mask=mask, order=order, checked=True)
+                        report(f"torch {version} sdpa_vector {passes}-pass {dt} d{d} mask={mask_kind} GQA 8:2 "
+                               f"kL {kl}", out, ref, order, dt)
+    for dt in dtypes[:2] if not quick else dtypes:
+        if dt == torch.float32:
+            continue
+        for arch, families in (("a10", ("apple10",)), ("a9", ("apple8", "apple9"))):
+            for causal in (False, True):
+                q, k, v = rand(1, 4, 70, 64, dtype=dt), rand(1, 2, 70, 64, dtype=dt), rand(1, 2, 70, 64, dtype=dt)
+                ref = attention_reference(q, k, v, 0.125, causal=causal)
+                for family in families:
+                    for order in orders:
+                        with emulator.settings(family=family):
+                            out, _ = run_pytorch_prefill(inc, q, k, v, 0.125, causal=causal, mpp=arch, order=order,
+                                                         checked=True)
+                        report(f"torch {version} tensor-op prefill {arch} as {family} {dt} d64 causal={causal} "
+                               f"GQA 4:2 70x70", out, ref, order, dt)
+
+
 def main():
     ap = harness.parser(__doc__)
     ap.add_argument("--mlx", type=Path, help="MLX include folder (mlx/backend/metal/kernels inside)")
     ap.add_argument("--llama", type=Path, help="llama.cpp ggml/src folder")
     ap.add_argument("--pytorch", type=Path, help="PyTorch source root (aten/src/ATen/native/mps/kernels inside)")
+    ap.add_argument("--torch-kernels", default="2.15.0", metavar="VERSION",
+                    help="torch release whose attention kernels to run from its macOS wheel ('none': skip)")
     ap.add_argument("--orders", default="forward,reverse", help="schedule orders (forward, reverse, random)")
     ap.add_argument("--quick", action="store_true", help="fewer dtypes (MLX's NAX kernels: fewer GEMM tilings)")
     ap.add_argument("--nax-only", action="store_true",
@@ -372,6 +439,8 @@ def main():
     if args.llama:
         run_llama(args.llama, orders, args.quick)
     run_pytorch(args.pytorch, orders, args.quick)
+    if args.torch_kernels != "none":
+        run_torch_kernels(args.torch_kernels, orders, args.quick)
     bad = [n for n, ok in results if not ok]
     print(f"\n{len(results) - len(bad)}/{len(results)} ok" + (": failed " + ", ".join(bad) if bad else ""))
     return 1 if bad else 0

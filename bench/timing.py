@@ -5,7 +5,7 @@ On a Mac (the point of it):
     python bench/timing.py                      # MPS: the standard grid, fp16 and bf16
     python bench/timing.py --dtypes float16 --lengths 1024,4096
     python bench/timing.py --variants           # ... and every forward variant of the tuning space, forced
-    python bench/timing.py --commit both        # ... and the effect of the commit after large plans
+    python bench/timing.py --commit both        # ... and the effect of the launcher's commits
 
 The standard grid follows flash-attn's benchmark: 16K tokens per batch (B = 16384 / L), a model
 width of 2048 (H = 2048 / D), L 512 to 16K, D 64 and 128, causal and not, fp16 and bf16; each
@@ -26,7 +26,8 @@ Writes markdown to bench/results/timing_<device>.md and a plot of TFLOP/s agains
 (one panel per head dim, mode and causality) to bench/results/timing_<device>.png; the plot needs
 matplotlib (the ``plot`` extra: ``pip install "torch_metal_flash[plot]"``).
 
-``--commit both`` (MPS) also measures the launcher's commit after large plans
+``--commit both`` (MPS) also measures the launcher's commits (adaptive after each plan, and after large plans
+with TORCH_METAL_FLASH_COMMIT_THREADS)
 (``TORCH_METAL_FLASH_COMMIT``): our forward, forward+backward, and a forward
 followed by host work (32 small MPS ops encoded before the sync, where an early
 commit lets the GPU start on attention sooner), with the commit off and on.
@@ -119,7 +120,7 @@ def variant_rows(B, H, L, D, causal, dtype, device, repeats) -> list:
 
 def run_config(B, H, L, D, causal, dtype, device, repeats) -> dict:
     """{route: (forward seconds, forward + backward seconds) or None (not installed) or the error}."""
-    from torch_metal_flash.faces.stock import kernels_sdpa
+    from torch_metal_flash.faces.functional import kernels_sdpa
     q, k, v = (torch.randn(B, H, L, D, dtype=dtype, device=device, requires_grad=True) for _ in range(3))
     dout = torch.randn(B, H, L, D, dtype=dtype, device=device)
     out = {}
@@ -186,7 +187,7 @@ def plot(points, path, title) -> bool:
 
 
 def set_commit(on: bool) -> bool:
-    """Turn the launcher's commit after large plans on or off (same threshold); returns the previous state."""
+    """Turn the launcher's commits on or off (same threshold); returns the previous state."""
     from torch_metal_flash import native
     ext = native.launcher()
     enabled, threads = ext.commit_policy()
@@ -232,7 +233,7 @@ def main() -> None:
     ap.add_argument("--dry-run", action="store_true", help="the emulator's timings on a small grid (any machine)")
     ap.add_argument("--variants", action="store_true", help="also time every forward variant, forced")
     ap.add_argument("--commit", default="on", choices=["on", "both"],
-                    help="'both': also time our kernels with the commit after large plans off and on (MPS)")
+                    help="'both': also time our kernels with the launcher's commits off and on (MPS)")
     args = ap.parse_args()
     if args.dry_run:
         device, dtypes, head_dims, repeats = torch.device("cpu"), [torch.float16], [64], min(args.repeats, 2)
@@ -280,7 +281,7 @@ def main() -> None:
             for B, H, L, D, causal, dtype in grid(lengths, head_dims, dtypes, False):
                 lines += variant_rows(B, H, L, D, causal, dtype, device, repeats)
         if args.commit == "both" and device.type == "mps":
-            lines += ["", "## Commit after large plans (ms, commit off | on)", "",
+            lines += ["", "## The launcher's commits (ms, commits off | on)", "",
                       "| B×H×L×D | causal | fwd off | fwd on | fwd+bwd off | fwd+bwd on | fwd + host work off "
                       "| fwd + host work on |", "|---|---|---|---|---|---|---|---|"]
             for B, H, L, D, causal, dtype in grid(lengths, head_dims, dtypes, False):

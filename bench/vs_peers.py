@@ -6,7 +6,9 @@ problems in the emulator (checked mode: every device and threadgroup byte is cou
     python bench/vs_peers.py --render FILE... [--out FILE]
 
 --mlx DIR      an mlx-metal wheel unpacked (or its mlx/include): MLX's steel attention
---pytorch DIR  a torch macOS wheel unpacked (or its torch/include): ATen/native/mps/kernels/PrefillAttention.h
+--pytorch VERSION|DIR  a torch release (its macOS wheel downloaded once by pip, the kernel headers extracted) or
+               a torch macOS wheel unpacked (or its torch/include): ATen/native/mps/kernels/PrefillAttention.h and,
+               from 2.15, DecodeAttention.h and MppAttention.h (the tensor-op peer, with --family apple10)
 --family F     the GPU family to plan and run on (default: the emulator's, apple8).  apple10 (M5) lists
                our neural-accelerator variants (Metal 4 tensor ops) before the simdgroup ones, and
                MLX's peer becomes the kernel its host picks there: attention_nax
@@ -69,6 +71,7 @@ RESULTS = harness.RESULTS / "vs_peers.md"
 DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
 BATCH, HEADS = 1, 8
 TENSORS = {0: "Q", 1: "K", 2: "V", 3: "O"}  # every kernel here binds Q, K, V, O at buffers 0-3
+DECODE_OUT = 103  # torch's two-pass decode writes O at buffer 3 of its second pass (pytorch_kernel)
 SIMDGROUP_MMA_MACS = 8 * 8 * 8  # multiply-adds of one simdgroup_multiply_accumulate: the MMA column's unit
 
 # Published peaks of the largest GPU of each Max chip.  FP16 runs at the FP32 rate on these GPUs
@@ -97,24 +100,47 @@ MACS = [
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
-    seqlen: int
+    seqlen: int  # keys (and queries, unless query_len is set)
     head_dim: int
     causal: bool
     dtype: str  # "f16" | "bf16"
     heads: int = HEADS
     family: Optional[str] = None  # the GPU family planned and emulated (None: the emulator's default)
+    query_len: int = 0  # decode problems: the query rows (0: seqlen)
+    kv_heads: int = 0  # grouped K/V heads (0: heads)
+
+    @property
+    def decode(self) -> bool:
+        return bool(self.query_len)
+
+    @property
+    def ql(self) -> int:
+        return self.query_len or self.seqlen
+
+    @property
+    def hk(self) -> int:
+        return self.kv_heads or self.heads
 
     @property
     def name(self) -> str:
         length = f"{self.seqlen // 1024}K" if self.seqlen % 1024 == 0 else str(self.seqlen)
+        if self.decode:
+            return f"decode{self.ql}x{length}-d{self.head_dim}-gqa{self.heads}:{self.hk}-{self.dtype}"
         return f"{length}-d{self.head_dim}-{'causal' if self.causal else 'full'}-{self.dtype}"
+
+    def with_heads(self, heads: int) -> "Problem":
+        """The same problem on ``heads`` query heads (and their share of the K/V heads)."""
+        if self.heads % heads or (self.kv_heads and heads * self.kv_heads % self.heads):
+            raise ValueError(f"heads={heads} must divide the problem's {self.heads} heads into whole K/V groups")
+        return dataclasses.replace(self, heads=heads, kv_heads=heads * self.kv_heads // self.heads)
 
     def visible_pairs(self) -> int:
         L = self.seqlen
-        return BATCH * self.heads * (L * (L + 1) // 2 if self.causal else L * L)
+        return BATCH * self.heads * (L * (L + 1) // 2 if self.causal else self.ql * L)
 
     def compulsory_bytes(self) -> int:
-        return 4 * BATCH * self.heads * self.seqlen * self.head_dim * DTYPES[self.dtype].itemsize
+        rows = 2 * self.heads * self.ql + 2 * self.hk * self.seqlen  # Q and O, K and V
+        return BATCH * rows * self.head_dim * DTYPES[self.dtype].itemsize
 
     def flops(self) -> int:
         return 4 * self.visible_pairs() * self.head_dim  # QK^T and PV, 2 FLOPs per multiply-add
@@ -129,6 +155,8 @@ class Problem:
 # The 1K problems first, then 4K in float16, then bfloat16 (a partial run still covers each shape).
 PROBLEMS = [Problem(L, D, causal, dt) for L, dts in ((1024, None), (4096, ("f16",)), (4096, ("bf16",)))
             for D in (64, 128) for causal in (False, True) for dt in (dts or ("f16", "bf16"))]
+# Decode: one query row over a grouped 4K cache (32 query heads, 8 K/V heads), as a Llama-style model runs it.
+PROBLEMS += [Problem(4096, D, False, "f16", heads=32, query_len=1, kv_heads=8) for D in (64, 128)]
 
 
 @dataclasses.dataclass
@@ -160,12 +188,13 @@ def our_kernels(p: Problem) -> list[Kernel]:
     """Every forward variant the package lists for the problem on its family (the default plan alone
     without tmf.tuning); measure() runs them inside ``emulator.settings(family=p.family)``."""
     tuning = _tuning()
-    variants = [None] if tuning is None else list(tuning.variants("fwd", dtype=DTYPES[p.dtype], head_dim=p.head_dim,
+    op = "decode" if p.decode else "fwd"
+    variants = [None] if tuning is None else list(tuning.variants(op, dtype=DTYPES[p.dtype], head_dim=p.head_dim,
                                                                   family=p.family))
 
     def runner(variant):
         def run(q, k, v, scale, causal):
-            forced = contextlib.nullcontext() if variant is None else tuning.use("fwd", variant)
+            forced = contextlib.nullcontext() if variant is None else tuning.use(op, variant)
             with tmf.backend("emulator"), forced, emulator.recording() as launches:
                 out = tmf.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
             if not launches:  # a fallback to the reference path launches nothing
@@ -181,15 +210,19 @@ def our_kernels(p: Problem) -> list[Kernel]:
 
 # ---------------------------------------------------------------- peers
 
-def mlx_kernel(inc: Path, p: Problem) -> Kernel:
+def mlx_kernel(inc: Path, p: Problem) -> Optional[Kernel]:
+    if p.decode:
+        return None
     def run(q, k, v, scale, causal):
         out, st = pk.run_mlx_steel(inc, q, k, v, scale, causal=causal, checked=True)
         return out, [st]
     return Kernel("MLX", "steel attention", run, pk.mlx_steel_blocks(p.head_dim), pk.MLX_PARAM_BUFFERS)
 
 
-def mlx_nax_kernel(inc: Path, p: Problem) -> Kernel:
+def mlx_nax_kernel(inc: Path, p: Problem) -> Optional[Kernel]:
     """MLX's accelerator attention, the kernel its host picks on apple10 (M5) parts."""
+    if p.decode:
+        return None
     def run(q, k, v, scale, causal):
         out, st = pk.run_mlx_nax_attention(inc, q, k, v, scale, causal=causal, checked=True)
         return out, [st]
@@ -197,10 +230,40 @@ def mlx_nax_kernel(inc: Path, p: Problem) -> Kernel:
 
 
 def pytorch_kernel(inc: Path, p: Problem) -> Kernel:
+    """The kernel torch's host runs for ``p`` without the tensor ops: sdpa_vector for a decode problem (in two
+    passes where the host takes them), the prefill kernel otherwise."""
+    if p.decode:
+        two = pk.pytorch_decode_two_pass(torch.empty(1, p.heads, p.ql, 1), torch.empty(1, p.hk, p.seqlen, 1))
+
+        def run(q, k, v, scale, causal):
+            out, launches = pk.run_pytorch_decode(inc, q, k, v, scale, causal=causal, checked=True)
+            if two:  # the second pass's buffers by the first's indices (0-2: partials, sums, maxs), O apart
+                where = {0: 3, 1: 4, 2: 5, 3: DECODE_OUT}
+                st = launches[1]
+                launches[1] = dataclasses.replace(st, bytes_read={where[i]: b for i, b in st.bytes_read.items()},
+                                                  bytes_written={where[i]: b for i, b in st.bytes_written.items()})
+            return out, launches
+        if two:
+            return Kernel("PyTorch", "sdpa_vector (two passes)", run, None, (6, 7, 8, 9, 10, 12, 13),
+                          {3: "partials", 4: "sums", 5: "maxs", DECODE_OUT: "O"})
+        return Kernel("PyTorch", "sdpa_vector (one pass)", run, None, (4, 5, 6, 7, 8, 10, 11))
+
     def run(q, k, v, scale, causal):
         out, st = pk.run_pytorch_prefill(inc, q, k, v, scale, causal=causal, checked=True)
         return out, [st]
-    return Kernel("PyTorch", "MPS prefill attention", run, pk.pytorch_prefill_blocks(p.head_dim),
+    return Kernel("PyTorch", "prefill attention", run, pk.pytorch_prefill_blocks(p.head_dim)[:2],
+                  pk.PYTORCH_PARAM_BUFFERS)
+
+
+def pytorch_tensor_op_kernel(inc: Path, p: Problem) -> Optional[Kernel]:
+    """torch's Metal 4 tensor-op prefill (MppAttention.h), the kernel its host runs on an M5 with macOS 26.2+."""
+    if p.decode or p.head_dim not in (64, 96, 128, 256) or not (inc / pk.MPP_HEADER).is_file():
+        return None
+
+    def run(q, k, v, scale, causal):
+        out, st = pk.run_pytorch_prefill(inc, q, k, v, scale, causal=causal, mpp="a10", checked=True)
+        return out, [st]
+    return Kernel("PyTorch", "tensor-op prefill (a10)", run, pk.pytorch_prefill_blocks(p.head_dim, mpp=True)[:2],
                   pk.PYTORCH_PARAM_BUFFERS)
 
 
@@ -208,14 +271,15 @@ def pytorch_kernel(inc: Path, p: Problem) -> Kernel:
 
 def inputs(p: Problem, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
-    shape = (BATCH, p.heads, p.seqlen, p.head_dim)
-    return tuple(randn(*shape, generator=g).to(DTYPES[p.dtype]) for _ in range(3))
+    shapes = [(BATCH, p.heads, p.ql, p.head_dim)] + [(BATCH, p.hk, p.seqlen, p.head_dim)] * 2
+    return tuple(randn(*shape, generator=g).to(DTYPES[p.dtype]) for shape in shapes)
 
 
 def reference(p: Problem, q, k, v, scale) -> torch.Tensor:
     """float64 attention, one head at a time (a 4K x 4K float64 score matrix per head)."""
-    return torch.cat([pk.attention_reference(q[:, h:h + 1], k[:, h:h + 1], v[:, h:h + 1], scale, causal=p.causal)
-                      for h in range(q.shape[1])], 1)
+    g = p.heads // p.hk
+    return torch.cat([pk.attention_reference(q[:, h:h + 1], k[:, h // g:h // g + 1], v[:, h // g:h // g + 1], scale,
+                                             causal=p.causal) for h in range(q.shape[1])], 1)
 
 
 def mma_equivalents(st) -> float:
@@ -259,7 +323,7 @@ def measure(kernel: Kernel, p: Problem, q, k, v, ref, scale, full: Optional[Prob
         tensors={tensor_names.get(i, f"buffer {i}"): b * times for i, b in sorted(per_tensor.items()) if b},
         tg_per_out=sum(st.threadgroup_bytes_read + st.threadgroup_bytes_written for st in launches) / out.numel(),
         blocks=blocks, barriers=barriers * times,
-        barriers_per_block=barriers / p.key_blocks(*blocks) if blocks else None,
+        barriers_per_block=barriers / p.key_blocks(*blocks) if blocks and not p.decode else None,
         mma=mma * times, mma_ratio=mma * SIMDGROUP_MMA_MACS / (p.visible_pairs() * 2 * p.head_dim),
         simdgroup_mma=simdgroup_mma * times, tensor_macs=tensor_macs * times,
         tensor_matmuls=sum(st.tensor_matmuls for st in launches) * times,
@@ -270,14 +334,12 @@ def measure(kernel: Kernel, p: Problem, q, k, v, ref, scale, full: Optional[Prob
 def run_problem(p: Problem, peers: list[Callable[[Problem], Kernel]], heads: Optional[int] = None,
                 log=print) -> list[dict]:
     """Every kernel on ``p``, emulating its first ``heads`` heads (all by default)."""
-    sub = dataclasses.replace(p, heads=heads or p.heads)
-    if p.heads % sub.heads:
-        raise ValueError(f"heads={sub.heads} must divide the problem's {p.heads} heads")
+    sub = p.with_heads(max(heads or p.heads, p.heads // p.hk))  # decode: at least one whole K/V group
     q, k, v = inputs(sub)
     scale = p.head_dim ** -0.5
     ref = reference(sub, q, k, v, scale)
     rows = []
-    for kernel in our_kernels(p) + [make(p) for make in peers]:
+    for kernel in our_kernels(p) + [k for k in (make(p) for make in peers) if k is not None]:
         r = measure(kernel, sub, q, k, v, ref, scale, full=p)
         rows.append(r)
         log(f"{p.name:20s} {r['side']:8s} {','.join(r['kernels']):60s} ok={r['ok']} bytes/comp "
@@ -315,7 +377,10 @@ def verdict(p: Problem, rows: list[dict], peer: Optional[str] = None) -> dict:
         why = bwhy if why == "--" else f"{why}; {bwhy}"
     both = [r for r in ours if r["device"] <= pb["device"] and (pm is None or r["mma"] <= pm["mma"])]
     default = default_variant(p)
-    dflt = next((r for r in ours if r["kernels"] == [default]), None)
+    dflt = next((r for r in ours if r["kernels"][0] == default), None)
+    twhy = memory_reason(dflt or ob, ours, peers)
+    if twhy:
+        why = twhy if why == "--" else f"{why}; {twhy}"
     if dflt is not None and dflt is not ob:
         dwhy = reasons(p, dflt, pb, dflt, pm)
         if dwhy != "--":
@@ -362,6 +427,28 @@ def barrier_reason(ours: Optional[dict], peer: Optional[dict]) -> Optional[str]:
     return why
 
 
+def memory_reason(ours: dict, variants: list[dict], peers: list[dict]) -> Optional[str]:
+    """Why ``ours`` (the default plan) uses more threadgroup memory per threadgroup than the leanest peer that
+    stages tiles there, and which of our variants does not (None: it uses no more)."""
+    staged = [r for r in peers if r["tg_memory"]]
+    if not staged:
+        return None
+    peer = min(staged, key=lambda r: r["tg_memory"])
+    if ours["tg_memory"] <= peer["tg_memory"]:
+        return None
+    why = (f"threadgroup memory {ours['tg_memory']:,} B (`{ours['kernels'][0]}`) vs {peer['tg_memory']:,} B "
+           f"({peer['side']} `{peer['kernels'][0]}`)")
+    if ours["blocks"] and peer["blocks"] and ours["blocks"] != peer["blocks"]:
+        why += f": tiles {ours['blocks'][0]} x {ours['blocks'][1]} vs {peer['blocks'][0]} x {peer['blocks'][1]}"
+    lean = [r for r in variants if r["tg_memory"] <= peer["tg_memory"]]
+    if lean:
+        r = min(lean, key=lambda r: (r["device"], r["tg_memory"]))
+        why += f"; `{r['kernels'][0]}` in the tuning space uses {r['tg_memory']:,} B"
+    else:
+        why += "; no variant of ours at or below it"
+    return why
+
+
 def default_variant(p: Problem) -> Optional[str]:
     """The forward variant the planner picks for ``p`` on its family without a tuning cache entry."""
     tuning = _tuning()
@@ -369,8 +456,8 @@ def default_variant(p: Problem) -> Optional[str]:
         return None
     try:
         with emulator.settings(family=p.family):
-            variant, _ = tuning.choice("fwd", dtype=DTYPES[p.dtype], head_dim=p.head_dim, seqlen_q=p.seqlen,
-                                       seqlen_k=p.seqlen, causal=p.causal)
+            variant, _ = tuning.choice("decode" if p.decode else "fwd", dtype=DTYPES[p.dtype], head_dim=p.head_dim,
+                                       seqlen_q=p.ql, seqlen_k=p.seqlen, causal=p.causal)
     except ValueError:
         return None
     return variant
@@ -443,7 +530,8 @@ def render(done: list[tuple], sources: list[str], command: str, missing: list[st
                                    "measures them)."),
              "", "Sources (not in the repository; folders passed to the script):", ""]
     lines += [f"- {s}" for s in sources]
-    lines += ["", "Problems: B 1, H 8, Lq = Lk = L, D = head dim, (B, H, L, D) contiguous, scale D^-1/2; every "
+    lines += ["", "Problems: B 1, H 8, Lq = Lk = L, D = head dim, (B, H, L, D) contiguous, scale D^-1/2; decode "
+              "problems: one query row of 32 heads over a 4K cache of 8 K/V heads (`decodeQxL-dD-gqaH:Hkv`); every "
               "output checked against a float64 reference (tolerance 2e-2 of the largest output, half and bfloat). "
               "Column definitions: the docstring of `bench/vs_peers.py`." + (
                   "" if heads == HEADS else f" The run emulated the first {heads} of the {HEADS} heads (`--heads`): "
@@ -512,7 +600,7 @@ def results_file(family: Optional[str]) -> Path:
 
 
 def select(rows_arg: Optional[str], quick: bool, family: Optional[str] = None) -> list[Problem]:
-    problems = [p for p in PROBLEMS if p.seqlen == 1024] if quick else PROBLEMS
+    problems = [p for p in PROBLEMS if p.seqlen == 1024 or p.decode] if quick else PROBLEMS
     if rows_arg:
         wanted = [w.strip() for w in rows_arg.split(",") if w.strip()]
         known = {p.name: p for p in PROBLEMS}
@@ -541,7 +629,8 @@ def mlx_peer(family: Optional[str]) -> tuple[Callable, str]:
 def main(argv=None) -> int:
     ap = harness.parser(__doc__)
     ap.add_argument("--mlx", type=Path, help="mlx-metal wheel unpacked, or its mlx/include")
-    ap.add_argument("--pytorch", type=Path, help="torch macOS wheel unpacked, or its torch/include")
+    ap.add_argument("--pytorch", help="a torch release (e.g. 2.15.0: its macOS wheel's kernel headers), or a torch "
+                                      "macOS wheel unpacked, or its torch/include")
     ap.add_argument("--rows", help="comma-separated problem names (e.g. 1K-d64-causal-f16)")
     ap.add_argument("--quick", action="store_true", help="the L = 1K problems only")
     ap.add_argument("--heads", type=int, default=HEADS,
@@ -567,11 +656,18 @@ def main(argv=None) -> int:
         peers.append(lambda p, inc=inc, make=make: make(inc, p))
         sources.append(source)
     if args.pytorch:
-        inc = pk.pytorch_include(args.pytorch)
+        if re.fullmatch(r"\d+\.\d+\.\d+", args.pytorch):
+            inc, what = pk.pytorch_wheel_include(args.pytorch), f"torch {args.pytorch}'s macOS wheel (pip downloads it)"
+        else:
+            inc, what = pk.pytorch_include(Path(args.pytorch)), f"`{args.pytorch}`"
         peers.append(lambda p, inc=inc: pytorch_kernel(inc, p))
-        sources.append(f"PyTorch MPS prefill attention (`{pk.PREFILL_HEADER}`): `--pytorch DIR`, a torch 2.13.0 "
-                       "wheel's torch/include (the macOS arm64 wheel unzipped, or an installed torch of any "
-                       "platform: every wheel ships the header)")
+        sources.append(f"PyTorch's MPS attention kernels from {what}, launched as its host (`Attention.mm`) binds "
+                       f"them: prefill (`{pk.PREFILL_HEADER}`) and the sdpa_vector decode in one or two passes as "
+                       f"the host picks (`{pk.DECODE_HEADER}`), params structs packed as the header declares them")
+        if args.family == "apple10" and (inc / pk.MPP_HEADER).is_file():
+            peers.append(lambda p, inc=inc: pytorch_tensor_op_kernel(inc, p))
+            sources.append(f"PyTorch's Metal 4 tensor-op prefill (`{pk.MPP_HEADER}`, its `a10` kernel, MSL 4.0): "
+                           "what torch runs on an M5 with macOS 26.2+")
     tuning = _tuning()
     sources.append("ours: " + ("every variant of `tmf.tuning.variants('fwd', ...)`, forced with `tmf.tuning.use`"
                                if tuning else "the default plan (this checkout has no `tmf.tuning`)"))
@@ -579,7 +675,8 @@ def main(argv=None) -> int:
     if out is None and not args.rows and not args.quick and args.mlx and (args.pytorch or args.family):
         out = results_file(args.family)
     command = "`python bench/vs_peers.py" + (" --mlx DIR" if args.mlx else "") + \
-        (" --pytorch DIR" if args.pytorch else "") + (f" --rows {args.rows}" if args.rows else "") + \
+(f" --pytorch {args.pytorch}" if args.pytorch and re.fullmatch(r"\d+\.\d+\.\d+", args.pytorch) else
+         " --pytorch DIR" if args.pytorch else "") + (f" --rows {args.rows}" if args.rows else "") + \
         (" --quick" if args.quick else "") + (f" --heads {args.heads}" if args.heads != HEADS else "") + \
         (f" --family {args.family}" if args.family else "") + "`"
     t0 = time.time()

@@ -263,16 +263,21 @@ template <typename T, int BD, int BQ, int BK>
   float row_acc[flash::kFlexRowSlots];  // (FlexAttention) the row sums of the reads' gradients
   for (int r = 0; r < flash::kFlexRowSlots; ++r) row_acc[r] = 0.0f;
 
+  constexpr int CH = BK < flash::kFlexChunk ? BK : flash::kFlexChunk;  // (FlexAttention) load chunks
+  constexpr uint kAllChunks = (1u << (BK / CH)) - 1u;
   for (int t = 0; t < steps.count; ++t) {
-    bool full;
-    const int kb = steps.at(t, full);
+    uint word;
+    const int kb = steps.at(t, word);
     if (kFlex && (kb < 0 || kb >= Lk)) continue;  // uniform: past the keys of a last, partial block
+    // (FlexAttention) the chunks of keys some sub-block of these rows sees; none: skip the step
+    const uint chunks = kFlex ? steps.sub.chunks<CH, BK / CH>(word, q0, i_last, kb) : kAllChunks;
+    if (chunks == 0) continue;  // uniform
     kb_end = kb + BK;
     const int k_valid = Lk - kb;
-    flash::load_tile<T, BK, BD, NT>(Ks, LD, kp + long(kb) * f.k_stride_l, f.k_stride_l, k_valid, f.head_dim,
-                                    aligned, false, tid);
-    flash::load_tile<T, BK, BD, NT>(Vs, LD, vp + long(kb) * f.v_stride_l, f.v_stride_l, k_valid, f.head_dim_v,
-                                    aligned, false, tid);
+    flash::load_tile_chunks<T, BK, BD, NT, CH>(Ks, LD, kp + long(kb) * f.k_stride_l, f.k_stride_l, k_valid,
+                                               f.head_dim, aligned, tid, chunks);
+    flash::load_tile_chunks<T, BK, BD, NT, CH>(Vs, LD, vp + long(kb) * f.v_stride_l, f.v_stride_l, k_valid,
+                                               f.head_dim_v, aligned, tid, chunks);
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
     const int sg_last = min(r0 + 7, Lq - 1);
@@ -310,7 +315,9 @@ template <typename T, int BD, int BQ, int BK>
                                      mask_row + long(j) * f.m_stride_k, row_ok, vis);
           float s = sc.s;
           float grad = 1.0f;  // d score / d x of the flex score_mod
-          if (kFlex) s = flash::flex_score<true>(s, b, h, my_row, j, full, cap, vis, grad);
+          if (kFlex) {
+            s = flash::flex_score<true>(s, b, h, my_row, j, steps.sub.state(word, my_row, j), cap, vis, grad);
+          }
           float ds = 0.0f;
           if (vis) {
             const float pr = flash_bwd::prob(s, my_stats);
@@ -464,20 +471,25 @@ template <typename T, int BD, int BK, int BQ, int MODE>
     const flash::InnerSteps steps = kFlex ? flash::flex_steps(FLEX_LISTS, b, h, kb0, BQ, Lq)
                                           : flash::InnerSteps::range(qb_begin, q_hi, BQ);
     const flex::Captured cap = FLEX_CAPTURED;
+    constexpr int CH = BQ < flash::kFlexChunk ? BQ : flash::kFlexChunk;  // (FlexAttention) load chunks
+    constexpr uint kAllChunks = (1u << (BQ / CH)) - 1u;
     float col_acc[flash::kFlexColSlots];  // (FlexAttention) this head's column sums of the reads' gradients
     for (int r = 0; r < flash::kFlexColSlots; ++r) col_acc[r] = 0.0f;
 
     for (int t = 0; t < steps.count; ++t) {
-      bool full;
-      const int qb = steps.at(t, full);
+      uint word;
+      const int qb = steps.at(t, word);
       if (kFlex && (qb < 0 || qb >= Lq)) continue;  // uniform: past the rows of a last, partial block
+      // (FlexAttention) the chunks of queries some sub-block of these keys sees; none: skip the step
+      const uint chunks = kFlex ? steps.sub.chunks<CH, BQ / CH>(word, kb0, kb_last, qb) : kAllChunks;
+      if (chunks == 0) continue;  // uniform
       const int q_valid = Lq - qb;
-      flash::load_tile<T, BQ, BD, NT>(Qs, LD, qp + long(qb) * f.q_stride_l, f.q_stride_l, q_valid, f.head_dim,
-                                      aligned, false, tid);
-      flash::load_tile<T, BQ, BD, NT>(dOs, LD, dop + long(qb) * p.do_stride_l, p.do_stride_l, q_valid,
-                                      f.head_dim_v, aligned, false, tid);
+      flash::load_tile_chunks<T, BQ, BD, NT, CH>(Qs, LD, qp + long(qb) * f.q_stride_l, f.q_stride_l, q_valid,
+                                                 f.head_dim, aligned, tid, chunks);
+      flash::load_tile_chunks<T, BQ, BD, NT, CH>(dOs, LD, dop + long(qb) * p.do_stride_l, p.do_stride_l, q_valid,
+                                                 f.head_dim_v, aligned, tid, chunks);
       for (int t = tid; kStatsStaged && t < BQ; t += NT) {
-        const bool ok = qb + t < Lq;
+        const bool ok = qb + t < Lq && ((chunks >> (t / CH)) & 1u);
         stat_tile[t] = ok ? stats[stat_base + qb + t] : float2(0.0f, 0.0f);
         delta_tile[t] = ok ? delta[stat_base + qb + t] : 0.0f;
       }
@@ -533,7 +545,9 @@ template <typename T, int BD, int BK, int BQ, int MODE>
                                        mask_base + long(i) * f.m_stride_q, true, vis);
             float s = sc.s;
             float grad = 1.0f;  // d score / d x of the flex score_mod
-            if (kFlex) s = flash::flex_score<true>(s, b, h, i, my_key, full, cap, vis, grad);
+            if (kFlex) {
+              s = flash::flex_score<true>(s, b, h, i, my_key, steps.sub.state(word, my_key, i), cap, vis, grad);
+            }
             float pr = 0.0f;
             float ds = 0.0f;
             if (vis) {
@@ -677,6 +691,8 @@ template <typename T, int BD, int BQ, int BK>
   const int d0 = int(tgid.x) * ND;  // first owned diagonal
   const flash::FragCoord fc = flash::frag_coord(lane);
   const flex::Captured cap = FLEX_CAPTURED;
+  flash::FlexSub sub{};
+  if (kFlex) sub = flash::flex_sub(*FLEX_PARAMS_PTR);
   const device T* kp = k + long(b) * f.k_stride_b + long(kvh) * f.k_stride_h;
   const device T* vp = v + long(b) * f.v_stride_b + long(kvh) * f.v_stride_h;
 
@@ -703,8 +719,8 @@ template <typename T, int BD, int BQ, int BK>
     const float my_delta = row_ok ? delta[row_idx] : 0.0f;
 
     for (int kb = (j_lo / BK) * BK; kb <= j_hi; kb += BK) {
-      const int state = flash::flex_block_state(FLEX_LISTS, b, h, q0, kb);
-      if (state == 0) continue;  // uniform: a block the BlockMask leaves out
+      const uint word = flash::flex_block_word(FLEX_LISTS, b, h, q0, kb);
+      if (word == 0u) continue;  // uniform: a block the BlockMask leaves out
       const int k_valid = Lk - kb;
       flash::load_tile<T, BK, BD, NT>(Ks, LD, kp + long(kb) * f.k_stride_l, f.k_stride_l, k_valid, f.head_dim,
                                       aligned, false, tid);
@@ -723,7 +739,8 @@ template <typename T, int BD, int BQ, int BK>
           bool vis = row_ok && j < Lk && t >= 0 && t < ND;
           const float x = S[kk].thread_elements()[e];
           float unused;
-          const float s = flash::flex_score<false>(x, b, h, my_row, j, state == 2, cap, vis, unused);
+          const int state = sub.state(word, my_row, j);
+          const float s = flash::flex_score<false>(x, b, h, my_row, j, state, cap, vis, unused);
           if (vis) {
             const float ds = flash_bwd::prob(s, my_stats) * (dP[kk].thread_elements()[e] - my_delta);
             float g[flash::kFlexDiagSlots];

@@ -14,7 +14,12 @@
 // (mask_mod skipped).  The inner loop walks those lists, tile by tile; blocks
 // on neither list are never loaded.  The host remaps the BlockMask so that its
 // block sizes are multiples of every kernel tile (a threadgroup's rows lie in
-// one row block, a step's keys in one inner block).
+// one row block, a step's keys in one inner block).  A BlockMask's blocks of 16
+// or 32 (dividing the 64 of every tile) stay blocks of their own as sub-blocks
+// of 64: each listed partial block carries a word of 2-bit states (0 hidden,
+// 1 mask_mod, 2 visible) of its sub-blocks, and a step loads only the 16-row
+// chunks of its tile that some sub-block of the threadgroup's rows sees (the
+// others are zero-filled, their elements hidden); a step with none is skipped.
 //
 // Gradients of captured tensors (the backward): a read whose index depends on
 // q but not kv is summed along each query row by the dQ kernel, one whose index
@@ -33,6 +38,7 @@
 
 #include <metal_stdlib>
 #include "flash_frag.h"
+#include "flash_loader.h"
 #include "flash_params.h"
 
 using namespace metal;
@@ -48,8 +54,55 @@ struct FlexParams {
   int batch;      // 1 (broadcast over the batch) or the batch
   int heads;      // 1 (broadcast over the query heads) or the query heads
   int has_full;   // whether the full lists are bound
+  int row_sub;    // positions per sub-block along the rows (0: whole blocks)
+  int col_sub;    // positions per sub-block along the listed blocks (0: whole blocks)
   int pad_i;
 };
+
+// Sub-block state words: every 2-bit field 2 (visible), or 1 (mask_mod).
+constant constexpr uint kFlexFullWord = 0xAAAAAAAAu;
+constant constexpr uint kFlexPartialWord = 0x55555555u;
+// Positions per load chunk of a tile (sub-blocks are multiples of it).
+constant constexpr int kFlexChunk = 16;
+
+// The sub-block geometry of a list direction, read from the params once per
+// kernel (kept in registers: the element loop reads no constant buffer).
+struct FlexSub {
+  int row_block;
+  int col_block;
+  int row_sub;  // 0: whole row blocks
+  int col_sub;  // 0: whole listed blocks
+
+  // The state (0 hidden, 1 mask_mod, 2 visible) of the element at outer
+  // position `outer`, inner position `inner` of a block with state word `word`.
+  int state(uint word, int outer, int inner) const {
+    if (word == kFlexFullWord) return 2;
+    if (word == kFlexPartialWord) return 1;
+    const int r = row_sub > 0 ? (outer % row_block) / row_sub : 0;
+    const int c = col_sub > 0 ? (inner % col_block) / col_sub : 0;
+    const int per_row = col_sub > 0 ? col_block / col_sub : 1;
+    return int(word >> (2 * (r * per_row + c))) & 3;
+  }
+
+  // Bit c: chunk c (CHUNK inner positions from `inner` + c * CHUNK) holds a
+  // sub-block that some outer position in [o_first, o_last] does not hide.
+  template <int CHUNK, int N>
+  uint chunks(uint word, int o_first, int o_last, int inner) const {
+    if (word == kFlexFullWord || word == kFlexPartialWord) return (1u << N) - 1u;
+    const int r_step = row_sub > 0 ? row_sub : row_block;
+    uint bits = 0;
+    for (int c = 0; c < N; ++c) {
+      for (int o = o_first - o_first % r_step; o <= o_last; o += r_step) {
+        if (state(word, o, inner + c * CHUNK) != 0) bits |= 1u << c;
+      }
+    }
+    return bits;
+  }
+};
+
+inline FlexSub flex_sub(constant FlexParams& p) {
+  return FlexSub{p.row_block, p.col_block, p.row_sub, p.col_sub};
+}
 
 // A line's gradient sum and where it goes (index -1: nowhere, a read out of range).
 struct FlexPartial {
@@ -65,6 +118,21 @@ struct FlexLists {
   const device int* full_idx;
 };
 
+// A tile of ROWS rows in chunks of CH rows (flash::load_tile), those whose bit
+// in `chunks` is clear zero-filled and never read (hidden sub-blocks).
+template <typename T, int ROWS, int COLS, int NT, int CH>
+inline void load_tile_chunks(threadgroup T* dst, int dst_ld, const device T* src, long src_ld, int rows_valid,
+                             int cols_valid, bool cols_aligned, ushort tid, uint chunks) {
+  if (chunks == (1u << (ROWS / CH)) - 1u) {
+    load_tile<T, ROWS, COLS, NT>(dst, dst_ld, src, src_ld, rows_valid, cols_valid, cols_aligned, false, tid);
+    return;
+  }
+  for (int c = 0; c < ROWS / CH; ++c) {
+    load_tile<T, CH, COLS, NT>(dst + c * CH * dst_ld, dst_ld, src + long(c * CH) * src_ld, src_ld,
+                               (chunks >> c) & 1u ? rows_valid - c * CH : 0, cols_valid, cols_aligned, false, tid);
+  }
+}
+
 // The inner loop's steps: a plain range begin, begin + tile, ... (count steps),
 // or the blocks of a BlockMask row, partial ones first, each `per_block` tiles.
 struct InnerSteps {
@@ -74,6 +142,8 @@ struct InnerSteps {
   int per_block;
   int col_block;
   int n_partial;
+  int words;  // offset of the partial blocks' state words after their indices (0: none)
+  FlexSub sub;
   const device int* partial;
   const device int* full;
 
@@ -86,14 +156,15 @@ struct InnerSteps {
   }
 
   // The first position of step t (-1: a listed block out of range, skip it);
-  // `is_full`: the step lies in a fully visible block.
-  int at(int t, thread bool& is_full) const {
+  // `word`: the state word of the step's block (FlexSub::state).
+  int at(int t, thread uint& word) const {
     if (partial == nullptr) {
-      is_full = false;
+      word = kFlexPartialWord;
       return begin + t * tile;
     }
     const int e = t / per_block;
-    is_full = e >= n_partial;
+    const bool is_full = e >= n_partial;
+    word = is_full ? kFlexFullWord : words > 0 ? uint(partial[words + e]) : kFlexPartialWord;
     const int blk = is_full ? full[e - n_partial] : partial[e];
     const long first = long(blk) * col_block + long(t - e * per_block) * tile;
     return blk < 0 || first > 0x7fffffffL ? -1 : int(first);
@@ -117,35 +188,40 @@ inline InnerSteps flex_steps(FlexLists l, int b, int h, int pos, int tile, int e
   InnerSteps s{};
   s.tile = tile;
   s.per_block = (min(p.col_block, max(extent, 1)) + tile - 1) / tile;
+  s.sub = flex_sub(p);
   s.col_block = p.col_block;
   const long r = flex_list_row(p, b, h, pos);
   if (r < 0) return s;
   s.n_partial = clamp(l.num[r], 0, p.cols);
-  s.partial = l.idx + r * p.cols;
+  const bool sub = p.row_sub > 0 || p.col_sub > 0;
+  s.words = sub ? p.cols : 0;
+  s.partial = l.idx + r * (sub ? 2 : 1) * p.cols;
   const int n_full = p.has_full ? clamp(l.full_num[r], 0, p.cols) : 0;
   s.full = p.has_full ? l.full_idx + r * p.cols : s.partial;
   s.count = (s.n_partial + n_full) * s.per_block;
   return s;
 }
 
-// The state of the block holding (pos, col_pos): 0 not listed (never visible),
-// 1 partial, 2 full.
-inline int flex_block_state(FlexLists l, int b, int h, int pos, int col_pos) {
+// The state word of the block holding (pos, col_pos): 0 not listed (never
+// visible), else its FlexSub::state word.
+inline uint flex_block_word(FlexLists l, int b, int h, int pos, int col_pos) {
   constant FlexParams& p = *l.p;
   const long r = flex_list_row(p, b, h, pos);
-  if (r < 0) return 0;
+  if (r < 0) return 0u;
   const int blk = col_pos / p.col_block;
   if (p.has_full) {
     const int n = clamp(l.full_num[r], 0, p.cols);
     for (int e = 0; e < n; ++e) {
-      if (l.full_idx[r * p.cols + e] == blk) return 2;
+      if (l.full_idx[r * p.cols + e] == blk) return kFlexFullWord;
     }
   }
+  const bool sub = p.row_sub > 0 || p.col_sub > 0;
+  const long row = r * (sub ? 2 : 1) * p.cols;
   const int n = clamp(l.num[r], 0, p.cols);
   for (int e = 0; e < n; ++e) {
-    if (l.idx[r * p.cols + e] == blk) return 1;
+    if (l.idx[row + e] == blk) return sub ? uint(l.idx[row + p.cols + e]) : kFlexPartialWord;
   }
-  return 0;
+  return 0u;
 }
 
 }  // namespace flash
@@ -158,6 +234,7 @@ constant constexpr bool kFlex = true;
       const device int* flex_full_idx [[buffer(20)]], constant int* flex_dims [[buffer(21)]],   \
       FLEX_CAPTURED_PARAMS
 #define FLEX_LISTS flash::FlexLists{&flex_p, flex_num, flex_idx, flex_full_num, flex_full_idx}
+#define FLEX_PARAMS_PTR (&flex_p)
 #define FLEX_CAPTURED FLEX_CAPTURED_INIT
 #if FLEX_ROW_READS + FLEX_COL_READS + FLEX_DIAG_READS > 0
 #define FLEX_GRAD_PARAMS device flash::FlexPartial* flex_grads [[buffer(22)]],
@@ -172,6 +249,7 @@ constant constexpr bool kFlex = false;
 #define FLEX_DIAG_READS 0
 #define FLEX_KERNEL_PARAMS
 #define FLEX_LISTS flash::FlexLists{nullptr, nullptr, nullptr, nullptr, nullptr}
+#define FLEX_PARAMS_PTR static_cast<constant flash::FlexParams*>(nullptr)
 #define FLEX_CAPTURED flex::Captured{0}
 namespace flex {
 struct Captured {
@@ -200,20 +278,28 @@ constant constexpr int kFlexRowSlots = FLEX_ROW_READS > 0 ? FLEX_ROW_READS : 1;
 constant constexpr int kFlexColSlots = FLEX_COL_READS > 0 ? FLEX_COL_READS : 1;
 constant constexpr int kFlexDiagSlots = FLEX_DIAG_READS > 0 ? FLEX_DIAG_READS : 1;
 
-// The flex part of the score of element (i, j) of batch b, query head h: mask_mod
-// (outside fully visible blocks), then score_mod on the score x.  `vis` in:
-// inside the problem; out: visible (a score_mod result <= -FLT_MAX, torch's
-// -inf, hides the element).  `grad`, when asked: d score / d x.
+// The flex part of the score of element (i, j) of batch b, query head h: hidden
+// in a hidden sub-block, mask_mod in a partial one (`state`: FlexSub::state),
+// then score_mod on the score x.  `vis` in: inside the problem; out: visible
+// (a score_mod result <= -FLT_MAX, torch's -inf, hides the element).  `grad`,
+// when asked: d score / d x.
 template <bool GRAD>
-inline float flex_score(float x, int b, int h, int i, int j, bool full, thread const flex::Captured& c,
+inline float flex_score(float x, int b, int h, int i, int j, int state, thread const flex::Captured& c,
                         thread bool& vis, thread float& grad) {
   if (!vis) return x;
-  if (FLEX_HAS_MASK_MOD && !full) vis = flex::mask_mod(b, h, i, j, c);
+  vis = state != 0;
+  if (FLEX_HAS_MASK_MOD && state == 1) vis = flex::mask_mod(b, h, i, j, c);
   if (!FLEX_HAS_SCORE_MOD || !vis) return x;
   const float s = flex::score_mod(x, b, h, i, j, c);
   vis = s > -FLT_MAX;
   if (GRAD) grad = flex::score_grad(x, b, h, i, j, c);
   return s;
+}
+
+// Whether the elements of a block with state word `word` need flex_score
+// (a full block without a score_mod needs nothing per element).
+inline bool flex_elements(uint word) {
+  return kFlex && (FLEX_HAS_SCORE_MOD || (word != kFlexFullWord && (FLEX_HAS_MASK_MOD || word != kFlexPartialWord)));
 }
 
 // Lines of a walk (0 rows, 1 columns, 2 diagonals i - j + Lk - 1) and the

@@ -107,23 +107,39 @@ inline void load_keys(threadgroup T* dst, int ld, const device T* head, long str
   }
 }
 
+// The keys of a step in chunks of CH rows, those whose bit in `chunks` is
+// clear zero-filled and never read (FlexAttention's hidden sub-blocks).
+template <typename T, int BK, int BD, int NT, int CH>
+inline void load_key_chunks(threadgroup T* dst, int ld, const device T* head, long stride_b, long stride_l, int k0,
+                            const device int* bt_row, constant FlashFwdParams& p, int kb, int valid, int cols,
+                            bool aligned, bool vec_ok, ushort tid, uint chunks) {
+  if (chunks == (1u << (BK / CH)) - 1u) {
+    load_keys<T, BK, BD, NT>(dst, ld, head, stride_b, stride_l, k0, bt_row, p, kb, valid, cols, aligned, vec_ok, tid);
+    return;
+  }
+  for (int c = 0; c < BK / CH; ++c) {
+    load_keys<T, CH, BD, NT>(dst + c * CH * ld, ld, head, stride_b, stride_l, k0, bt_row, p, kb + c * CH,
+                             (chunks >> c) & 1u ? valid - c * CH : 0, cols, aligned, vec_ok, tid);
+  }
+}
+
 // The scores of a simdgroup's 8 rows x the NK * 8 keys kb.. of the K tile Ks
 // (flash::qk_block, flash::transform_score: the backward's dQ kernel computes
 // them through the same two); invisible elements (past lk, outside the band
 // when need_band, a bool mask or a -inf float mask) hold -FLT_MAX and have
 // their bit 2 * kk + e set in the result.  FlexAttention (kFlex): flash::flex_score
-// of batch b, query head h for rows inside the problem (row_ok), mask_mod
-// skipped in a fully visible block (`full`).
+// of batch b, query head h for rows inside the problem (row_ok), by the state
+// word of the step's block (`word`, read through `sub`).
 template <typename T, int NF, int NK, int LD>
 inline uint block_scores(thread simdgroup_float8x8* S, const thread simdgroup_float8x8* Qf,
                          const threadgroup T* Ks, flash::FragCoord fc, int kb, int i, bool row_ok, int lk,
                          bool need_band, flash::Band band, float slope, const device uchar* mask, long mask_row,
-                         constant FlashFwdParams& p, int b, int h, bool full, thread const flex::Captured& cap) {
+                         constant FlashFwdParams& p, int b, int h, uint word, flash::FlexSub sub,
+                         thread const flex::Captured& cap) {
   flash::qk_block<NF, NK, LD>(S, Qf, Ks, fc);
   uint hidden = 0;  // bit 2 * kk + e: element e of S[kk] is invisible
   const bool need_bounds = kb + NK * 8 > lk;
-  // (FlexAttention: a full block without a score_mod needs nothing per element)
-  const bool flex_elements = kFlex && (FLEX_HAS_SCORE_MOD || (FLEX_HAS_MASK_MOD && !full));
+  const bool flex_elements = flash::flex_elements(word);
   if (has_softcap || has_alibi || has_mask || need_bounds || need_band || flex_elements) {
     const flash::ScoreFeatures feat{has_softcap, has_alibi, has_mask, mask_kind};
     // the parameters once per block, not per element (constant-buffer reads)
@@ -138,7 +154,9 @@ inline uint block_scores(thread simdgroup_float8x8* S, const thread simdgroup_fl
         float s = flash::transform_score(S[kk].thread_elements()[e], i, j, band.diag, slope, softcap, feat,
                                          mask, mask_row + long(j) * m_stride_k, row_ok, vis).s;
         float unused;
-        if (kFlex && row_ok) s = flash::flex_score<false>(s, b, h, i, j, full, cap, vis, unused);
+        if (kFlex && row_ok) {
+          s = flash::flex_score<false>(s, b, h, i, j, sub.state(word, i, j), cap, vis, unused);
+        }
         S[kk].thread_elements()[e] = vis ? s : -FLT_MAX;
         hidden |= vis ? 0u : 1u << (2 * kk + e);
       }
@@ -252,16 +270,21 @@ template <typename T, int BD, int BQ, int BK, bool SHARED_KV>
   const long k_stride_b = p.k_stride_b, k_stride_l = p.k_stride_l;
   const long v_stride_b = p.v_stride_b, v_stride_l = p.v_stride_l;
   const int head_dim = p.head_dim, head_dim_v = p.head_dim_v;
+  constexpr int CH = BK < flash::kFlexChunk ? BK : flash::kFlexChunk;  // (FlexAttention) load chunks
+  constexpr uint kAllChunks = (1u << (BK / CH)) - 1u;
   for (int t = 0; t < steps.count; ++t) {
-    bool full;
-    const int kb = steps.at(t, full);
+    uint word;
+    const int kb = steps.at(t, word);
     if (kFlex && (kb < 0 || kb >= Lk)) continue;  // uniform: past the keys of a last, partial block
+    // (FlexAttention) the chunks of keys some sub-block of these rows sees; none: skip the step
+    const uint chunks = kFlex ? steps.sub.chunks<CH, BK / CH>(word, i_first, i_last, kb) : kAllChunks;
+    if (chunks == 0) continue;  // uniform
     const int k_valid = Lk - kb;
-    fwd_detail::load_keys<T, BK, BD, NT>(Ks, LD, kh, k_stride_b, k_stride_l, sq.k0, bt_row, p, kb, k_valid, head_dim,
-                                        cols_aligned, vec_ok, ushort(tid));
+    fwd_detail::load_key_chunks<T, BK, BD, NT, CH>(Ks, LD, kh, k_stride_b, k_stride_l, sq.k0, bt_row, p, kb, k_valid,
+                                                   head_dim, cols_aligned, vec_ok, ushort(tid), chunks);
     if (!SHARED_KV) {
-      fwd_detail::load_keys<T, BK, BD, NT>(Vs, LD, vh, v_stride_b, v_stride_l, sq.k0, bt_row, p, kb, k_valid,
-                                          head_dim_v, cols_aligned, vec_ok, ushort(tid));
+      fwd_detail::load_key_chunks<T, BK, BD, NT, CH>(Vs, LD, vh, v_stride_b, v_stride_l, sq.k0, bt_row, p, kb,
+                                                     k_valid, head_dim_v, cols_aligned, vec_ok, ushort(tid), chunks);
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
@@ -282,7 +305,8 @@ template <typename T, int BD, int BQ, int BK, bool SHARED_KV>
     simdgroup_float8x8 S[NK];
     if (sg_active) {
       const uint hidden = fwd_detail::block_scores<T, NF, NK, LD>(S, Qf, Ks, fc, kb, i, row_ok, Lk, need_band,
-                                                                  band, slope, mask, mask_row, p, b, h, full, cap);
+                                                                  band, slope, mask, mask_row, p, b, h, word,
+                                                                  steps.sub, cap);
 
       flash::softmax_step<NK, NF>(S, hidden, m_i, l_i, Of);
       if (has_dropout) {  // after the sum: the softmax sums every probability, dropped or not
@@ -297,8 +321,8 @@ template <typename T, int BD, int BQ, int BK, bool SHARED_KV>
 
     if (SHARED_KV) {  // every simdgroup is done with K: bring V into the same buffer
       threadgroup_barrier(mem_flags::mem_threadgroup);
-      fwd_detail::load_keys<T, BK, BD, NT>(Vs, LD, vh, v_stride_b, v_stride_l, sq.k0, bt_row, p, kb, k_valid,
-                                          head_dim_v, cols_aligned, vec_ok, ushort(tid));
+      fwd_detail::load_key_chunks<T, BK, BD, NT, CH>(Vs, LD, vh, v_stride_b, v_stride_l, sq.k0, bt_row, p, kb,
+                                                     k_valid, head_dim_v, cols_aligned, vec_ok, ushort(tid), chunks);
       threadgroup_barrier(mem_flags::mem_threadgroup);
     }
 
@@ -360,7 +384,8 @@ template <typename T, int BD, int BQ, int BK, bool SHARED_KV>
       uint hidden = ~0u;
       if (r0 < rows) {
         hidden = fwd_detail::block_scores<T, NF, NK, LD>(S, Qf, Ks, fc, kb, i, row_ok, Lk, has_band, band, slope,
-                                                        mask, mask_row, p, b, h, false, cap);
+                                                        mask, mask_row, p, b, h, flash::kFlexPartialWord,
+                                                        flash::FlexSub{}, cap);
       }
       for (int kk = 0; kk < NK; ++kk) {
         for (int e = 0; e < 2; ++e) {

@@ -5,11 +5,13 @@ and Metal plan runner, the C++ core's thread-choice mirror and native signature,
 choice the planner asks, the emulator family change, the tuner's correctness gate); nothing
 below this module fills a slot itself, so reading this file shows the whole upward wiring.
 """
-from . import backends, core, tuning
-from .backends import metal
-from .emulator import config
-from .planner import choice
-from .problem import checks
+import torch_metal_flash.backends as backends
+import torch_metal_flash.backends.metal as metal
+import torch_metal_flash.core as core
+import torch_metal_flash.emulator.config as config
+import torch_metal_flash.planner.choice as choice
+import torch_metal_flash.problem.checks as checks
+import torch_metal_flash.tuning as tuning
 
 
 def _on_core_load(ext) -> None:
@@ -20,7 +22,7 @@ def _on_core_load(ext) -> None:
 
 def _check_variant(op, problem, device):
     """The tuner's correctness gate (torch_metal_flash.testing.tuning_gate), imported when first used."""
-    from .testing import tuning_gate
+    import torch_metal_flash.testing.tuning_gate as tuning_gate
     return tuning_gate.wrong_result(op, problem, device)
 
 

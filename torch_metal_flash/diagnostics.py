@@ -3,9 +3,13 @@ the op calls each backend ran (:func:`run_counts`).  Sits above every layer: it 
 modules whose caches register when they load."""
 from __future__ import annotations
 
-from . import caches, core  # noqa: F401  (core registers the plan cache)
-from .backends import emulator as _emulator_backend, metal as _metal_backend, run_counts  # noqa: F401
-from .emulator import library as _library, runtime as _runtime  # noqa: F401
+import torch_metal_flash.caches as caches  # noqa: F401  (core registers the plan cache)
+import torch_metal_flash.core as core
+from .backends import run_counts  # noqa: F401
+import torch_metal_flash.backends.emulator as _emulator_backend
+import torch_metal_flash.backends.metal as _metal_backend
+import torch_metal_flash.emulator.library as _library  # noqa: F401
+import torch_metal_flash.emulator.runtime as _runtime
 
 __all__ = ["cache_info", "clear_caches", "run_counts"]
 

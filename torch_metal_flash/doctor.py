@@ -36,15 +36,17 @@ import torch.nn.functional as F
 
 import torch_metal_flash as tmf
 
-from . import backends, native, progress
+import torch_metal_flash.backends as backends
+import torch_metal_flash.native as native
+import torch_metal_flash.progress as progress
 from ._paths import build_info, is_nax_source
-from .backends import metal
-from .planner import variants
+import torch_metal_flash.backends.metal as metal
+import torch_metal_flash.planner.variants as variants
 from .problem.spec import make_spec
-from .testing import error_budget, forward_reference, grad_errors, randn
+from .testing import error_budget, forward_reference, grad_errors, inject_faults, randn
 
 MIN_MACOS = (14, 0)  # MSL 3.1 (bfloat) and torch's MPS backend
-SECTIONS = ("compile", "probes", "timing")
+SECTIONS = ("compile", "probes", "faults", "timing")
 MAX_LISTED = 10  # compile failures listed per shader file
 
 
@@ -122,7 +124,7 @@ def choose_backend(name: str):
             return "metal", None, torch.device("mps"), why or "torch reports no usable MPS device"
     with tmf.backend("emulator"):
         chosen, why = backends.select(torch.device("cpu"))
-    from . import emulator
+    import torch_metal_flash.emulator as emulator
     try:
         compiler = emulator.find_compiler().ident
     except emulator.CompilerNotFoundError as exc:
@@ -149,7 +151,7 @@ def machine_rows(name, backend, why) -> tuple[list, list]:
             f"plans as {backend.family})"
         rows += [("GPU family", family), ("Metal language", f"MSL {native.launcher().LANGUAGE_VERSION}")]
     elif name == "emulator":
-        from . import emulator
+        import torch_metal_flash.emulator as emulator
         checks = "race and bounds checks" if emulator.default_checked() else "fast mode, no checks"
         rows += [("GPU family", f"{backend.family} (the emulator plans as this family; "
                                 f"emulator.settings(family=...) changes it)" if backend is not None else "apple8"),
@@ -191,7 +193,7 @@ TUNING_PROBLEMS = [(op, dtype, d, lq, lk) for op in ("fwd", "bwd") for dtype in 
 
 def tuning_rows(family: str) -> tuple[str, list]:
     """(whether this machine is tuned, the choices in force for common problems)."""
-    from . import tuning
+    import torch_metal_flash.tuning as tuning
     from .planner.tiles import table_family
     family = table_family(family)
     entries = tuning.tuned_entries(family)
@@ -213,7 +215,7 @@ def tuning_rows(family: str) -> tuple[str, list]:
 def math_mode(name, backend) -> str:
     if name == "metal" and backend is not None:
         return native.launcher().math_mode()
-    from . import emulator
+    import torch_metal_flash.emulator as emulator
     mode = getattr(emulator, "math_mode", None)
     return mode() if callable(mode) else "the host CPU's IEEE float math (emulated)"
 
@@ -386,6 +388,45 @@ def run_probes(grid, name, device, out=print) -> tuple[list, list]:
 # Timing.
 # ---------------------------------------------------------------------------
 
+def check_fault_fallback(name: str, device) -> tuple[list, list]:
+    """A forward kernel that fails to compile and a backward kernel whose pipeline fails to build
+    (testing.inject_faults), as a compiler that rejects them would: each call must fall back to the
+    reference path with a warning naming the kernel and give its results, and the kernels must run
+    again afterwards."""
+    import warnings
+
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (randn(1, 2, 64, 64, generator=g).to(device).requires_grad_() for _ in range(3))
+    rows, failures = [], []
+    with tmf.backend("reference"):
+        out_ref = tmf.scaled_dot_product_attention(q, k, v, is_causal=True)
+        grads_ref = torch.autograd.grad(out_ref.sum(), (q, k, v))
+    for stage, pattern in (("compile", "flash_fwd_"), ("pipeline", "flash_bwd_")):
+        with warnings.catch_warnings(record=True) as record, tmf.backend(name):
+            warnings.simplefilter("always")
+            with inject_faults(**{stage: pattern}) as fault:
+                out = tmf.scaled_dot_product_attention(q, k, v, is_causal=True)
+                grads = torch.autograd.grad(out.sum(), (q, k, v))
+        said = [str(w.message) for w in record if issubclass(w.category, backends.FallbackWarning)]
+        same = torch.allclose(out, out_ref, atol=1e-5, rtol=1e-4) and all(
+            torch.allclose(a, b, atol=1e-4, rtol=1e-3) for a, b in zip(grads, grads_ref))
+        ok = fault.fired > 0 and len(said) == 1 and pattern in said[0] and same
+        rows.append((f"{stage} fault in {pattern}* kernels", said[0].split(": ", 2)[-1] if said else "no warning",
+                     "ok" if ok else "FAIL"))
+        if not ok:
+            failures.append(f"an injected {stage} fault in {pattern}* did not fall back as it should "
+                            f"(fired {fault.fired}, warnings {said}, results {'equal' if same else 'differ'})")
+    before = tmf.run_counts().get(name, 0)
+    with tmf.backend(name):
+        tmf.scaled_dot_product_attention(q, k, v, is_causal=True)
+    again = tmf.run_counts().get(name, 0) > before
+    rows.append(("after the faults", f"the {name} kernels run again" if again else "still on the reference path",
+                 "ok" if again else "FAIL"))
+    if not again:
+        failures.append(f"after the injected faults the {name} kernels did not run again")
+    return rows, failures
+
+
 def _ms(fn, device, iters: int) -> float:
     fn()
     if device.type == "mps":
@@ -400,7 +441,7 @@ def _ms(fn, device, iters: int) -> float:
 
 def _kernel_names(op: str, q, v, causal: bool) -> str:
     """The kernels in force for the class (forced, tuned or the family's default), even where it is routed to torch."""
-    from . import tuning
+    import torch_metal_flash.tuning as tuning
     names = []
     for part in tuning.PARTS[op]:
         dims = dict(dtype=q.dtype, head_dim=q.shape[-1], head_dim_v=v.shape[-1])
@@ -414,8 +455,10 @@ def _kernel_names(op: str, q, v, causal: bool) -> str:
 def run_timing(name, device, full: bool, out=print) -> tuple[list, list]:
     """(rows, failures): per case our kernels against F.scaled_dot_product_attention, as
     ``tune``'s table (tuning/cli.py ROUTE_HEADER): ms, speed-up, peak memory of each, the route."""
-    from .faces import stock as face_stock
-    from .tuning import cli, stock
+    import torch_metal_flash.faces.stock as face_stock
+    from torch_metal_flash.faces.functional import kernels_sdpa
+    import torch_metal_flash.tuning.cli as cli
+    import torch_metal_flash.tuning.stock as stock
     dtype = torch.float16
     sizes = [(1, 16, 16, 1024, 1024, 64), (1, 16, 16, 4096, 4096, 64), (1, 16, 16, 2048, 2048, 128)] if full \
         else [(1, 2, 2, 64, 64, 32)]
@@ -439,8 +482,8 @@ def run_timing(name, device, full: bool, out=print) -> tuple[list, list]:
                 op, _ = face_stock.op_class(q, k, v, None, 0.0, causal)
                 kernels = _kernel_names(op, q, v, causal)
                 route = "torch" if face_stock.takes_torch(None, q, k, v, None, 0.0, causal) else "kernels"
-                ours = _ms(call(face_stock.kernels_sdpa), device, iters)
-                ours_peak = stock.peak_bytes(call(face_stock.kernels_sdpa))
+                ours = _ms(call(kernels_sdpa), device, iters)
+                ours_peak = stock.peak_bytes(call(kernels_sdpa))
             theirs = _ms(call(F.scaled_dot_product_attention), device, iters)
             theirs_peak = stock.peak_bytes(call(F.scaled_dot_product_attention))
         except Exception as exc:  # noqa: BLE001
@@ -505,6 +548,12 @@ def main(argv=None) -> int:
             failures += fails
             sections.append("## Probes (acceptance rule, torch_metal_flash.testing: max|x - ref64| <= 2 max|lowp - ref64| + atol)\n\n"
                             + _table(("probe", "worst: error / allowed", "result", "seconds"), rows))
+        if "faults" not in skip:
+            print("faults ...")
+            rows, fails = check_fault_fallback(name, device)
+            failures += fails
+            sections.append("## Kernel faults (testing.inject_faults: the fallback when a kernel cannot be built)\n\n"
+                            + _table(("injected", "what the call said", "result"), rows))
         if "timing" not in skip:
             print("timing ...")
             rows, fails = run_timing(name, device, full)

@@ -10,7 +10,7 @@ typedef unsigned long uint64_t;
 #include <stdint.h>
 #endif
 
-#define MTL_ABI_VERSION 5
+#define MTL_ABI_VERSION 6
 #define MTL_MAX_BUFFERS 64
 #define MTL_MAX_TG_PARAMS 32
 #define MTL_MSG 2048
@@ -84,6 +84,9 @@ struct MtlCollRec {
 // MTL_C_TENSOR_MATMUL: a tensor-op matmul2d (arg = its multiply-adds)
 enum MtlCollKind { MTL_C_SIMD = 0, MTL_C_SIMD_BARRIER = 1, MTL_C_MMA = 2, MTL_C_TG_BARRIER = 3, MTL_C_TENSOR_MATMUL = 4 };
 
+// Element-to-lane layouts of cooperative tensors, per GPU family (shim/mtl_tensor_ops.h).
+enum MtlTensorLayout { MTL_LAYOUT_APPLE10 = 0, MTL_LAYOUT_APPLE8 = 1 };
+
 #ifndef __MTL_SHIM__  // host side only
 typedef struct MtlBinding {
   void* host;          // bound memory (tensor data at its storage offset)
@@ -112,7 +115,8 @@ typedef struct MtlStats {
 enum MtlErrorCode {
   MTL_OK = 0, MTL_E_GENERIC = 1, MTL_E_DIVERGENT_BARRIER = 2, MTL_E_MMA_DIVERGENCE = 3,
   MTL_E_OUT_OF_BOUNDS = 4, MTL_E_TG_MEMORY = 5, MTL_E_RACE = 6, MTL_E_TIMEOUT = 7,
-  MTL_E_CRASH = 8, MTL_E_BAD_LAUNCH = 9, MTL_E_FPE = 10, MTL_E_COLLECTIVE = 11, MTL_E_MISALIGNED = 12
+  MTL_E_CRASH = 8, MTL_E_BAD_LAUNCH = 9, MTL_E_FPE = 10, MTL_E_COLLECTIVE = 11, MTL_E_MISALIGNED = 12,
+  MTL_E_UNBOUND = 13  // an access through a buffer argument nothing is bound to (err.buffer: its index)
 };
 
 typedef struct MtlError {
@@ -142,6 +146,7 @@ typedef struct MtlLaunch {
   int32_t max_workers;     // fast mode may use several OS threads
   MtlStats* stats;
   MtlError* err;
+  int32_t tensor_layout;   // cooperative-tensor layout of tensor ops: MtlTensorLayout
 } MtlLaunch;
 
 #endif

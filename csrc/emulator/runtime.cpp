@@ -108,6 +108,14 @@ struct Launch;
 
 struct TgVar { const void* key; char* ptr; size_t size; };
 
+// A store whose value is checked once it has happened (race_detector.h, check_simd_store).
+struct PendingStore {
+  uintptr_t a; size_t size; uint32_t mask;  // mask: the bytes to check (0 = nothing pending)
+  unsigned char old[16];
+  bool device; uint64_t off; int bindex;
+  Stamp prev; void* prev_pc; void* pc;
+};
+
 struct Worker {
   // memory, reused across launches
   char* pool = nullptr; size_t pool_len = 0; int cap_fibers = 0;
@@ -136,6 +144,7 @@ struct Worker {
   void** tgptr = nullptr;
   MtlStats st;
   uint64_t rng = 1;
+  PendingStore pending{};
   int sg_order[kSimd];
   int lane_order[kSimd];
   pthread_t thread;
@@ -247,6 +256,8 @@ RT_EXPORT void __mtl_rt_collective(MtlCollRec* r) {
 
 RT_EXPORT uint32_t __mtl_rt_lane(void) { return tls_w->cur->lane; }
 
+RT_EXPORT int __mtl_rt_tensor_layout(void) { return tls_w->L->d->tensor_layout; }
+
 RT_EXPORT void* __mtl_rt_tg_alloc(const void* key, uint64_t size, uint64_t align, const char* file, uint32_t line) {
   Worker* w = tls_w;
   for (int i = 0; i < w->ntgvars; i++)
@@ -354,6 +365,8 @@ RT_EXPORT int mtl_launch(const MtlLaunch* d) {
     delete L;
     return err->code;
   }
+  for (int i = 0; i < MTL_MAX_BUFFERS; i++)
+    if (!L->bufptr[i]) L->bufptr[i] = unbound_pointer(i);
   uint64_t total = 1;
   for (int k = 0; k < 3; k++) {
     L->ntg[k] = (d->grid[k] + d->tg[k] - 1) / d->tg[k];

@@ -57,6 +57,7 @@
 #include <torch/extension.h>
 
 #include <ATen/mps/MPSDevice.h>
+#include <ATen/mps/MPSProfiler.h>
 #include <ATen/mps/MPSStream.h>
 
 #import <Foundation/Foundation.h>
@@ -281,40 +282,37 @@ std::string preprocess_source(const std::string& dir, const std::string& source)
 }
 
 // ---------------------------------------------------------------------------
-// Compile options.
-//
-// Math mode, chosen deliberately: the kernels mask with -inf scores and
-// return lse = +inf for rows with no visible key, so the compiler must honour
-// infinities. MTLMathModeFast (= fastMathEnabled YES, Metal's default) lets
-// it assume there are none; MTLMathModeRelaxed keeps the fast-math
-// optimisations *and* Inf/NaN semantics (Apple: "aggressive, potentially lossy
-// assumptions about floating-point math, while honoring Inf/NaN").
-//   macOS 15+: mathMode = Relaxed, mathFloatingPointFunctions = Fast.
-//   macOS 14:  no Relaxed mode exists; fastMathEnabled = NO (Safe), which is
-//              correct but may be slower.
-// Override for experiments with TORCH_METAL_FLASH_MATH_MODE=relaxed|safe|fast
-// (read once, when the first library is compiled).
+// Compile options: one math mode, safe (MTLMathModeSafe; fastMathEnabled = NO
+// before macOS 15), for the precompiled metallibs (setup.py: -fno-fast-math)
+// and run-time compiles alike, on every macOS. It is the only setting that
+// exists on every supported macOS and honours NaN and infinity, so a NaN in
+// the inputs propagates as in torch's SDPA (whose own Metal kernels are built
+// safe too); relaxed needs macOS 15. The kernels are written to be correct
+// under fast math as well (tests/kernels/test_math_modes.py runs every mode):
+// TORCH_METAL_FLASH_MATH_MODE=relaxed|fast opts in, compiling from source
+// (metallibs are used only in the mode they were built in).
 // ---------------------------------------------------------------------------
 
-enum class MathChoice { Relaxed, Safe, Fast };
+enum class MathChoice { Safe, Relaxed, Fast };
+constexpr MathChoice kMetallibMath = MathChoice::Safe;  // setup.py's -fno-fast-math
 
 MathChoice requested_math_mode() {
-  const char* env = std::getenv("TORCH_METAL_FLASH_MATH_MODE");
-  std::string v = env ? env : "";
-  for (auto& ch : v) {
-    ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
-  }
-  if (v.empty() || v == "relaxed") {
-    return MathChoice::Relaxed;
-  }
-  if (v == "safe") {
-    return MathChoice::Safe;
-  }
-  if (v == "fast") {
+  static const MathChoice choice = [] {
+    const char* env = std::getenv("TORCH_METAL_FLASH_MATH_MODE");
+    std::string v = env ? env : "";
+    for (auto& ch : v) {
+      ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+    }
+    if (v.empty() || v == "safe") {
+      return MathChoice::Safe;
+    }
+    if (v == "relaxed") {
+      return MathChoice::Relaxed;
+    }
+    TORCH_CHECK(v == "fast", "TORCH_METAL_FLASH_MATH_MODE must be safe, relaxed or fast, got '", v, "'");
     return MathChoice::Fast;
-  }
-  TORCH_CHECK(false, "TORCH_METAL_FLASH_MATH_MODE must be relaxed, safe or fast, got '", v, "'");
-  return MathChoice::Relaxed;
+  }();
+  return choice;
 }
 
 // Fills `options` and returns a description of what was set.
@@ -339,13 +337,25 @@ std::string configure_math(MTLCompileOptions* options) {
   // macOS 14: only the deprecated boolean exists.
 #pragma clang diagnostic push
 #pragma clang diagnostic ignored "-Wdeprecated-declarations"
-  if (choice == MathChoice::Fast) {
-    options.fastMathEnabled = YES;
-    return "fast (fastMathEnabled=YES; macOS 14)";
-  }
-  options.fastMathEnabled = NO;
+  TORCH_CHECK(choice != MathChoice::Relaxed, "TORCH_METAL_FLASH_MATH_MODE=relaxed needs macOS 15 (MTLMathModeRelaxed); "
+              "use safe (the default) or fast");
+  options.fastMathEnabled = choice == MathChoice::Fast ? YES : NO;
 #pragma clang diagnostic pop
-  return "safe (fastMathEnabled=NO; macOS 14 has no relaxed mode)";
+  return choice == MathChoice::Fast ? "fast (fastMathEnabled=YES; macOS 14)" : "safe (fastMathEnabled=NO; macOS 14)";
+}
+
+// What math_mode() reports: the mode every library of this process uses.
+std::string math_mode_description() {
+  static const char* names[] = {"safe", "relaxed", "fast"};
+  const MathChoice choice = requested_math_mode();
+  return std::string(names[static_cast<int>(choice)]) +
+         (choice == kMetallibMath ? " (precompiled metallibs: -fno-fast-math; run-time compiles: MTLMathModeSafe, "
+                                    "fastMathEnabled=NO before macOS 15)"
+                                  : " (TORCH_METAL_FLASH_MATH_MODE; every library compiled from source at run time)");
+}
+
+bool metallib_math_matches() {
+  return requested_math_mode() == kMetallibMath;
 }
 
 // ---------------------------------------------------------------------------
@@ -353,6 +363,30 @@ std::string configure_math(MTLCompileOptions* options) {
 // when this machine can run it, else why not (neural_accelerators.h has the
 // rule). Read once: neither the GPU nor the OS changes under a process.
 // ---------------------------------------------------------------------------
+
+// "" when a small Metal 4 tensor-op kernel (nax::kProbeSource) compiles and
+// builds a pipeline here, else why not (as llama.cpp test-compiles before it
+// enables its tensor-API path).
+std::string tensor_op_probe_reason() API_AVAILABLE(macos(26.0)) {
+  @autoreleasepool {
+    MTLCompileOptions* options = [MTLCompileOptions new];
+    options.languageVersion = MTLLanguageVersion4_0;
+    configure_math(options);
+    NSError* error = nil;
+    id<MTLLibrary> lib = [device() newLibraryWithSource:[NSString stringWithUTF8String:nax::kProbeSource]
+                                                options:options
+                                                  error:&error];
+    id<MTLFunction> fn = lib == nil ? nil : [lib newFunctionWithName:[NSString stringWithUTF8String:nax::kProbeKernel]];
+    id<MTLComputePipelineState> pso = fn == nil ? nil : [device() newComputePipelineStateWithFunction:fn error:&error];
+    if (pso != nil) {
+      return "";
+    }
+    std::string text = error != nil ? ns_error_text(error) : "no such kernel in the compiled probe";
+    const size_t end = text.find('\n', text.find_first_not_of(" \n"));
+    return "a Metal 4 tensor-op test kernel did not " + std::string(lib == nil ? "compile" : "build") + " here (" +
+           text.substr(0, end) + "); the simdgroup kernels (apple9's tables) are used";
+  }
+}
 
 std::string read_neural_accelerators_reason() {
   if (!at::mps::is_available()) {
@@ -369,7 +403,7 @@ std::string read_neural_accelerators_reason() {
       return "macOS older than 14 (the neural-accelerator path needs macOS 26.2)";
     }
     if (@available(macOS 26.2, *)) {
-      return "";
+      return tensor_op_probe_reason();
     }
     const NSOperatingSystemVersion v = [NSProcessInfo processInfo].operatingSystemVersion;
     return nax::os_reason(static_cast<long>(v.majorVersion), static_cast<long>(v.minorVersion));
@@ -409,9 +443,12 @@ const char* set_language_version(MTLCompileOptions* options, const std::string& 
 // no Metal objects are released during interpreter shutdown.
 // ---------------------------------------------------------------------------
 
+// A slot is built once: a build that fails keeps its message in `error` and
+// is never retried (every later request gets the same error at once).
 struct LibrarySlot {
   std::mutex mutex;
   bool built = false;
+  std::string error;
   id<MTLLibrary> library = nil;
   std::string origin;  // where it came from (library_info)
 };
@@ -424,12 +461,14 @@ struct KernelSlot {  // the function constants a kernel declares
   };
   std::mutex mutex;
   bool built = false;
+  std::string error;
   std::vector<Declared> constants;  // by index
 };
 
 struct PipelineSlot {
   std::mutex mutex;
   std::atomic<bool> built{false};
+  std::string error;  // written before `built` is released
   id<MTLComputePipelineState> pso = nil;
   NSUInteger max_threads = 0, thread_width = 0, static_tg_memory = 0, tg_memory_limit = 0;
 };
@@ -437,7 +476,6 @@ struct PipelineSlot {
 struct State {
   std::mutex mutex;
   std::string shader_dir;
-  std::string math_description;
   std::unordered_map<std::string, std::shared_ptr<LibrarySlot>> libraries;
   std::unordered_map<std::string, std::shared_ptr<KernelSlot>> kernels;
   std::unordered_map<std::string, std::shared_ptr<PipelineSlot>> pipelines;
@@ -464,21 +502,27 @@ std::shared_ptr<Slot> find_slot(std::unordered_map<std::string, std::shared_ptr<
   return slot;
 }
 
+// Runs `build` for a slot whose mutex the caller holds: a c10::Error it throws
+// is kept in the slot (marked built) and rethrown.
+template <class Slot, class Build>
+void build_or_remember(Slot& slot, Build&& build) {
+  try {
+    build();
+  } catch (const c10::Error& e) {
+    slot.error = e.what_without_backtrace();
+    slot.built = true;
+    throw;
+  }
+}
+
 bool file_exists(const std::string& path) {
   std::ifstream f(path, std::ios::in | std::ios::binary);
   return f.good();
 }
 
-// shaders/<stem>.metallib when present (built by setup.py with the Metal
-// toolchain), else the source compiled once per process.
-std::shared_ptr<LibrarySlot> library(const std::string& source) {
-  std::string dir;
-  std::shared_ptr<LibrarySlot> slot = find_slot(&State::libraries, source, &dir);
-  std::lock_guard<std::mutex> lock(slot->mutex);
-  if (slot->built) {
-    return slot;
-  }
-  TORCH_CHECK(!dir.empty(), "torch_metal_flash._C: set_shader_dir() has not been called");
+// Builds `slot`: shaders/<stem>.metallib when present (built by setup.py with
+// the Metal toolchain), else the source compiled at run time.
+void build_library(LibrarySlot& slot, const std::string& dir, const std::string& source) {
   check_shader_name(source);
   if (nax::is_nax_source(source)) {  // before any compile or load: a clear reason, not a compiler log
     const std::string& why = neural_accelerators_reason();
@@ -491,15 +535,15 @@ std::shared_ptr<LibrarySlot> library(const std::string& source) {
     const std::string stem = dot == std::string::npos ? source : source.substr(0, dot);
     const std::string metallib = dir + "/" + stem + ".metallib";
     std::string metallib_failure;
-    if (file_exists(metallib)) {
+    if (file_exists(metallib) && metallib_math_matches()) {
       NSError* error = nil;
       NSURL* url = [NSURL fileURLWithPath:[NSString stringWithUTF8String:metallib.c_str()]];
       id<MTLLibrary> lib = [dev newLibraryWithURL:url error:&error];
       if (lib != nil) {
-        slot->library = lib;
-        slot->origin = "shaders/" + stem + ".metallib (precompiled)";
-        slot->built = true;
-        return slot;
+        slot.library = lib;
+        slot.origin = "shaders/" + stem + ".metallib (precompiled, safe math)";
+        slot.built = true;
+        return;
       }
       metallib_failure = "; shaders/" + stem + ".metallib did not load: " + ns_error_text(error);
     }
@@ -516,19 +560,28 @@ std::shared_ptr<LibrarySlot> library(const std::string& source) {
     MTLCompileOptions* options = [MTLCompileOptions new];
     const char* language = set_language_version(options, source);
     const std::string math = configure_math(options);
-    {
-      std::lock_guard<std::mutex> state_lock(state().mutex);
-      state().math_description = math;
-    }
     NSError* error = nil;
     id<MTLLibrary> lib = [dev newLibraryWithSource:ns_text options:options error:&error];
     TORCH_CHECK(lib != nil, "torch_metal_flash: compiling shaders/", source, " with the Metal compiler failed (MSL ",
                 language, ", math ", math, "):\n", ns_error_text(error));
-    slot->library = lib;
-    slot->origin = "shaders/" + source + " compiled at run time (MSL " + language + ", math " + math + ")" +
-                   metallib_failure;
-    slot->built = true;
+    slot.library = lib;
+    slot.origin = "shaders/" + source + " compiled at run time (MSL " + language + ", math " + math + ")" +
+                  metallib_failure;
+    slot.built = true;
   }
+}
+
+// The library of `source`, built once (a failure is kept and rethrown).
+std::shared_ptr<LibrarySlot> library(const std::string& source) {
+  std::string dir;
+  std::shared_ptr<LibrarySlot> slot = find_slot(&State::libraries, source, &dir);
+  std::lock_guard<std::mutex> lock(slot->mutex);
+  if (slot->built) {
+    TORCH_CHECK(slot->error.empty(), slot->error);
+    return slot;
+  }
+  TORCH_CHECK(!dir.empty(), "torch_metal_flash._C: set_shader_dir() has not been called");
+  build_or_remember(*slot, [&] { build_library(*slot, dir, source); });
   return slot;
 }
 
@@ -537,29 +590,35 @@ std::shared_ptr<KernelSlot> kernel_constants(const std::string& source, const st
   std::shared_ptr<KernelSlot> slot = find_slot(&State::kernels, source + "\n" + kernel);
   std::lock_guard<std::mutex> lock(slot->mutex);
   if (slot->built) {
+    TORCH_CHECK(slot->error.empty(), slot->error);
     return slot;
   }
-  id<MTLLibrary> lib = library(source)->library;
-  @autoreleasepool {
-    NSString* name = [NSString stringWithUTF8String:kernel.c_str()];
-    TORCH_CHECK(name != nil, "torch_metal_flash._C: kernel name is not valid UTF-8");
-    id<MTLFunction> fn = [lib newFunctionWithName:name];
-    TORCH_CHECK(fn != nil, "torch_metal_flash: shaders/", source, " has no kernel named '", kernel, "'");
-    NSArray<MTLFunctionConstant*>* declared = fn.functionConstantsDictionary.allValues;
-    for (NSUInteger i = 0; i < declared.count; ++i) {
-      MTLFunctionConstant* c = [declared objectAtIndex:i];
-      const char* cname = c.name.UTF8String;
-      slot->constants.push_back({c.index, c.type, cname ? cname : "?"});
+  build_or_remember(*slot, [&] {
+    id<MTLLibrary> lib = library(source)->library;
+    @autoreleasepool {
+      NSString* name = [NSString stringWithUTF8String:kernel.c_str()];
+      TORCH_CHECK(name != nil, "torch_metal_flash._C: kernel name is not valid UTF-8");
+      id<MTLFunction> fn = [lib newFunctionWithName:name];
+      TORCH_CHECK(fn != nil, "torch_metal_flash: shaders/", source, " has no kernel named '", kernel, "'");
+      NSArray<MTLFunctionConstant*>* declared = fn.functionConstantsDictionary.allValues;
+      for (NSUInteger i = 0; i < declared.count; ++i) {
+        MTLFunctionConstant* c = [declared objectAtIndex:i];
+        const char* cname = c.name.UTF8String;
+        slot->constants.push_back({c.index, c.type, cname ? cname : "?"});
+      }
     }
-  }
-  std::sort(slot->constants.begin(), slot->constants.end(),
-            [](const KernelSlot::Declared& a, const KernelSlot::Declared& b) { return a.index < b.index; });
-  slot->built = true;
+    std::sort(slot->constants.begin(), slot->constants.end(),
+              [](const KernelSlot::Declared& a, const KernelSlot::Declared& b) { return a.index < b.index; });
+    slot->built = true;
+  });
   return slot;
 }
 
+void build_pipeline(PipelineSlot& slot, const std::string& source, const std::string& kernel, const std::string& key,
+                    const std::vector<tmf::Constant>& values);
+
 // The pipeline of `kernel` specialised with the values of the constants it
-// declares (others are ignored), built once.
+// declares (others are ignored), built once (a failure is kept and rethrown).
 std::shared_ptr<PipelineSlot> pipeline(const std::string& source, const std::string& kernel,
                                        const std::vector<tmf::Constant>& given) {
   std::shared_ptr<KernelSlot> declared = kernel_constants(source, kernel);
@@ -586,12 +645,28 @@ std::shared_ptr<PipelineSlot> pipeline(const std::string& source, const std::str
   }
   std::shared_ptr<PipelineSlot> slot = find_slot(&State::pipelines, key);
   if (slot->built.load(std::memory_order_acquire)) {
+    TORCH_CHECK(slot->error.empty(), slot->error);
     return slot;
   }
   std::lock_guard<std::mutex> lock(slot->mutex);
   if (slot->built.load(std::memory_order_relaxed)) {
+    TORCH_CHECK(slot->error.empty(), slot->error);
     return slot;
   }
+  try {
+    build_pipeline(*slot, source, kernel, key, values);
+  } catch (const c10::Error& e) {
+    slot->error = e.what_without_backtrace();
+    slot->built.store(true, std::memory_order_release);
+    throw;
+  }
+  slot->built.store(true, std::memory_order_release);
+  return slot;
+}
+
+void build_pipeline(PipelineSlot& slot_ref, const std::string& source, const std::string& kernel,
+                    const std::string& key, const std::vector<tmf::Constant>& values) {
+  PipelineSlot* slot = &slot_ref;
   id<MTLLibrary> lib = library(source)->library;
   @autoreleasepool {
     MTLFunctionConstantValues* constant_values = [MTLFunctionConstantValues new];
@@ -613,20 +688,21 @@ std::shared_ptr<PipelineSlot> pipeline(const std::string& source, const std::str
     slot->static_tg_memory = pso.staticThreadgroupMemoryLength;
     slot->tg_memory_limit = pso.device.maxThreadgroupMemoryLength;
   }
-  slot->built.store(true, std::memory_order_release);
-  return slot;
 }
 
 // ---------------------------------------------------------------------------
-// Commit policy: after a plan of at least `threads` threads, COMMIT (never
-// wait) so the GPU starts on it while the host encodes what follows.
-// TORCH_METAL_FLASH_COMMIT=0 turns it off; TORCH_METAL_FLASH_COMMIT_THREADS
-// sets the threshold (bench/timing.py --commit measures both).
+// Commit policy. After each plan, SyncType::COMMIT_ADAPTIVE, as torch's own
+// MPSGraph ops: the stream commits when the allocator runs low on memory, so
+// that buffers of finished work can be reused, and keeps encoding otherwise.
+// TORCH_METAL_FLASH_COMMIT_THREADS=N also commits (never waits) after every
+// plan of at least N threads, so the GPU starts on it while the host encodes
+// what follows (bench/timing.py --commit measures it); TORCH_METAL_FLASH_COMMIT=0
+// turns committing off.
 // ---------------------------------------------------------------------------
 
 struct CommitPolicy {
   std::atomic<bool> enabled{true};
-  std::atomic<int64_t> threads{1 << 16};
+  std::atomic<int64_t> threads{-1};  // -1: adaptive only
 };
 
 CommitPolicy& commit_policy() {
@@ -642,6 +718,15 @@ CommitPolicy& commit_policy() {
     return c;
   }();
   return *p;
+}
+
+at::mps::SyncType commit_after(int64_t plan_threads) {
+  CommitPolicy& policy = commit_policy();
+  if (!policy.enabled.load(std::memory_order_relaxed)) {
+    return at::mps::SyncType::NONE;
+  }
+  const int64_t threshold = policy.threads.load(std::memory_order_relaxed);
+  return threshold >= 0 && plan_threads >= threshold ? at::mps::SyncType::COMMIT : at::mps::SyncType::COMMIT_ADAPTIVE;
 }
 
 // ---------------------------------------------------------------------------
@@ -676,18 +761,20 @@ class MetalEncoder final : public tmf::Encoder {
   void encode(const tmf::PlanTemplate& plan, const tmf::BoundBuffer* buffers) override {
     at::mps::MPSStream* stream = at::mps::getCurrentMPSStream();
     TORCH_CHECK(stream != nullptr, "torch_metal_flash._C: no current MPS stream");
-    CommitPolicy& policy = commit_policy();
-    const bool commit = policy.enabled.load(std::memory_order_relaxed) &&
-                        plan.threads >= policy.threads.load(std::memory_order_relaxed);
+    const at::mps::SyncType commit = commit_after(plan.threads);
     const tmf::PlanTemplate* p = &plan;
     tmf::bridge::WithoutGil no_gil;
     dispatch_sync_with_rethrow(stream->queue(), ^() {
       @autoreleasepool {
         id<MTLComputeCommandEncoder> enc = stream->commandEncoder();
         TORCH_CHECK(enc != nil, "torch_metal_flash._C: the MPS stream returned no compute encoder");
+        at::mps::Profiler::MPSProfiler& profiler = at::mps::getMPSProfiler();
         size_t n = 0;
         for (const tmf::LaunchTemplate& l : p->launches) {
-          [enc setComputePipelineState:static_cast<const PipelineSlot*>(l.prepared.get())->pso];
+          id<MTLComputePipelineState> pso = static_cast<const PipelineSlot*>(l.prepared.get())->pso;
+          // as torch's own kernels: the profiler sees each dispatch (it does nothing unless enabled)
+          profiler.beginProfileKernel((__bridge const void*)pso, l.kernel, {});
+          [enc setComputePipelineState:pso];
           for (size_t i = 0; i < l.buffers.size(); ++i, ++n) {
             const tmf::BoundBuffer& b = buffers[n];
             if (b.bytes != nullptr) {
@@ -704,9 +791,10 @@ class MetalEncoder final : public tmf::Encoder {
             [enc dispatchThreadgroups:MTLSizeMake(g[0], g[1], g[2])
                 threadsPerThreadgroup:MTLSizeMake(l.threadgroup[0], l.threadgroup[1], l.threadgroup[2])];
           }
+          profiler.endProfileKernel((__bridge const void*)pso);
         }
-        if (commit) {
-          stream->synchronize(at::mps::SyncType::COMMIT);  // ends the encoder, commits, never waits
+        if (commit != at::mps::SyncType::NONE) {
+          stream->synchronize(commit);  // ends the encoder and commits (never waits)
         }
       }
     });
@@ -801,14 +889,7 @@ py::dict library_info(const std::string& source) {
 }
 
 std::string math_mode() {
-  std::string description;
-  {
-    py::gil_scoped_release no_gil;
-    State& s = state();
-    std::lock_guard<std::mutex> lock(s.mutex);
-    description = s.math_description;
-  }
-  return description.empty() ? std::string("(no library compiled from source yet)") : description;
+  return math_mode_description();
 }
 
 }  // namespace
@@ -834,9 +915,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Limits of a kernel's pipeline state (max threads per threadgroup, SIMD width, threadgroup memory).");
   m.def("library_info", &tmfl::library_info, py::arg("source"),
         "Where the library of a shader file came from (its .metallib or the source compiled at run time).");
-  m.def("math_mode", &tmfl::math_mode, "The floating-point math mode source-compiled libraries use.");
+  m.def("math_mode", &tmfl::math_mode, "The floating-point math mode every library of the process uses.");
   m.def("set_commit", [](bool enabled, int64_t threads) {
-    TORCH_CHECK(threads >= 0, "set_commit: threads must be >= 0");
+    TORCH_CHECK(threads >= -1, "set_commit: threads must be >= 0, or -1 (adaptive commits only)");
     tmfl::commit_policy().enabled = enabled;
     tmfl::commit_policy().threads = threads;
   }, py::arg("enabled"), py::arg("threads") = int64_t{1 << 16},

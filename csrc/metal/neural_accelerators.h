@@ -78,6 +78,32 @@ inline std::string os_reason(long major, long minor) {
 }
 
 // Shader files of the path are compiled as Metal Shading Language 4.0.
+// The kernel the launcher compiles (MSL 4.0) and builds a pipeline of before it
+// turns the path on: one 16x32x16 tensor-op multiply, the shape the *_nax.metal
+// kernels run (tests/tooling/test_neural_accelerators.py runs it in the emulator).
+// The Command Line Tools compile the tensor ops at run time: a header that
+// cannot be reached fails here, not in every attention call.
+constexpr const char* kProbeKernel = "tmf_tensor_op_probe";
+constexpr const char* kProbeSource = R"METAL(
+#include <metal_stdlib>
+#include <MetalPerformancePrimitives/MetalPerformancePrimitives.h>
+using namespace metal;
+
+kernel void tmf_tensor_op_probe(device const half* a [[buffer(0)]], device const half* b [[buffer(1)]],
+                                device float* d [[buffer(2)]], uint lane [[thread_index_in_simdgroup]]) {
+  constexpr auto desc = mpp::tensor_ops::matmul2d_descriptor(
+      16, 32, 16, false, true, true, mpp::tensor_ops::matmul2d_descriptor::mode::multiply);
+  mpp::tensor_ops::matmul2d<desc, execution_simdgroup> op;
+  auto x = op.get_left_input_cooperative_tensor<half, half, float>();
+  auto y = op.get_right_input_cooperative_tensor<half, half, float>();
+  auto z = op.get_destination_cooperative_tensor<decltype(x), decltype(y), float>();
+  for (int i = 0; i < x.get_capacity(); i++) x[i] = a[lane * x.get_capacity() + i];
+  for (int i = 0; i < y.get_capacity(); i++) y[i] = b[lane * y.get_capacity() + i];
+  op.run(x, y, z);
+  for (int i = 0; i < z.get_capacity(); i++) d[lane * z.get_capacity() + i] = z[i];
+}
+)METAL";
+
 inline bool is_nax_source(const std::string& source) {
   static const std::string suffix = "_nax.metal";
   return source.size() >= suffix.size() && source.compare(source.size() - suffix.size(), suffix.size(), suffix) == 0;

@@ -146,8 +146,9 @@ def test_reference_chunking_is_exact(monkeypatch):
     spec = make_spec(q, k, v, None, None, None, scale=0.3, window_right=0, diag_offset=-3)
     whole_aux, chunked_aux = (torch.empty(2, 4, 37, 2, dtype=q.dtype) for _ in range(2))
     whole = reference.forward(spec, whole_aux)
-    monkeypatch.setattr(reference, "_CHUNK_ELEMENTS", 2 * 4 * 11 * 5)  # 5 rows per chunk
-    assert [c for c in reference._row_chunks(spec)][:2] == [(0, 5), (5, 10)]
+    from torch_metal_flash.reference import attention
+    monkeypatch.setattr(attention, "_CHUNK_ELEMENTS", 2 * 4 * 11 * 5)  # 5 rows per chunk
+    assert [c for c in attention._row_chunks(spec)][:2] == [(0, 5), (5, 10)]
     chunked = reference.forward(spec, chunked_aux)
     for a, b in zip((*whole, whole_aux), (*chunked, chunked_aux)):
         torch.testing.assert_close(a, b)

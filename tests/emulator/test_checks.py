@@ -236,3 +236,44 @@ def test_precompiled_shim_follows_the_shim_folder(tmp_path, monkeypatch):
         os.utime(f, (1_000_000_000, 1_000_000_000))
     compiler._syntax_cache.clear()
     assert compiler.syntax_facts(comp, view + "// touched\n") is not None
+
+
+@pytest.mark.parametrize("checked", [True, False])
+def test_same_value_store_by_one_simdgroup_is_one_simd_store(checked):
+    for order in ORDERS:
+        o = torch.zeros(1)
+        lib(CHECKS).simd_same_value(o, grid=64, threadgroup=64, order=order, checked=checked)
+        assert o.item() == 1.0
+        o, y = torch.zeros(1), torch.zeros(32)
+        lib(CHECKS).simd_same_value_then_read(o, y, grid=64, threadgroup=64, order=order, checked=checked)
+        assert (y == 2.0).all()
+        o = torch.zeros(32)
+        lib(CHECKS).threadgroup_same_value(o, grid=64, threadgroup=64, order=order, checked=checked)
+        assert (o == 3.0).all()
+
+
+def test_different_values_from_one_simdgroup_are_a_race():
+    with pytest.raises(emulator.DataRaceError, match="different values") as ei:
+        lib(CHECKS).simd_different_values(torch.zeros(1), grid=64, threadgroup=64)
+    _assert_located(ei.value, "simd_different_values", "if (sg == 0) o[0] = float(lane);")
+
+
+def test_same_value_from_two_simdgroups_is_a_race():
+    with pytest.raises(emulator.DataRaceError) as ei:
+        lib(CHECKS).two_simdgroups_same_value(torch.zeros(1), grid=64, threadgroup=64)
+    _assert_located(ei.value, "two_simdgroups_same_value", "o[0] = 1.0f;  // the same value, but from two")
+    with pytest.raises(emulator.DataRaceError, match="different threadgroups"):
+        lib(CHECKS).two_simdgroups_same_value(torch.zeros(1), grid=64, threadgroup=32)
+
+
+@pytest.mark.parametrize("checked", [True, False])
+def test_unbound_buffers_fail_only_when_accessed(checked):
+    y = torch.zeros(64)
+    lib(CHECKS).unread_buffer(y, grid=64, threadgroup=32, checked=checked)
+    assert torch.equal(y, torch.arange(64.0))
+    with pytest.raises(emulator.LaunchError, match=r"parameter 'x' \[\[buffer\(1\)\]\]") as ei:
+        lib(CHECKS).read_buffer(torch.zeros(64), grid=64, threadgroup=32, checked=checked)
+    assert "read through buffer(1), which is not bound" in str(ei.value)
+    x = torch.randn(64)
+    lib(CHECKS).read_buffer(y, x, grid=64, threadgroup=32, checked=checked)
+    assert torch.equal(y, x)

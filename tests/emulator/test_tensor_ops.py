@@ -1,5 +1,6 @@
 """Metal 4 tensor ops: matmul2d on cooperative tensors against float64, the
-element-to-lane layout, bounds, divergence and the language version."""
+element-to-lane layouts of Apple10 and Apple8/9 (following emulator.settings(family=...)), bounds,
+divergence and the language version."""
 from __future__ import annotations
 
 import re
@@ -15,8 +16,8 @@ DTYPES = {"half": torch.float16, "bfloat": torch.bfloat16, "float": torch.float3
 ROUNDING = {"half": 2 ** -10, "bfloat": 2 ** -7, "float": 2 ** -20}
 
 
-def layout(rows: int, cols: int, lane: int) -> list:
-    """The documented layout: (row, col) of each element of `lane` in a rows x cols operand as stored."""
+def apple10_layout(rows: int, cols: int, lane: int, transposed: bool = False) -> list:
+    """Apple10's layout: (row, col) of each element of `lane` in a rows x cols operand as stored."""
     out = []
     for e in range(rows * cols // 32):
         f, i = divmod(e, 8)
@@ -27,27 +28,56 @@ def layout(rows: int, cols: int, lane: int) -> list:
     return out
 
 
-def offsets(shapes) -> torch.Tensor:
-    """Per lane, the row-major offsets of its elements in each (rows, cols) operand."""
-    return torch.tensor([r * cols + c for lane in range(32) for rows, cols in shapes
-                         for r, c in layout(rows, cols, lane)], dtype=torch.int16)
+def apple8_layout(rows: int, cols: int, lane: int, transposed: bool = False) -> list:
+    """Apple8/9's layout (PyTorch's MppAttention.h): (row, col) as stored of each element of `lane` in a
+    rows x cols operand, laid out in its logical orientation (cols x rows when stored transposed)."""
+    if transposed:
+        return [(c, r) for r, c in apple8_layout(cols, rows, lane)]
+    fm = ((lane >> 4) & 1) * 4 + ((lane >> 1) & 3)
+    fn = ((lane >> 3) & 1) * 4 + (lane & 1) * 2
+    per_row = cols // 16
+    return [(strip * 16 + fm + 8 * half, f * 16 + fn + (0, 1, 8, 9)[j])
+            for strip in range(rows // 16) for half in (0, 1) for f in range(per_row) for j in range(4)]
+
+
+LAYOUTS = {"apple10": apple10_layout, "apple8": apple8_layout, "apple9": apple8_layout}
+
+
+def offsets(shapes, family) -> torch.Tensor:
+    """Per lane, the row-major offsets of its elements in each (rows, cols, transposed) operand."""
+    return torch.tensor([r * cols + c for lane in range(32) for rows, cols, t in shapes
+                         for r, c in LAYOUTS[family](rows, cols, lane, t)], dtype=torch.int16)
 
 
 def tensor_ops_lib():
     return lib("tensor_ops.metal", language_version="4.0")
 
 
-def test_layout_is_a_bijection_onto_16x16_fragments():
+@pytest.mark.parametrize("family", ["apple10", "apple8"])
+def test_layout_is_a_bijection_onto_16x16_fragments(family):
+    layout = LAYOUTS[family]
     for rows, cols in [(16, 16), (16, 32), (32, 16), (32, 32)]:
-        seen = [rc for lane in range(32) for rc in layout(rows, cols, lane)]
-        assert sorted(seen) == [(r, c) for r in range(rows) for c in range(cols)]
-    # lane 0 holds rows 0 and 8, columns 0..3 of the first fragment; lane 1 columns 4..7; lane 2 row 1
-    assert layout(16, 16, 0) == [(0, 0), (0, 1), (0, 2), (0, 3), (8, 0), (8, 1), (8, 2), (8, 3)]
-    assert layout(16, 16, 1)[0] == (0, 4) and layout(16, 16, 2)[0] == (1, 0) and layout(16, 16, 8)[0] == (0, 8)
-    assert layout(16, 32, 0)[8] == (0, 16)  # the second fragment lies to the right of the first
-    assert layout(32, 16, 0)[8] == (16, 0)  # ... or below it
+        for t in (False, True):
+            seen = [rc for lane in range(32) for rc in layout(rows, cols, lane, t)]
+            assert sorted(seen) == [(r, c) for r in range(rows) for c in range(cols)]
 
 
+def test_the_two_layouts():
+    # Apple10: lane 0 holds rows 0 and 8, columns 0..3 of the first fragment; lane 1 columns 4..7; lane 2 row 1
+    assert apple10_layout(16, 16, 0) == [(0, 0), (0, 1), (0, 2), (0, 3), (8, 0), (8, 1), (8, 2), (8, 3)]
+    assert apple10_layout(16, 16, 1)[0] == (0, 4) and apple10_layout(16, 16, 2)[0] == (1, 0)
+    assert apple10_layout(16, 16, 8)[0] == (0, 8)
+    assert apple10_layout(16, 32, 0)[8] == (0, 16)  # the second fragment lies to the right of the first
+    assert apple10_layout(32, 16, 0)[8] == (16, 0)  # ... or below it
+    # Apple8/9: columns in pairs {0, 1, 8, 9}; lane 1 columns 2, 3, 10, 11; lane 2 row 1; lane 16 row 4
+    assert apple8_layout(16, 16, 0) == [(0, 0), (0, 1), (0, 8), (0, 9), (8, 0), (8, 1), (8, 8), (8, 9)]
+    assert apple8_layout(16, 16, 1)[0] == (0, 2) and apple8_layout(16, 16, 2)[0] == (1, 0)
+    assert apple8_layout(16, 16, 8)[0] == (0, 4) and apple8_layout(16, 16, 16)[0] == (4, 0)
+    # a 16-row strip runs its first row across both fragments, then its second (PyTorch's mma slot order)
+    assert apple8_layout(16, 32, 0)[4:8] == [(0, 16), (0, 17), (0, 24), (0, 25)]
+    assert apple8_layout(16, 32, 0)[8] == (8, 0)
+    # stored transposed: the same logical layout (PyTorch's BaseMPPFragK_Apple8 for K in Q @ K^T)
+    assert apple8_layout(32, 16, 0, True)[:4] == [(0, 0), (1, 0), (8, 0), (9, 0)]
 
 
 def kernel_cases():
@@ -66,8 +96,9 @@ def kernel_cases():
 CASES = kernel_cases()
 
 
+@pytest.mark.parametrize("family", ["apple10", "apple9"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "_".join(c))
-def test_matmul_against_float64(case):
+def test_matmul_against_float64(case, family):
     ta, tb, td, m, n, k, tl, tr, acc = case
     m, n, k = int(m), int(n), int(k)
     tl, tr, acc = tl == "true", tr == "true", acc == "true"
@@ -79,18 +110,31 @@ def test_matmul_against_float64(case):
     A = a.double().t() if tl else a.double()
     B = b.double().t() if tr else b.double()
     ref = A @ B + (d0.double() if acc else 0)
-    offs = offsets([left, right, (m, n)])
+    offs = offsets([(*left, tl), (*right, tr), (m, n, False)], family)
     kern = tensor_ops_lib()[f"mm_{ta}_{tb}_{td}_{m}x{n}x{k}_" + "_".join(case[6:])]
     results = []
     for order in ("forward", "reverse"):
         d = d0.clone()
-        st = kern(a, b, d, offs, grid=32, threadgroup=32, order=order, checked=order == "forward")
+        with emulator.settings(family=family):
+            st = kern(a, b, d, offs, grid=32, threadgroup=32, order=order, checked=order == "forward")
         assert (st.tensor_matmuls, st.tensor_matmul_macs, st.simdgroup_matrix_multiplies) == (1, m * n * k, 0)
         results.append(d)
     assert torch.equal(results[0], results[1])
     scale = (A.abs() @ B.abs() + (d0.double().abs() if acc else 0))
     err = (results[0].double() - ref).abs()
     assert (err <= scale * (ROUNDING[td] + k * 2 ** -23) + 1e-30).all(), err.max()
+
+
+def test_a_kernel_written_for_one_layout_is_wrong_under_the_other():
+    torch.manual_seed(1)
+    a, b = torch.randn(16, 16), torch.randn(16, 32)
+    kern = tensor_ops_lib()["mm_float_float_float_16x32x16_false_false_false"]
+    for written, run_as in (("apple10", "apple8"), ("apple8", "apple10")):
+        d = torch.zeros(16, 32)
+        with emulator.settings(family=run_as):
+            kern(a, b, d, offsets([(16, 16, False), (16, 32, False), (16, 32, False)], written), grid=32,
+                 threadgroup=32)
+        assert (d.double() - a.double() @ b.double()).abs().max() > 1
 
 
 def test_element_index_past_the_capacity_is_out_of_bounds():

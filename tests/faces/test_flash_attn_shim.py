@@ -138,30 +138,14 @@ def test_packed_and_backward(shim):
                                atol=1e-5, rtol=1e-5)
 
 
-def test_unimplemented_functions_name_what_is_missing(shim, monkeypatch):
-    """Missing implementations raise NotImplementedError naming what is missing..."""
+def test_the_shims_functions_are_ours(shim):
+    """Every function of flash_attn's interface is the face's own function (no wrapper in between)."""
     import flash_attn
     from flash_attn import flash_attn_interface
-    q = torch.randn(10, 2, 16)
-    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
-    monkeypatch.delattr(functional, "flash_attn_varlen_func", raising=False)
-    monkeypatch.delattr(functional, "flash_attn_with_kvcache", raising=False)
-    monkeypatch.setattr(flash_attn_interface, "_PROVIDERS", {})
-    with pytest.raises(NotImplementedError, match="flash_attn_varlen_func.*cu_seqlens"):
-        flash_attn.flash_attn_varlen_func(q, q, q, cu, cu, 6, 6)
-    with pytest.raises(NotImplementedError, match="flash_attn_varlen_func"):
-        flash_attn.flash_attn_varlen_qkvpacked_func(torch.stack([q, q, q], 1), cu, 6)
-    with pytest.raises(NotImplementedError, match="flash_attn_with_kvcache.*KV cache"):
-        flash_attn.flash_attn_with_kvcache(q[None], q[None], q[None])
-    # ...and forward to torch_metal_flash.faces.functional as soon as it provides them
-    seen = {}
-    monkeypatch.setattr(functional, "flash_attn_varlen_func", lambda *a, **kw: seen.setdefault("varlen", (a, kw)),
-                        raising=False)
-    monkeypatch.setattr(functional, "flash_attn_with_kvcache", lambda *a, **kw: seen.setdefault("kvcache", (a, kw)),
-                        raising=False)
-    flash_attn.flash_attn_varlen_kvpacked_func(q, torch.stack([q, q], 1), cu, cu, 6, 6, causal=True)
-    flash_attn.flash_attn_with_kvcache(q[None], q[None], q[None], cache_seqlens=3)
-    assert seen["varlen"][1]["causal"] is True and seen["kvcache"][1]["cache_seqlens"] == 3
+    from torch_metal_flash.faces import kvcache
+    for name in flash_attn_interface.__all__:
+        ours = getattr(kvcache if name == "flash_attn_with_kvcache" else functional, name)
+        assert getattr(flash_attn, name) is ours and getattr(flash_attn_interface, name) is ours
 
 
 def test_bad_input_names_the_argument(shim):

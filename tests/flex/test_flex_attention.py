@@ -263,6 +263,56 @@ def test_blocks_outside_the_mask_are_never_loaded():
         assert s <= 1.2 * density * d, (s, d, density)
 
 
+def test_block_size_32_skips_its_own_blocks_forward_and_backward():
+    """A BlockMask of 32 x 32 blocks is walked at 32, not coarsened to 64: the forward (32-row query
+    tiles) streams exactly the block density of the dense K/V bytes, less than the same mask at 64;
+    the backward's 64-row tiles stream the union of their two rows of blocks (here the 64 mask's);
+    the gradients pass the float64 oracle."""
+    L, D = 256, 32
+    mods = FlexMods(mask=lambda: window(48))
+    q, k, v = inputs(1, 1, 1, L, L, D, torch.float16, grad=True)
+    fine = block_mask_of(mods, 1, 1, L, L, BLOCK_SIZE=32)
+    density = 1.0 - fine.sparsity() / 100.0
+
+    def streamed(stats):
+        """Bytes streamed through the inner loops: forward K/V, dQ K/V, dK/dV Q/dO."""
+        return [sum(s.bytes_read.get(i, 0) for s in stats if kernel in s.kernel for i in buffers)
+                for kernel, buffers in (("flash_fwd", (1, 2)), ("_dq_", (1, 2)), ("_dkv_", (0, 3)))]
+
+    def run(bm):
+        with emulator.recording() as stats:
+            got = run_flex(q, k, v, mods, bm)[0]
+        return got, streamed(stats)
+
+    with tmf.backend("emulator", strict=True), emulator.settings(checked=True):
+        got, sparse = run(fine)
+        _, coarse = run(block_mask_of(mods, 1, 1, L, L, BLOCK_SIZE=64))
+        _, dense = run(None)
+    g = torch.Generator().manual_seed(5)
+    dout = randn(got["out"].shape, generator=g).to(got["out"].dtype)
+    dlse = randn(got["lse"].shape, generator=g)
+    check_flex(q, mods, got, flex_reference(q, k, v, mods, None, dout, dlse))
+    assert sparse[0] == density * dense[0], (sparse, dense, density)
+    assert sparse[0] < coarse[0] and all(s <= c for s, c in zip(sparse, coarse)), (sparse, coarse)
+
+
+@pytest.mark.parametrize("block_size", [16, 32, (32, 16)])
+def test_sub_blocks_forward_and_backward_with_a_learned_bias(block_size):
+    """Blocks of 16 / 32 kept as sub-blocks of the kernels' 64, at a length no block size divides:
+    mask_mod in partial sub-blocks, hidden ones skipped, full ones without mask_mod, the diagonal
+    gradient of a learned bias -- against the float64 oracle."""
+    B, H, L, D = 1, 2, 150, 32
+    g = torch.Generator().manual_seed(1)
+    bias = randn(H, 2 * L - 1, generator=g).requires_grad_()
+    mods = FlexMods(score=lambda t: (lambda s, b, h, q, kv: s + t[h, q - kv + L - 1]),
+                    mask=lambda t: and_masks(causal, lambda b, h, q, kv: (q - kv < 40) | (kv < 20)), captured=(bias,))
+    block_mask = block_mask_of(mods, 1, H, L, L, BLOCK_SIZE=block_size)
+    q, k, v = inputs(B, H, H, L, L, D, torch.float32, grad=True)
+    with tmf.backend("emulator", strict=True):
+        got, dout, dlse = run_flex(q, k, v, mods, block_mask)
+    check_flex(q, mods, got, flex_reference(q, k, v, mods, None, dout, dlse))
+
+
 @pytest.mark.parametrize("block_size", [16, (32, 48), 256])
 def test_block_sizes_the_kernels_cannot_use_are_remapped(block_size):
     B, H, L, D = 1, 2, 140, 32

@@ -26,6 +26,7 @@ from torch_metal_flash.planner.plan import Plan, Unsupported
 from torch_metal_flash.planner.decode import (DecodeParams, DecodeProblem, choose_splits,
                                               compulsory_bytes, decode_variants, plan_decode)
 from torch_metal_flash.planner.shader_constants import APPEND, DECODE
+from torch_metal_flash.problem.quant import quantize
 
 ORDER_PAIRS = (("forward", "reverse"), ("reverse", "random"), ("random", "forward"))
 
@@ -165,7 +166,7 @@ def test_long_cache_forced_splits_agree(lq, latent):
         torch.testing.assert_close(results[n][1], results[1][1], rtol=0, atol=1e-5)
 
 
-def _problem(B=1, Hq=8, Hkv=2, D=64, L=512, Lq=1, dtype=torch.float16, paged=None, seed=0, Dv=None):
+def _problem(B=1, Hq=8, Hkv=2, D=64, L=512, Lq=1, dtype=torch.float16, paged=None, seed=0, Dv=None, quant=None):
     g = torch.Generator().manual_seed(seed)
     Dv = Dv or D
     q = torch.randn(B, Lq, Hq, D, generator=g).to(dtype)
@@ -176,6 +177,8 @@ def _problem(B=1, Hq=8, Hkv=2, D=64, L=512, Lq=1, dtype=torch.float16, paged=Non
     else:
         kc, bt = torch.randn(B, L, Hkv, D, generator=g).to(dtype), None
     vc = torch.randn(*kc.shape[:3], Dv, generator=g).to(dtype)
+    if quant:
+        kc, vc = quantize(kc, **quant), quantize(vc, **quant)
     out = torch.empty(B, Lq, Hq, Dv, dtype=dtype)
     return DecodeProblem(q=q.transpose(1, 2), k_cache=kc, v_cache=vc, out=out.transpose(1, 2),
                          lse=torch.empty(B, Hq, Lq), seqlens=torch.full((B,), L, dtype=torch.int32), seqlen_fixed=0,
@@ -201,6 +204,22 @@ def test_each_kv_row_read_once_per_group(paged, latent):
     assert partial.bytes_read[1] == 512 * hkv * d * 2 and partial.bytes_read[2] == 512 * hkv * dv * 2  # fp16
     moved = sum(s.device_bytes for s in backend.last_stats)
     assert moved / compulsory_bytes(pb) <= 1.1, (moved, compulsory_bytes(pb))
+
+
+@pytest.mark.parametrize("Lq,quant,limit", [(4, None, 1.1), (1, dict(bits=4, group_size=64), 1.15)])
+def test_split_heuristic_weighs_partials(Lq, quant, limit):
+    """num_splits=0 on latent attention (K 576 / V 512, 16 query heads on one KV head) at
+    L 4096: the float32 partials of 16 x Lq rows are wide next to one key's bytes, so the
+    heuristic splits less than the cores would ask for, and the call stays within ``limit``
+    of the compulsory bytes (exact counters)."""
+    pb = _problem(Hq=16, Hkv=1, D=576, Dv=512, L=4096, Lq=Lq, quant=quant)
+    plan = plan_decode(pb, num_splits=0)
+    assert 1 < plan.launches[0].threadgroups[0] < 10  # split, but fewer than one per core
+    backend = EmulatorBackend()
+    with emulator.settings(checked=True):
+        backend.run(plan)
+    moved = sum(s.device_bytes for s in backend.last_stats)
+    assert moved / compulsory_bytes(pb) <= limit, (moved, compulsory_bytes(pb))
 
 
 def test_params_layout():

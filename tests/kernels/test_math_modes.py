@@ -3,7 +3,7 @@
 oracle, on a reduced grid per mode: the cases that reach the kernels' masking,
 empty-row and saturation paths, where a kernel that computed with infinities
 would break under fast math.  The rest of the suite runs in the launcher's
-default (relaxed).  Builds are shared per mode (one per shader file)."""
+one mode (safe).  Builds are shared per mode (one per shader file)."""
 from __future__ import annotations
 
 import sys

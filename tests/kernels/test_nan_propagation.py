@@ -3,8 +3,8 @@
 zeros, treating the NaN row as one that sees nothing; with finite sentinels the kernels'
 max()-clamp of shifted scores swallowed the NaN, see flash::exp_shifted).
 
-The kernels run in the launcher's default math mode (relaxed: fast-math optimisations,
-Inf/NaN honoured), as the emulator backend does by default.  Fast math
+The kernels run in the launcher's one math mode (safe: Inf/NaN honoured), as the emulator
+backend does by default; relaxed honours them too.  Fast math
 (TORCH_METAL_FLASH_MATH_MODE=fast) lets the compiler assume there are no NaNs, so no
 GPU kernel can promise NaN propagation there."""
 import math

@@ -209,5 +209,5 @@ def test_dkv_kernel_sees_the_forwards_scores_bit_for_bit(head_dim):
     assert aux[..., 0].abs().max() > 2000  # the row max m: large scores
     plan, grads = bk.plan_for(spec, dout, out, aux, family=NAX)
     assert all(launch.kernel.startswith("flash_bwd_dkv_nax") for launch in plan.launches[2:])
-    bk.run_plan(plan, order="reverse")
+    bk.run_plan(plan, order="reverse", family=NAX)
     assert torch.equal(grads[2], dout)

@@ -27,7 +27,9 @@ from torch_metal_flash.backends.emulator import EmulatorBackend
 from torch_metal_flash.faces.kvcache import flash_attn_with_kvcache
 from torch_metal_flash.planner.plan import Unsupported
 from torch_metal_flash.planner import decode, kvcache as kv_planner, variants
+from torch_metal_flash.problem import quant
 from torch_metal_flash.problem.quant import QuantizedTensor
+import torch_metal_flash.faces.kvcache as face_kvcache
 from torch_metal_flash.problem.spec import make_spec
 
 ORDERS = (("forward", "reverse"), ("reverse", "random"), ("random", "forward"))
@@ -241,7 +243,7 @@ def test_op_with_sinks_and_window(fmt, qdt):
         call = lambda: torch.ops.metal_flash.fwd(q, k, v, *args, False)[:2]  # noqa: E731
     else:
         call = lambda: torch.ops.metal_flash.fwd_quantized(  # noqa: E731
-            q, k.data, v.data, *args, k.scales, k.biases, v.scales, v.biases, *tmf.quant.flat_format(k))
+            q, k.data, v.data, *args, k.scales, k.biases, v.scales, v.biases, *quant.flat_format(k))
     spec = make_spec(q, _plain(k), _plain(v), None, None, sinks, scale=0.15, diag_offset=S - Lq, window_left=7,
                      window_right=0)
     _check_face(call, spec, ("reverse", "forward"))
@@ -339,7 +341,7 @@ def test_gradients_through_quantized_kv_are_a_clear_error():
         with pytest.raises(RuntimeError, match="q(uery)?: requires grad, but quantized"):
             call()
     out, _ = torch.ops.metal_flash.fwd_quantized(q, k.data, k.data, None, None, None, 0.1, 0, -1, -1, 0.0, k.scales,
-                                                 k.biases, k.scales, k.biases, *tmf.quant.flat_format(k))
+                                                 k.biases, k.scales, k.biases, *quant.flat_format(k))
     with pytest.raises(RuntimeError, match="inference-only"):
         out.sum().backward()
     with torch.no_grad():  # inference: fine
@@ -370,7 +372,7 @@ def test_planned_launches_are_listed_for_the_doctor():
         kw = make_case(seed=1400 + i, **spec)
         k_cache, v_cache = _caches(kw, fmt)
         q = kw["q"].to(DT[qdt]) if qdt else kw["q"]
-        problem = tmf.kvcache._op_args(q, k_cache, v_cache, kw.get("k"), kw.get("v"), kw.get("rotary_cos"),
+        problem = face_kvcache._op_args(q, k_cache, v_cache, kw.get("k"), kw.get("v"), kw.get("rotary_cos"),
                                        kw.get("rotary_sin"), kw.get("cache_seqlens"), kw.get("cache_batch_idx"),
                                        kw.get("cache_leftpad"), kw.get("block_table"), None, spec.get("causal", False),
                                        spec.get("window", (-1, -1)), spec.get("softcap", 0.0),
@@ -422,7 +424,7 @@ def test_ops_opcheck():
     kw = make_case(seed=1905, dtype="f16", B=2, Lq=2, Hq=4, Hkv=2, D=32, cap=12, lnew=2, paged=4, leftpad=True,
                    rotary=(8, False), causal=True)
     k_cache, v_cache = _caches(kw, A4G32)
-    problem = tmf.kvcache._op_args(kw["q"], k_cache, v_cache, kw["k"], kw["v"], kw["rotary_cos"], kw["rotary_sin"],
+    problem = face_kvcache._op_args(kw["q"], k_cache, v_cache, kw["k"], kw["v"], kw["rotary_cos"], kw["rotary_sin"],
                                    kw["cache_seqlens"], None, kw["cache_leftpad"], kw["block_table"], None, True,
                                    (-1, -1), 0.0, False, None, 0)
     op, args = problem.op_call()
@@ -430,7 +432,7 @@ def test_ops_opcheck():
     q = _rand(g, 1, 4, 3, 32, dtype=torch.float32)
     k, v = _kv(g, 1, 2, 20, 32, torch.float16, S8)
     fwd_args = (q, k.data, v.data, None, None, torch.randn(4, generator=g), 0.2, 17, 5, 0, 0.0, k.scales, None,
-                v.scales, None, *tmf.quant.flat_format(k))
+                v.scales, None, *quant.flat_format(k))
     with backends.backend("emulator", strict=True):
         torch.library.opcheck(op.default, args)
         torch.library.opcheck(torch.ops.metal_flash.fwd_quantized.default, fwd_args)

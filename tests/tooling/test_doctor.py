@@ -19,8 +19,10 @@ def test_doctor_passes_and_reports(tmp_path, capsys):
     report = tmp_path / "report.md"
     assert doctor.main(["--report", str(report)]) == 0
     text = report.read_text()
-    for heading in ("# torch_metal_flash doctor", "## Pipelines", "## Probes", "## Timing", "**PASS**"):
+    for heading in ("# torch_metal_flash doctor", "## Pipelines", "## Probes", "## Kernel faults", "## Timing",
+                    "**PASS**"):
         assert heading in text
+    assert "failed to compile: injected fault" in text and "the emulator kernels run again" in text
     for kind in ("forward", "backward", "decode"):
         assert f"| {kind} " in text
     for source in variants.kernels():
@@ -59,6 +61,13 @@ def test_planted_compile_failure_fails(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "| flash_bwd.metal | 440 | 5 |" in out
     assert "- compile flash_bwd_dsinks" in out and "internal error" in out
+
+
+def test_a_fault_that_does_not_fall_back_fails(monkeypatch, capsys):
+    from torch_metal_flash.backends import faults
+    monkeypatch.setattr(faults, "check", lambda backend, source, kernel: None)  # injected faults never fire
+    assert doctor.main(["--skip", "compile,probes,timing"]) == 1
+    assert "an injected compile fault in flash_fwd_* did not fall back" in capsys.readouterr().out
 
 
 def test_metal_asked_for_where_it_cannot_run_fails_with_the_reason(capsys):

@@ -1,8 +1,8 @@
 """The package's layout shows its layers (docs/architecture.md): no module imports a layer
-above its own, so there is no import cycle; few modules at the top level; the old module
-paths still import."""
+above its own, no module takes part in an import cycle (a package's ``__init__`` counted with
+its submodules: a submodule never imports from its own package's ``__init__``), few modules
+at the top level."""
 import ast
-import importlib
 import types
 from pathlib import Path
 
@@ -115,22 +115,85 @@ def test_only_the_top_layer_imports_the_package_itself():
     assert not wrong, f"these import the package's __init__ (a cycle): {wrong}"
 
 
+def import_cycles(modules) -> list[list[str]]:
+    """The import cycles among ``modules`` ((dotted name, is_package, source text) triples): every
+    import counts, at module level or inside a function. ``from P import x`` imports ``P.x`` when that
+    is a module, and always ``P`` itself (its ``__init__`` runs and gives the name), so a submodule
+    that writes ``from . import x`` depends on its package's ``__init__``; ``import P.x as x`` imports
+    ``P.x``."""
+    modules = list(modules)
+    known = {m for m, _, _ in modules}
+    graph = {}
+    for module, is_package, text in modules:
+        out = set()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = module.split(".") if is_package else module.split(".")[:-1]
+                    base = base[:len(base) - node.level + 1]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                out |= {target} | {f"{target}.{a.name}" for a in node.names}
+            elif isinstance(node, ast.Import):
+                out |= {a.name for a in node.names}
+        graph[module] = (out & known) - {module}
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(v):  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_import_cycles():
+    cycles = import_cycles((m, is_package, path.read_text()) for m, is_package, path in _modules())
+    assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_cycle_check_sees_a_submodule_importing_its_package():
+    pkg = [("p", True, "from . import a\nfrom .a import f"), ("p.a", False, "from . import b"), ("p.b", False, "")]
+    assert import_cycles(pkg) == [["p", "p.a"]]  # p.a's `from . import b` runs p's __init__
+    fixed = [pkg[0], ("p.a", False, "import p.b as b"), pkg[2]]
+    assert import_cycles(fixed) == []
+    assert import_cycles([("x", False, "def f():\n    import y"), ("y", False, "from x import f")]) == [["x", "y"]]
+
+
+def test_the_reference_path_never_calls_the_ops():
+    """reference/ is plain PyTorch: it never reaches torch.ops.metal_flash (which may run kernels)."""
+    calls = [f"{path.relative_to(PACKAGE.parent)}:{node.lineno}"
+             for path in sorted((PACKAGE / "reference").rglob("*.py"))
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Attribute) and node.attr == "metal_flash" and ast.unparse(node.value) == "torch.ops"]
+    assert not calls, f"the reference path calls the ops: {calls}"
+
+
 def test_at_most_ten_modules_at_the_top_level():
     top = sorted(p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
     assert len(top) <= 10, top
 
 
-@pytest.mark.parametrize("old, new", sorted(torch_metal_flash._MOVED.items()))
-def test_old_module_paths_import_the_moved_module(old, new):
-    moved = importlib.import_module(f"{NAME}.{new}")
-    assert importlib.import_module(f"{NAME}.{old}") is moved
-    if old != "sdpa_override":  # the package's attribute of that name is the function
-        assert getattr(torch_metal_flash, old) is moved
-    assert moved.__spec__.name == f"{NAME}.{new}"
-
-
-def test_the_old_sdpa_override_path_keeps_the_function():
-    importlib.import_module(f"{NAME}.sdpa_override")
+def test_the_package_attribute_sdpa_override_is_the_function():
     assert not isinstance(torch_metal_flash.sdpa_override, types.ModuleType)
     with torch_metal_flash.sdpa_override():
         pass

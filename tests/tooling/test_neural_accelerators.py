@@ -122,3 +122,42 @@ def test_emulator_refuses_nax_sources_unless_it_plans_as_apple10():
     with pytest.raises(RuntimeError, match=r"shaders/flash_fwd_nax\.metal is a neural-accelerator kernel.*"
                                            r"the emulator plans as apple8.*emulator\.settings\(family='apple10'\)"):
         EmulatorBackend().library("flash_fwd_nax.metal", {})
+
+
+def test_the_launchers_tensor_op_probe_runs_as_the_accelerators_do():
+    """The small Metal 4 kernel the launcher compiles before it turns the path on (a header that cannot be
+    reached, or a compiler without the tensor ops, makes the path report why and plan as apple9): valid MSL
+    4.0 here, and its 16x32x16 multiply right under Apple10's layout."""
+    import re
+
+    import torch
+
+    header = (csrc_dir() / "metal" / "neural_accelerators.h").read_text()
+    source = re.search(r'kProbeSource = R"METAL\((.*?)\)METAL"', header, re.S).group(1)
+    kernel = re.search(r'kProbeKernel = "(\w+)"', header).group(1)
+    lib = emulator.compile_shader(source, name="tensor_op_probe.metal", language_version="4.0", math_mode="safe")
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(16, 16, generator=g).half(), torch.randn(32, 16, generator=g).half()  # b: N x K (transposed)
+    idx_a = _layout_indices(16, 16)
+    idx_b = _layout_indices(32, 16)
+    d = torch.zeros(16 * 32)
+    with emulator.settings(family="apple10"):
+        lib[kernel](a.flatten()[idx_a], b.flatten()[idx_b], d, grid=32, threadgroup=32)
+    got = torch.zeros(16 * 32)
+    got[_layout_indices(16, 32)] = d
+    want = a.double() @ b.double().t()
+    assert (got.view(16, 32).double() - want).abs().max() < 1e-2
+
+
+def _layout_indices(rows: int, cols: int):
+    """Row-major offsets, lane by lane, of Apple10's cooperative-tensor layout (docs/emulator.md)."""
+    import torch
+    out = []
+    for lane in range(32):
+        for e in range(rows * cols // 32):
+            f, i = divmod(e, 8)
+            per_row = cols // 16
+            r = (f // per_row) * 16 + (((lane >> 2) & 4) | ((lane >> 1) & 3)) + (i >> 2) * 8
+            c = (f % per_row) * 16 + ((((lane >> 2) & 2) | (lane & 1)) * 4) + i % 4
+            out.append(r * cols + c)
+    return torch.tensor(out)

@@ -195,7 +195,7 @@ def test_macos_build_finds_what_it_needs_and_declares_what_it_imports(tmp_path, 
     nax_stems = [s for s in stems if s.endswith("_nax")]  # MSL 4.0 (the stand-in compiler takes it)
     assert record["torch"] is None and record["extension"].startswith("not prebuilt (no torch at build time)")
     assert record["metallib"] == {"files": [f"{s}.metallib" for s in stems if s not in nax_stems], "std": "metal3.1",
-                                  "macos_min": "14.0", "math_mode": "relaxed",
+                                  "macos_min": "14.0", "math_mode": "safe",
                                   "nax": {"files": [f"{s}.metallib" for s in nax_stems], "std": "metal4.0",
                                           "macos_min": "26.2"},
                                   "compiler": "Apple metal version 32023.404 (metalfe-32023.404)"}
@@ -206,7 +206,11 @@ def test_macos_build_finds_what_it_needs_and_declares_what_it_imports(tmp_path, 
         nax = Path(c[c.index("-c") + 1]).stem in nax_stems
         std, macos_min = ("metal4.0", "26.2") if nax else ("metal3.1", "14.0")
         assert {f"-std={std}", f"-mmacosx-version-min={macos_min}"} <= set(c)
-        assert "-fmetal-math-mode=relaxed" in c
+        assert "-fno-fast-math" in c  # the launcher's one math mode
+    # the probe of the MSL 4.0 flags uses exactly the real compile's flags
+    (probe,) = [line.split() for line in xcrun.read_text().splitlines() if "probe.metal" in line]
+    (nax_compile,) = [c for c in compiles if Path(c[c.index("-c") + 1]).stem == nax_stems[0]]
+    assert set(probe) - {probe[probe.index("-c") + 1], probe[probe.index("-o") + 1]} <= set(nax_compile)
 
 
 @pytest.fixture
@@ -272,7 +276,7 @@ def test_nax_sources_are_msl4_for_macos_26_2(setup_py, tmp_path, xcrun):
     assert record["files"] == ["a.metallib"] and record["std"] == "metal3.1"
     assert record["nax"] == {"files": ["b_nax.metallib"], "std": "metal4.0", "macos_min": "26.2"}
     (nax_compile,) = [line.split() for line in xcrun.read_text().splitlines() if "b_nax.metal -o" in line]
-    assert {"-std=metal4.0", "-mmacosx-version-min=26.2", "-fmetal-math-mode=relaxed"} <= set(nax_compile)
+    assert {"-std=metal4.0", "-mmacosx-version-min=26.2", "-fno-fast-math"} <= set(nax_compile)
     assert not any("-std=metal4.0" in line for line in xcrun.read_text().splitlines() if "a.metal " in line)
 
 

@@ -2,6 +2,7 @@
 a peer (the real peers' sources come from wheels CI does not have)."""
 from __future__ import annotations
 
+import dataclasses
 import struct
 import sys
 from pathlib import Path
@@ -94,8 +95,10 @@ def test_counts_scale_exactly_with_the_heads_emulated():
 
 def test_rows_are_checked():
     assert [p.name for p in vs_peers.select("1K-d64-causal-f16", False)] == ["1K-d64-causal-f16"]
-    assert {p.seqlen for p in vs_peers.select(None, True)} == {1024}
-    assert len(vs_peers.PROBLEMS) == 16
+    assert {p.seqlen for p in vs_peers.select(None, True) if not p.decode} == {1024}
+    assert [p.name for p in vs_peers.select(None, True) if p.decode] == ["decode1x4K-d64-gqa32:8-f16",
+                                                                          "decode1x4K-d128-gqa32:8-f16"]
+    assert len(vs_peers.PROBLEMS) == 18
     with pytest.raises(SystemExit, match="unknown problem"):
         vs_peers.select("2K-d64-causal-f16", False)
 
@@ -186,3 +189,15 @@ def test_saved_runs_of_different_families_are_not_mixed(tmp_path):
     saved.write_text("\n".join(lines) + "\n")
     with pytest.raises(SystemExit, match="different GPU families"):
         vs_peers.main(["--render", str(saved), "--out", str(tmp_path / "r.md")])
+
+
+def test_decode_problems_count_grouped_heads():
+    p = vs_peers.Problem(4096, 128, False, "f16", heads=32, query_len=1, kv_heads=8)
+    assert p.compulsory_bytes() == (2 * 32 * 1 + 2 * 8 * 4096) * 128 * 2
+    assert p.visible_pairs() == 32 * 4096
+    sub = p.with_heads(4)
+    assert (sub.heads, sub.hk, sub.ql) == (4, 1, 1)
+    with pytest.raises(ValueError, match="whole K/V groups"):
+        p.with_heads(2)
+    q, k, v = vs_peers.inputs(dataclasses.replace(sub, seqlen=64))
+    assert q.shape == (1, 4, 1, 128) and k.shape == v.shape == (1, 1, 64, 128)

@@ -28,7 +28,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from .. import caches
+import torch_metal_flash.caches as caches
 
 BACKENDS = ("auto", "metal", "emulator", "reference")
 
@@ -50,6 +50,15 @@ class UnsupportedError(RuntimeError):
 
 class FallbackWarning(UserWarning):
     """A call ran on the reference path instead of the selected backend."""
+
+
+class KernelsUnavailable(RuntimeError):
+    """Raised by an op whose planner found no kernel that can run the call (``reason``), for a caller
+    that serves it on the reference path itself (after :func:`fallback`)."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
 
 
 def _check_name(name: str, source: str) -> str:

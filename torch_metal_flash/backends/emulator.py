@@ -4,7 +4,7 @@ Each launch compiles ``shaders_dir() / launch.source``, or the text of a
 source generated at run time under that name (``_paths.generated_source``;
 include dir: the shaders folder; one build serves every function-constant value) in the math
 mode the Metal launcher uses (``TORCH_METAL_FLASH_MATH_MODE``, default
-relaxed; ``emulator.settings(math_mode=...)`` overrides it) and runs
+safe; ``emulator.settings(math_mode=...)`` overrides it) and runs
 ``launch.kernel`` over ``launch.grid_threads``, binding the launch's buffers
 by index.  Schedule order, checked mode and seed come from
 :func:`torch_metal_flash.emulator.settings`, then the environment
@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import threading
 
-from .. import emulator
+import torch_metal_flash.emulator as emulator
 from .._paths import generated_source, is_nax_source, shader_language, shaders_dir
 from ..caches import LRU
-from ..emulator import config
+import torch_metal_flash.emulator.config as config
 from ..planner.plan import Plan
 from ..planner.tiles import NAX_FAMILY
+import torch_metal_flash.backends.faults as faults
 
 
 # Shared by every instance (what they hold depends only on the key).
@@ -105,11 +106,21 @@ class EmulatorBackend:
 
     def pipeline_info(self, source: str, kernel: str, function_constants: dict) -> dict:
         """The kernel's limits (keys as ``_C.pipeline_info``), cached; builds its library
-        first, as the Metal backend builds the pipeline."""
+        first, as the Metal backend builds the pipeline.  A kernel that cannot be built
+        raises :class:`~torch_metal_flash.planner.limits.KernelBuildError`, remembered
+        (:mod:`.faults`)."""
+        faults.check(self.name, source, kernel)
         key = (source, kernel, tuple(sorted(function_constants.items())))
         info = _pipeline_infos.get(key)
         if info is None:
-            info = dict(self.library(source, function_constants).pipeline_info(kernel))
+            try:
+                lib = self.library(source, function_constants)
+            except emulator.CompileError as e:
+                raise faults.remember(self.name, source, kernel, "compile", str(e)) from None
+            try:
+                info = dict(lib.pipeline_info(kernel))
+            except emulator.CompileError as e:  # kernels are built on first use
+                raise faults.remember(self.name, source, kernel, "function", str(e)) from None
             _pipeline_infos.put(key, info)
         return info
 

@@ -22,6 +22,7 @@ from ..caches import LRU
 from ..native import launcher, load_launcher
 from ..planner.plan import Plan
 from ..planner.tiles import NAX_FAMILY
+import torch_metal_flash.backends.faults as faults
 
 
 def chip_name() -> str:
@@ -73,6 +74,16 @@ def planning_family(hw_family: str, accelerator_reason: str) -> str:
     return NAX_FAMILY if accelerator_reason == "" else "apple9"
 
 
+def build_stage(message: str) -> str:
+    """Which step of building a kernel the launcher's error ``message`` reports (csrc/metal/launcher.mm:
+    the library's compile, specialising the function, or the pipeline state)."""
+    if "cannot specialise kernel" in message or "has no kernel named" in message:
+        return "function"
+    if "cannot build the pipeline state" in message:
+        return "pipeline"
+    return "compile"
+
+
 _pipeline_infos = LRU("metal.pipeline_info", 1024)  # the pipelines themselves stay in _C
 
 
@@ -89,12 +100,19 @@ class MetalBackend:
         self.family = planning_family(self.hardware_family, self.neural_accelerators_reason)  # the tile tables
 
     def pipeline_info(self, source: str, kernel: str, function_constants: dict) -> dict:
-        """The pipeline's limits (``_C.pipeline_info``: builds the pipeline once, then cached)."""
+        """The pipeline's limits (``_C.pipeline_info``: builds the pipeline once, then cached).
+        A kernel that cannot be built raises
+        :class:`~torch_metal_flash.planner.limits.KernelBuildError`, remembered (:mod:`.faults`;
+        the launcher keeps the failure in its slot too, so nothing is compiled twice)."""
+        faults.check(self.name, source, kernel)
         constants = sorted(function_constants.items())
         key = (source, kernel, tuple(constants))
         info = _pipeline_infos.get(key)
         if info is None:
-            info = dict(self._C.pipeline_info(source, kernel, constants))
+            try:
+                info = dict(self._C.pipeline_info(source, kernel, constants))
+            except RuntimeError as e:
+                raise faults.remember(self.name, source, kernel, build_stage(str(e)), str(e)) from None
             _pipeline_infos.put(key, info)
         return info
 

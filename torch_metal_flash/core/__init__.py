@@ -34,7 +34,9 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from .. import backends, caches, native
+import torch_metal_flash.backends as backends
+import torch_metal_flash.caches as caches
+import torch_metal_flash.native as native
 from ..planner.plan import Plan, Unsupported
 
 __all__ = ["CoreOp", "register", "load", "loaded", "plan_cache_info", "plan_cache_clear", "configure_plan_cache",

@@ -22,7 +22,7 @@ from torch import Tensor
 import torch.distributed as dist
 
 from ..problem.spec import aux_width, stats_dtype
-from . import layout
+import torch_metal_flash.distributed.layout as layout
 from .transport import Ring, resolve_group
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

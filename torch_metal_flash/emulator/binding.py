@@ -5,8 +5,9 @@ explicitly.  Values: a CPU ``torch.Tensor`` (any dtype, at its storage offset;
 the bound extent is its view, first to last element), a numpy array, ``bytes``
 / ``bytearray`` / ``memoryview`` / a ctypes object (raw bytes, e.g. a packed
 params struct), or a Python ``int`` / ``float`` / ``bool`` converted to the
-declared type of the parameter (``constant T&``).  ``None`` leaves a buffer
-unbound (allowed only for buffers gated off by a function constant).
+declared type of the parameter (``constant T&``).  ``None`` (or no binding)
+leaves a buffer unbound: a kernel that never accesses it runs, as on Metal;
+an access through it is a LaunchError naming the argument.
 """
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import ctypes
 import struct
 import sys
 
-from . import prepass
-from . import runtime as rt
+import torch_metal_flash.emulator.prepass as prepass
+import torch_metal_flash.emulator.runtime as rt
 from .errors import LaunchError
 
 _SINT = {1: "b", 2: "h", 4: "i", 8: "q"}
@@ -122,10 +123,9 @@ def bind_arguments(kname: str, kernel, infos, args, buffers: dict, gate_on):
         needed = any(gate_on(q) for q, _ in plist)
         value = values.get(idx)
         if value is None:
-            if needed:
-                raise LaunchError(f"{kname}: parameter '{p.name}' [[buffer({idx})]] is not bound (pass it as "
-                                  f"positional argument {idx} or buffers={{{idx}: ...}})")
-            if any(q_info.is_reference for _, q_info in plist):
+            # Nothing bound: the runtime points the argument into an inaccessible range, so a kernel that never
+            # reads it runs, and one that does fails with a LaunchError naming it (library.launch).
+            if not needed and any(q_info.is_reference for _, q_info in plist):
                 # A reference gated off: the GPU compiles it away with its function constant, but here
                 # the constant is a launch-time value and the optimiser may load through the reference
                 # (references are dereferenceable) before the `if` that guards its use.  Reads find zeros.

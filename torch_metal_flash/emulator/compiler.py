@@ -46,8 +46,11 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from .. import progress
-from . import analysis, prepass, rules, syntax
+import torch_metal_flash.progress as progress
+import torch_metal_flash.emulator.analysis as analysis
+import torch_metal_flash.emulator.prepass as prepass
+import torch_metal_flash.emulator.rules as rules
+import torch_metal_flash.emulator.syntax as syntax
 from .errors import CompileError, CompilerNotFoundError
 
 PREPASS_VERSION = "13"  # bump when the pre-pass, glue or pass flags change

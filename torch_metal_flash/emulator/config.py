@@ -7,7 +7,7 @@ built-in defaults (checked, forward, 0).
 
 The emulator backend compiles the package's shaders in the math mode the
 Metal launcher uses: ``settings(math_mode=...)``, else
-``TORCH_METAL_FLASH_MATH_MODE`` (the launcher's variable), else "relaxed".
+``TORCH_METAL_FLASH_MATH_MODE`` (the launcher's variable), else "safe" (the launcher's one mode).
 ``compile_shader`` itself takes ``math_mode=`` per compile ("fast" by default,
 like Metal's ``newLibraryWithSource``).
 """
@@ -80,7 +80,7 @@ def backend_math_mode() -> str:
     s = _ctx.get()
     if s.get("math_mode") is not None:
         return s["math_mode"]
-    return check_math_mode(os.environ.get("TORCH_METAL_FLASH_MATH_MODE", "relaxed") or "relaxed")
+    return check_math_mode(os.environ.get("TORCH_METAL_FLASH_MATH_MODE", "safe") or "safe")
 
 
 def default_timeout() -> float:
@@ -108,13 +108,20 @@ def backend_family() -> str:
     return family_override() or DEFAULT_FAMILY
 
 
+def tensor_layout() -> int:
+    """The cooperative-tensor layout of tensor ops for the family the emulator runs as (runtime.LAYOUT_*):
+    Apple10's on apple10, Apple8/9's (PyTorch's MppAttention.h) below it (docs/emulator.md)."""
+    return 0 if backend_family() == "apple10" else 1
+
+
 @contextlib.contextmanager
 def settings(*, order: Optional[str] = None, checked: Optional[bool] = None, seed: Optional[int] = None,
              math_mode: Optional[str] = None, family: Optional[str] = None) -> Iterator[None]:
     """Defaults for launches in this context (also those the emulator backend
     makes; ``math_mode`` applies to the backend's shader libraries; ``family``
     (``"apple7"`` ... ``"apple10"``) is the GPU family whose tile tables the
-    backend plans with, default apple8)::
+    backend plans with, default apple8, and whose cooperative-tensor layout
+    every launch's tensor ops use)::
 
         with emulator.settings(order="reverse", checked=True, math_mode="fast", family="apple9"):
             out = op(...)

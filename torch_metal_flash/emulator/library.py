@@ -12,13 +12,17 @@ from pathlib import Path
 from typing import Optional, Union
 
 from ..caches import LRU
-from . import compiler, config, prepass, recorder, rules
+import torch_metal_flash.emulator.compiler as compiler
+import torch_metal_flash.emulator.config as config
+import torch_metal_flash.emulator.prepass as prepass
+import torch_metal_flash.emulator.recorder as recorder
+import torch_metal_flash.emulator.rules as rules
 from .binding import bind_arguments
 from .compiler import find_compiler, preprocess
 from .errors import (CompileError, DataRaceError, DivergentBarrierError, EmulatorError, KernelCrashError,
                      KernelTimeoutError, LaunchError, MisalignedAccessError, OutOfBoundsError,
                      SimdgroupMatrixDivergenceError, ThreadgroupMemoryError)
-from . import runtime as rt
+import torch_metal_flash.emulator.runtime as rt
 
 
 @dataclasses.dataclass
@@ -65,6 +69,7 @@ _ERRORS = {
     rt.E_MMA_DIVERGENCE: SimdgroupMatrixDivergenceError,
     rt.E_OUT_OF_BOUNDS: OutOfBoundsError,
     rt.E_TG_MEMORY: ThreadgroupMemoryError,
+    rt.E_UNBOUND: LaunchError,
     rt.E_RACE: DataRaceError,
     rt.E_TIMEOUT: KernelTimeoutError,
     rt.E_CRASH: KernelCrashError,
@@ -369,6 +374,7 @@ def launch(fn: KernelFunction, args, *, grid, threadgroup, threadgroup_memory, o
     d.max_workers = 1 if checked else config.default_workers()
     d.stats = ctypes.pointer(st)
     d.err = ctypes.pointer(err)
+    d.tensor_layout = config.tensor_layout()
     t0 = time.perf_counter()
     with build.lock:
         if build.pre.constants:
@@ -391,6 +397,12 @@ def launch(fn: KernelFunction, args, *, grid, threadgroup, threadgroup_memory, o
     seconds = time.perf_counter() - t0
     del keep
     if code:
+        if code == rt.E_UNBOUND:  # name the argument
+            p = next((p for p in kernel.params if p.kind == prepass.P_BUFFER and p.index == err.buffer), None)
+            if p is not None:
+                err.msg = (f"{err.msg.decode(errors='replace')}: the kernel uses parameter '{p.name}' "
+                           f"[[buffer({p.index})]], so it must be bound (pass it as positional argument {p.index} "
+                           f"or buffers={{{p.index}: ...}})").encode()[:2047]
         raise _make_error(build, kname, err, code)
     return _recorded(LaunchStats(
         threadgroups=st.threadgroups, threads=st.threads,

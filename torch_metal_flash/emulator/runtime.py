@@ -11,7 +11,7 @@ from ..caches import LRU
 
 MTL_MAX_BUFFERS = 64
 MTL_MAX_TG_PARAMS = 32
-MTL_ABI_VERSION = 5
+MTL_ABI_VERSION = 6
 B_COUNT = 16
 
 
@@ -48,11 +48,15 @@ class Launch(ctypes.Structure):
                 ("order", ctypes.c_int32), ("checked", ctypes.c_int32), ("seed", ctypes.c_uint64),
                 ("timeout_s", ctypes.c_double), ("nbind", ctypes.c_int32), ("binds", ctypes.POINTER(Binding)),
                 ("tg_param_bytes", ctypes.c_uint64 * MTL_MAX_TG_PARAMS), ("max_workers", ctypes.c_int32),
-                ("stats", ctypes.POINTER(Stats)), ("err", ctypes.POINTER(Error))]
+                ("stats", ctypes.POINTER(Stats)), ("err", ctypes.POINTER(Error)), ("tensor_layout", ctypes.c_int32)]
+
+
+# cooperative-tensor layouts of tensor ops (MtlTensorLayout)
+LAYOUT_APPLE10, LAYOUT_APPLE8 = 0, 1
 
 
 E_OK, E_GENERIC, E_DIVERGENT_BARRIER, E_MMA_DIVERGENCE, E_OUT_OF_BOUNDS, E_TG_MEMORY, E_RACE, E_TIMEOUT, \
-    E_CRASH, E_BAD_LAUNCH, E_FPE, E_COLLECTIVE, E_MISALIGNED = range(13)
+    E_CRASH, E_BAD_LAUNCH, E_FPE, E_COLLECTIVE, E_MISALIGNED, E_UNBOUND = range(14)
 
 _rt = None
 _rt_lock = threading.Lock()

@@ -14,9 +14,12 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .. import core, ops, reference  # noqa: F401  (ops registers torch.ops.metal_flash)
-from . import stock
-from ..problem import checks, philox
+import torch_metal_flash.core as core  # noqa: F401  (ops registers torch.ops.metal_flash)
+import torch_metal_flash.ops as ops
+import torch_metal_flash.reference as reference
+import torch_metal_flash.faces.stock as stock
+import torch_metal_flash.problem.checks as checks
+import torch_metal_flash.problem.philox as philox
 from ..problem.quant import QuantizedTensor, flat_format
 from ..problem.spec import stats_dtype
 
@@ -139,6 +142,13 @@ def sdpa_checked(query, key, value, attn_mask, checked):
 
 
 _SDPA_CHECKED = checks.Memo("checks.sdpa")
+
+
+def kernels_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """``tmf.scaled_dot_product_attention`` on the kernels whatever the class's route (what the
+    tuner, the doctor and bench/timing.py compare with torch)."""
+    checked = _sdpa_checks(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    return sdpa_checked(query, key, value, attn_mask, checked)
 
 
 def _sdpa_checks(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):

@@ -26,9 +26,9 @@ from typing import Optional, Union
 
 import torch
 
-from .. import ops  # noqa: F401  (ops registers torch.ops.metal_flash)
+import torch_metal_flash.ops as ops  # noqa: F401  (ops registers torch.ops.metal_flash)
 from ..planner.kvcache import KvCacheProblem
-from ..problem import checks
+import torch_metal_flash.problem.checks as checks
 from ..reference.kvcache import Geometry, apply_rotary, check_rotary_length, check_seqlens
 
 __all__ = ["flash_attn_with_kvcache", "apply_rotary"]

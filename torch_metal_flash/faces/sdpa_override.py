@@ -58,9 +58,10 @@ from typing import Iterator, Optional
 
 import torch
 
-from .. import backends, ops
-from ..problem import checks
-from . import stock
+import torch_metal_flash.backends as backends
+import torch_metal_flash.ops as ops
+import torch_metal_flash.problem.checks as checks
+import torch_metal_flash.faces.stock as stock
 from .functional import _as_4d, _sdpa_checks, mask_as_4d, scaled_dot_product_attention, sdpa_checked
 
 __all__ = ["enable_sdpa", "disable_sdpa", "sdpa_override", "sdpa_stats", "reset_sdpa_stats", "is_sdpa_enabled"]
@@ -196,7 +197,7 @@ def _device_reason(device: torch.device) -> Optional[str]:
     if device.type == "mps":
         if name not in ("auto", "metal"):
             return f"backend {name!r} selected for MPS tensors"
-        from ..backends import metal
+        import torch_metal_flash.backends.metal as metal
         return metal.unavailable_reason(device)
     if device.type == "cpu":
         mode = _cpu_mode()

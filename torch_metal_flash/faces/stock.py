@@ -15,9 +15,11 @@ from typing import Optional
 
 import torch
 
-from .. import backends, ops, tuning
+import torch_metal_flash.backends as backends
+import torch_metal_flash.ops as ops
+import torch_metal_flash.tuning as tuning
 from ..planner.decode import DECODE_MAX_GROUP_ROWS, DECODE_MIN_SEQLEN_K
-from ..problem import checks
+import torch_metal_flash.problem.checks as checks
 from ..problem.quant import QuantizedTensor
 from ..tuning.stock import STOCK, original_sdpa
 
@@ -74,11 +76,3 @@ def run_torch(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
     """torch's own SDPA on the call's arguments, counted as a run of ``"torch"``."""
     backends.record_run(STOCK)
     return original_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
-
-
-def kernels_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    """``tmf.scaled_dot_product_attention`` on the kernels whatever the class's route (what the
-    tuner, the doctor and bench/timing.py compare with torch)."""
-    from .functional import _sdpa_checks, sdpa_checked
-    checked = _sdpa_checks(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    return sdpa_checked(query, key, value, attn_mask, checked)

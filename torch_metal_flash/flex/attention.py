@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention import flex_attention as torch_flex
 
-from . import hop
+import torch_metal_flash.flex.hop as hop
 from .blocks import check_block_mask
 
 _LN2 = math.log(2.0)

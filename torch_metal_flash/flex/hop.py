@@ -35,10 +35,10 @@ from torch._C import DispatchKey
 from torch._higher_order_ops.flex_attention import flex_attention as flex_attention_hop
 from torch._subclasses.fake_tensor import FakeTensor
 
-from .. import backends
+import torch_metal_flash.backends as backends
 from ..planner.tiles import DTYPE_NAMES, MAX_HEAD_DIM
 from ..problem.layout import empty_in_layout
-from . import lowering
+import torch_metal_flash.flex.lowering as lowering
 from .blocks import kernel_lists
 from .reference import dense_flex_attention
 
@@ -163,15 +163,18 @@ def run(query, key, value, score_mod, block_mask: tuple, scale: float, score_buf
                                       _buffers(mask_mod, mask_buffers, 4))
             except backends.UnsupportedError as e:
                 reason = f"FlexAttention: {e}"
-    if mods is None:
-        if reason is not None:
-            backends.fallback(reason)
-        out, lse = dense_flex_attention(query, key, value, score_mod, mask_mod, scale, True, score_buffers,
-                                        mask_buffers)
-        return _outputs(empty_in_layout(query, value.shape[-1]).copy_(out), lse.float())
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
-    lists, blocks = kernel_lists(block_mask)
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *captured))
-    out, lse, _ = torch.ops.metal_flash.flex_fwd(q, k, v, mods.header, captured, lists, blocks, float(scale),
-                                                 needs_grad)
-    return _outputs(out, torch.where(lse == math.inf, -math.inf, lse))  # the kernels' empty rows: torch's -inf
+    if mods is not None:
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+        lists, blocks = kernel_lists(block_mask)
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *captured))
+        try:
+            out, lse, _ = torch.ops.metal_flash.flex_fwd(q, k, v, mods.header, captured, lists, blocks, float(scale),
+                                                         needs_grad)
+            return _outputs(out, torch.where(lse == math.inf, -math.inf, lse))  # the kernels' empty rows: -inf
+        except backends.KernelsUnavailable as e:  # no kernel can be built for the call
+            reason = f"FlexAttention: {e.reason}" if not e.reason.startswith("FlexAttention") else e.reason
+    if reason is not None:
+        backends.fallback(reason)
+    out, lse = dense_flex_attention(query, key, value, score_mod, mask_mod, scale, True, score_buffers,
+                                    mask_buffers)
+    return _outputs(empty_in_layout(query, value.shape[-1]).copy_(out), lse.float())

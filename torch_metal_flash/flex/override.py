@@ -25,7 +25,7 @@ from typing import Iterator
 import torch
 from torch.nn.attention import flex_attention as torch_flex
 
-from .. import backends
+import torch_metal_flash.backends as backends
 from .attention import flex_attention
 
 _original = torch_flex.flex_attention

@@ -57,8 +57,8 @@ from typing import Optional
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..faces import functional
-from ..problem import checks
+import torch_metal_flash.faces.functional as functional
+import torch_metal_flash.problem.checks as checks
 from ..problem.quant import QuantizedTensor
 
 __all__ = ["NAME", "register", "set_attention", "metal_sdpa_attention_forward", "QuantizedKVCache"]
@@ -279,6 +279,6 @@ def set_attention(model, name: str = NAME):
 def __getattr__(name: str):
     # The cache class subclasses transformers' Cache: imported on first use only.
     if name in ("QuantizedKVCache", "QuantizedKVLayer"):
-        from . import quantized_cache
+        import torch_metal_flash.integrations.quantized_cache as quantized_cache
         return getattr(quantized_cache, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 
 from .._paths import csrc_dir
-from ..emulator import compiler as emc
+import torch_metal_flash.emulator.compiler as emc
 from ..emulator.errors import CompilerNotFoundError
-from . import targets
+import torch_metal_flash.native.targets as targets
 
 
 def _compiler_argv(target: targets.Target) -> list:

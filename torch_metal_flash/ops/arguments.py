@@ -7,7 +7,7 @@ import inspect
 
 import torch
 
-from ..problem import checks
+import torch_metal_flash.problem.checks as checks
 from ..problem.spec import AttentionSpec, make_spec
 
 

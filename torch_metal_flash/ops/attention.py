@@ -7,11 +7,14 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import backends, core, planner, reference
+import torch_metal_flash.backends as backends
+import torch_metal_flash.core as core
+import torch_metal_flash.planner as planner
+import torch_metal_flash.reference as reference
 from ..planner.plan import Unsupported
 from ..problem.layout import empty_in_layout
 from ..problem.spec import AttentionSpec, aux_width, stats_dtype
-from . import paged
+import torch_metal_flash.ops.paged as paged
 from .arguments import check_args, check_dropout_varlen, check_index_values, schema_args, spec_of
 
 

@@ -14,7 +14,11 @@ gradient), ``captured`` the tensors it reads, in its order; ``lists`` the
 BlockMask's block lists (int32): the key blocks of each query block -- counts
 (b, h, rows), indices (b, h, rows, cols), then the full ones -- and the query
 blocks of each key block, the same four; ``blocks`` = (query block size, key
-block size, whether the full lists are real).  q, k, v are (B, H, L, D) with a
+block size, whether the full lists are real[, query sub-block size, key sub-block
+size]): with sub-blocks (0: none), each direction's partial index rows are
+followed by as many state words, 2 bits per sub-block of the listed block (0
+hidden, 1 mask_mod, 2 visible; sub-block r of the row block and c of the listed
+block at bits 2 (r * per_row + c)).  q, k, v are (B, H, L, D) with a
 contiguous last dim, Hq a multiple of Hkv.  ``out`` is laid out like q, ``lse``
 (B, Hq, Lq) float32 is +inf for a row that sees no key (whose output is 0),
 ``aux`` the backward's row state when ``return_aux`` (else empty).
@@ -33,8 +37,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import backends
-from ..planner import flex as flex_planner
+import torch_metal_flash.backends as backends
+import torch_metal_flash.planner.flex as flex_planner
 from ..planner.plan import Unsupported
 from ..problem.layout import empty_in_layout
 from ..problem.spec import aux_width, make_spec
@@ -56,9 +60,9 @@ def _check(q: Tensor, k: Tensor, v: Tensor, mods: str, captured, lists, blocks) 
     meta = _meta(mods)
     if len(captured) != meta["captured"]:
         raise ValueError(f"metal_flash.flex: mods read {meta['captured']} captured tensors, got {len(captured)}")
-    if len(lists) != 8 or len(blocks) != 3:
+    if len(lists) != 8 or len(blocks) not in (3, 5):
         raise ValueError("metal_flash.flex: lists must be the 8 block-list tensors and blocks (q_block, kv_block, "
-                         f"has_full), got {len(lists)} and {len(blocks)}")
+                         f"has_full[, q_sub, kv_sub]), got {len(lists)} and {len(blocks)}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4 or t.stride(-1) != 1:
             raise ValueError(f"metal_flash.flex: {name} must be a 4-D (B, H, L, D) tensor with a contiguous last "
@@ -96,17 +100,17 @@ def _bound(t: Tensor) -> Tensor:
 def _plan_inputs(mods: str, captured, lists, blocks):
     meta = _meta(mods)
     m = flex_planner.Mods(mods, tuple(_bound(t) for t in captured), tuple((b, w) for b, w in meta["reads"]))
-    q_block, kv_block, has_full = (int(x) for x in blocks)
+    q_block, kv_block, has_full, q_sub, kv_sub = (int(x) for x in (*blocks, 0, 0)[:5])
     full = (lambda t: t) if has_full else (lambda t: None)  # noqa: E731
     kv_num, kv_idx, fkv_num, fkv_idx, q_num, q_idx, fq_num, fq_idx = lists
-    by_query = flex_planner.Lists(q_block, kv_block, kv_num, kv_idx, full(fkv_num), full(fkv_idx))
-    by_key = flex_planner.Lists(kv_block, q_block, q_num, q_idx, full(fq_num), full(fq_idx))
+    by_query = flex_planner.Lists(q_block, kv_block, kv_num, kv_idx, full(fkv_num), full(fkv_idx), q_sub, kv_sub)
+    by_key = flex_planner.Lists(kv_block, q_block, q_num, q_idx, full(fq_num), full(fq_idx), kv_sub, q_sub)
     return m, by_query, by_key
 
 
 def _run(backend, plan) -> None:
-    if isinstance(plan, Unsupported):
-        raise RuntimeError(f"torch_metal_flash: FlexAttention planning failed: {plan}")
+    if isinstance(plan, Unsupported):  # e.g. a kernel that cannot be built: the face falls back
+        raise backends.KernelsUnavailable(plan.reason)
     backend.run(plan)
     backends.record_run(backend.name)
 

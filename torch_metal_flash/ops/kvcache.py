@@ -6,11 +6,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import core
+import torch_metal_flash.core as core
 from ..planner.kvcache import KvCacheProblem, plan_kvcache
 from ..problem.quant import from_flat
 from ..problem.spec import stats_dtype
-from ..reference import kvcache as kvcache_reference
+import torch_metal_flash.reference.kvcache as kvcache_reference
 
 
 def _kvcache_buffers(q: Tensor, head_dim_v: int):

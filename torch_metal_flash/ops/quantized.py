@@ -7,7 +7,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import core, planner, reference
+import torch_metal_flash.core as core
+import torch_metal_flash.planner as planner
+import torch_metal_flash.reference as reference
 from ..problem.quant import from_flat
 from ..problem.spec import AttentionSpec
 from .arguments import check_args, problem_spec

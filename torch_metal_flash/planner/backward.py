@@ -34,9 +34,9 @@ from typing import Optional, Union
 
 import torch
 
-from ..problem import philox
+import torch_metal_flash.problem.philox as philox
 from ..problem.spec import AttentionSpec
-from . import choice
+import torch_metal_flash.planner.choice as choice
 from .backward_tiles import (DSINKS_KERNEL, DSINKS_THREADS, PRE_ROWS_PER_GROUP, PRE_THREADS, BackwardTiles,
                              backward_candidates, backward_tiles)
 from .forward import (MASK_KINDS, _last_dim_contiguous, check_aux, check_problem, effective_band, max_seqlens,

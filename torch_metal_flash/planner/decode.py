@@ -36,8 +36,8 @@ import torch
 
 from ..problem.quant import QuantizedTensor
 from ..problem.spec import AttentionSpec
-from . import choice
-from . import kvformat
+import torch_metal_flash.planner.choice as choice
+import torch_metal_flash.planner.kvformat as kvformat
 from .kvformat import MIXED_KV_DTYPES
 from .limits import PipelineInfo, first_fitting
 from .plan import Launch, Plan, Unsupported
@@ -230,29 +230,33 @@ def row_blocking(rows: int, cap: int = MAX_ROWS_PER_TG) -> tuple[int, int]:
 
 
 def choose_splits(batch: int, kv_heads: int, row_blocks: int, max_seqlen_k: int, bk: int,
-                  gpu_cores: int = DEFAULT_GPU_CORES, head_dim: int = 128, elem_size: int = 2,
-                  group_rows: int = 4) -> int:
+                  gpu_cores: int = DEFAULT_GPU_CORES, key_bytes: int = 512, split_bytes: int = 0) -> int:
     """Split count for ``num_splits=0``.
 
-    Enough threadgroups to fill the GPU (``THREADGROUPS_PER_CORE * gpu_cores``), but
-    each split costs its partials (write + read ``group_rows * (head_dim + 2)``
-    floats per KV head) and a re-read of q, so the count is also capped where that
-    traffic would exceed ``MAX_SPLIT_OVERHEAD`` of the K/V bytes -- never below
-    one threadgroup per core.  At least ``MIN_KEYS_PER_SPLIT`` keys and one tile
-    per split, at most ``MAX_SPLITS``.
+    Enough threadgroups to fill the GPU (``THREADGROUPS_PER_CORE * gpu_cores``, at
+    least one per core), within a byte budget: every split of a KV head's rows
+    writes and the combine reads back its float32 partials and re-reads q
+    (``split_bytes``), and all splits together may cost at most
+    ``MAX_SPLIT_OVERHEAD`` of the K/V bytes (``key_bytes`` per key and KV head).
+    The budget wins over filling the cores: decode is bandwidth-bound, and wide
+    partials (latent attention's 512-wide v over 64 query rows, or a 4-bit cache
+    whose keys are small next to them) would otherwise move more than the K/V.
+    At least ``MIN_KEYS_PER_SPLIT`` keys and one tile per split, at most ``MAX_SPLITS``.
     """
     base = max(1, batch * kv_heads * row_blocks)
     target = THREADGROUPS_PER_CORE * max(1, gpu_cores)
     if base >= target or max_seqlen_k <= MIN_KEYS_PER_SPLIT:
         return 1
-    want = -(-target // base)
-    kv_bytes = 2 * max_seqlen_k * head_dim * elem_size  # per (batch row, KV head)
-    per_split = group_rows * ((head_dim + 2) * 8 + head_dim * elem_size)
-    byte_cap = int(MAX_SPLIT_OVERHEAD * kv_bytes // max(1, per_split))
-    floor = -(-max(1, gpu_cores) // base)
-    want = max(min(want, byte_cap), floor)
+    want = max(-(-target // base), -(-max(1, gpu_cores) // base))
+    budget = int(MAX_SPLIT_OVERHEAD * max_seqlen_k * key_bytes // max(1, split_bytes))
     tiles = max(1, -(-max_seqlen_k // bk))
-    return max(1, min(want, max_seqlen_k // MIN_KEYS_PER_SPLIT, tiles, MAX_SPLITS))
+    return max(1, min(want, budget, max_seqlen_k // MIN_KEYS_PER_SPLIT, tiles, MAX_SPLITS))
+
+
+def split_bytes(q_rows: int, head_dim: int, head_dim_v: int, q_elem_size: int) -> int:
+    """Bytes one split adds per KV head: the float32 partials of its ``q_rows`` rows
+    (``head_dim_v`` outputs + max and sum) written and read back once, and q re-read."""
+    return q_rows * ((head_dim_v + 2) * 4 * 2 + head_dim * q_elem_size)
 
 
 def _check(pb: DecodeProblem) -> Optional[str]:
@@ -353,8 +357,9 @@ def _plan_rows(pb: DecodeProblem, tile: DecodeTile, cap: int, num_splits: int, g
         splits = min(int(num_splits), MAX_SPLITS)
     else:
         # The capacity bounds the keys without reading the lengths from the device (as flash-attn).
-        splits = choose_splits(B, Hkv, row_blocks, pb.capacity, tile.bk, gpu_cores, head_dim=(D + Dv) // 2,
-                               elem_size=kvformat.value_bytes(kc), group_rows=G * Lq)
+        splits = choose_splits(B, Hkv, row_blocks, pb.capacity, tile.bk, gpu_cores,
+                               key_bytes=kvformat.row_bytes(kc) + kvformat.row_bytes(vc),
+                               split_bytes=split_bytes(G * Lq, D, Dv, q.element_size()))
 
     paged = pb.block_table is not None
     # Window sides wider than any (i, j) distance constrain nothing.

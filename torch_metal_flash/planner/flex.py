@@ -33,8 +33,8 @@ import torch
 
 from .._paths import register_generated_source
 from ..problem.spec import AttentionSpec
-from . import backward as bwd_planner
-from . import forward as fwd_planner
+import torch_metal_flash.planner.backward as bwd_planner
+import torch_metal_flash.planner.forward as fwd_planner
 from .backward_tiles import THREADGROUP_BYTES, _ELEM_SIZE, tile_ld
 from .limits import PipelineInfo, plan_misfit
 from .plan import Launch, Plan, Unsupported
@@ -65,7 +65,8 @@ class FlexParams(ctypes.Structure):
     """ctypes mirror of ``flash::FlexParams`` (shaders/flash_flex.h)."""
 
     _fields_ = [(name, ctypes.c_int32) for name in
-                ("row_block", "col_block", "rows", "cols", "batch", "heads", "has_full", "pad_i")]
+                ("row_block", "col_block", "rows", "cols", "batch", "heads", "has_full", "row_sub", "col_sub",
+                 "pad_i")]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,15 +76,18 @@ class Lists:
     row_block: int  # positions per row (the outer loop's)
     col_block: int  # positions per listed block
     num: torch.Tensor       # int32 (batch, heads, rows)
-    idx: torch.Tensor       # int32 (batch, heads, rows, cols)
+    idx: torch.Tensor       # int32 (batch, heads, rows, cols), or with sub-blocks (..., 2 cols): then state words
     full_num: Optional[torch.Tensor]
     full_idx: Optional[torch.Tensor]
+    row_sub: int = 0        # positions per sub-block of a row block (0: none)
+    col_sub: int = 0        # positions per sub-block of a listed block (0: none)
 
     def buffers(self) -> dict:
         p = FlexParams()
         p.row_block, p.col_block = self.row_block, self.col_block
+        p.row_sub, p.col_sub = self.row_sub, self.col_sub
         p.batch, p.heads, p.rows = self.num.shape
-        p.cols = self.idx.shape[-1]
+        p.cols = self.idx.shape[-1] // (2 if self.row_sub or self.col_sub else 1)
         p.has_full = int(self.full_num is not None)
         full_num = self.num if self.full_num is None else self.full_num  # bound, never read
         full_idx = self.idx if self.full_idx is None else self.full_idx

@@ -22,9 +22,9 @@ from typing import Optional, Union
 
 import torch
 
-from ..problem import philox
+import torch_metal_flash.problem.philox as philox
 from ..problem.spec import AttentionSpec, aux_width
-from . import choice
+import torch_metal_flash.planner.choice as choice
 from .limits import PipelineInfo, first_fitting
 from .params import FlashFwdParams
 from .plan import Launch, Plan, Unsupported

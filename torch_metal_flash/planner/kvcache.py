@@ -24,7 +24,7 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 from ..problem.quant import QuantizedTensor, flat_format
-from . import kvformat
+import torch_metal_flash.planner.kvformat as kvformat
 from .decode import DTYPE_NAMES, DecodeProblem, plan_decode
 from .limits import PipelineInfo, first_fitting
 from .plan import Launch, Plan, Unsupported

@@ -97,8 +97,3 @@ def row_bytes(cache: Cache) -> int:
     if not isinstance(cache, QuantizedTensor):
         return cache.shape[-1] * cache.element_size()
     return sum(t.shape[-1] * t.element_size() for t in cache._parts())
-
-
-def value_bytes(cache: Cache) -> float:
-    """Device bytes per cached value (2 for float16; 0.5625 for 4-bit affine with float16 scales, groups of 64)."""
-    return row_bytes(cache) / cache.shape[-1]

@@ -10,6 +10,12 @@ candidate variants in order of preference and keep the first plan whose every
 launch fits, or return :class:`~torch_metal_flash.planner.plan.Unsupported` (the op
 then falls back with the one-time warning).
 
+A kernel that cannot be built at all -- its library fails to compile, or its
+function or pipeline fails to build (a macOS or Xcode release whose compiler
+rejects it) -- is one that does not fit either: ``pipeline_info`` raises
+:class:`KernelBuildError` (the backend remembers it for the process), and the
+planners try the next variant.
+
 Planners stay pure: ``pipeline_info`` is an argument, and ``None`` (no backend,
 e.g. unit tests of a planner) means "no limits known": the first candidate.
 """
@@ -20,6 +26,23 @@ from typing import Callable, Iterable, Mapping, Optional, Union
 from .plan import Launch, Plan, Unsupported
 
 PipelineInfo = Callable[[str, str, Mapping[int, Union[bool, int, float]]], Mapping[str, int]]
+
+STAGES = {"compile": "failed to compile", "function": "failed to specialise", "pipeline": "failed to build its pipeline"}
+
+
+class KernelBuildError(RuntimeError):
+    """A kernel that cannot be built on this backend: at ``stage`` "compile" (its library), "function"
+    (specialising it) or "pipeline" (its pipeline state), with the compiler's ``message``."""
+
+    def __init__(self, kernel: str, stage: str, message: str):
+        self.kernel, self.stage, self.message = kernel, stage, message
+        super().__init__(f"kernel {kernel} {STAGES[stage]}: {message}")
+
+    @property
+    def reason(self) -> str:
+        """One line: the kernel, the stage and the first line of the compiler's message."""
+        first = next((line.strip() for line in self.message.splitlines() if line.strip()), "(no message)")
+        return f"kernel {self.kernel} {STAGES[self.stage]}: {first}"
 
 
 def launch_misfit(launch: Launch, info: Mapping[str, int]) -> Optional[str]:
@@ -37,13 +60,23 @@ def launch_misfit(launch: Launch, info: Mapping[str, int]) -> Optional[str]:
     return None
 
 
-def plan_misfit(plan: Plan, pipeline_info: PipelineInfo) -> Optional[str]:
-    """Why some launch of ``plan`` exceeds its pipeline's limits, or None."""
+def _why_not(plan: Plan, pipeline_info: PipelineInfo) -> tuple[Optional[str], bool]:
+    """(why some launch of ``plan`` cannot run, or None; whether because its kernel cannot be built)."""
     for launch in plan.launches:
-        why = launch_misfit(launch, pipeline_info(launch.source, launch.kernel, launch.function_constants))
+        try:
+            info = pipeline_info(launch.source, launch.kernel, launch.function_constants)
+        except KernelBuildError as e:
+            return e.reason, True
+        why = launch_misfit(launch, info)
         if why is not None:
-            return why
-    return None
+            return why, False
+    return None, False
+
+
+def plan_misfit(plan: Plan, pipeline_info: PipelineInfo) -> Optional[str]:
+    """Why some launch of ``plan`` cannot run -- its kernel cannot be built, or it exceeds its
+    pipeline's limits -- or None."""
+    return _why_not(plan, pipeline_info)[0]
 
 
 def first_fitting(candidates: Iterable[Union[Plan, Unsupported]],
@@ -51,14 +84,19 @@ def first_fitting(candidates: Iterable[Union[Plan, Unsupported]],
     """The first candidate plan whose launches all fit (candidates are built lazily,
     most preferred first).  An :class:`Unsupported` candidate ends the search: its
     reason does not depend on the variant."""
-    first_misfit = None
+    misfit = unbuilt = None
     for plan in candidates:
         if isinstance(plan, Unsupported) or pipeline_info is None:
             return plan
-        why = plan_misfit(plan, pipeline_info)
+        why, cannot_build = _why_not(plan, pipeline_info)
         if why is None:
             return plan
-        first_misfit = first_misfit or why
-    if first_misfit is None:
+        if cannot_build:
+            unbuilt = unbuilt or why
+        else:
+            misfit = misfit or why
+    if unbuilt is not None:  # a kernel that cannot be built says more than another variant's limits
+        return Unsupported(f"no kernel variant can run here: {unbuilt}")
+    if misfit is None:
         return Unsupported("no kernel variant for this configuration")
-    return Unsupported(f"no kernel variant fits the pipeline limits: {first_misfit}")
+    return Unsupported(f"no kernel variant fits the pipeline limits: {misfit}")

@@ -12,8 +12,12 @@ import dataclasses
 import itertools
 from typing import Iterator
 
-from . import backward, decode, forward, kvcache, tiles
-from . import backward_tiles as backward_tiles_module
+import torch_metal_flash.planner.backward as backward
+import torch_metal_flash.planner.decode as decode
+import torch_metal_flash.planner.forward as forward
+import torch_metal_flash.planner.kvcache as kvcache
+import torch_metal_flash.planner.tiles as tiles
+import torch_metal_flash.planner.backward_tiles as backward_tiles_module
 from .backward_tiles import DSINKS_KERNEL, DSINKS_THREADS, PRE_THREADS, backward_tiles, backward_variants
 from .tiles import DTYPE_NAMES, forward_variants
 

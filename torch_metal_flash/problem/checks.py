@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .. import caches
+import torch_metal_flash.caches as caches
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

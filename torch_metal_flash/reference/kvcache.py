@@ -17,6 +17,8 @@ from typing import Optional
 import torch
 
 from ..problem.quant import QuantizedTensor, quantize
+from ..problem.spec import make_spec
+from .attention import forward as attention_forward
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
@@ -190,37 +192,28 @@ def _plain(t):
     return t.dequantize() if isinstance(t, QuantizedTensor) else t
 
 
+def _attention(q, k, v, alibi, scale, diag_offset, left, right, softcap):
+    """(out, lse) of (B, H, L, D) views, by the reference path's own attention (:mod:`.attention`):
+    plain PyTorch, the band as :meth:`AttentionSpec.visible` defines it."""
+    return attention_forward(make_spec(q, k, v, None, alibi, None, scale=scale, diag_offset=diag_offset,
+                                       window_left=left, window_right=right, softcap=softcap))
+
+
 def _attend(g: Geometry, ix: HostIndices, q, k_cache, v_cache, alibi, scale, left, right, softcap):
-    """(out, lse) through the metal_flash.fwd op, per row geometry: contiguous caches
-    are viewed (a bool mask carries ragged lengths), paged ones gathered per row."""
+    """(out, lse) per row geometry: contiguous caches of one span for every row are viewed
+    whole, other rows (ragged spans, paged caches, cache_batch_idx) one at a time."""
     B, Lq, Hq, D = q.shape
     dev = q.device
     starts, ends = ix.leftpad, ix.seqlens + g.seqlen_new
     if B == 0:
         return torch.empty_like(q), torch.empty((0, Hq, Lq), dtype=torch.float32, device=dev)
     uniform = bool((starts == starts[0]).all() and (ends == ends[0]).all())
-    contiguous = not g.paged and ix.batch_idx is None
     qt = q.transpose(1, 2)  # (B, Hq, Lq, D) view
-    if contiguous and (uniform or alibi is None):
-        s0, e0 = int(starts.min()), int(ends.max())
+    if uniform and not g.paged and ix.batch_idx is None:
+        s0, e0 = int(starts[0]), int(ends[0])
         kt = _plain(k_cache[:B, s0:e0]).transpose(1, 2)
         vt = _plain(v_cache[:B, s0:e0]).transpose(1, 2)
-        if uniform:
-            out, lse, _ = torch.ops.metal_flash.fwd(qt, kt, vt, None, alibi, None, scale, (e0 - s0) - Lq, left,
-                                                    right, softcap, False)
-        else:
-            # Ragged rows: the band of each row relative to its own [start, end), as a bool mask.
-            j = torch.arange(s0, e0)[None, None, :]  # absolute positions
-            i = torch.arange(Lq)[None, :, None]
-            st, en = starts[:, None, None], ends[:, None, None]
-            rel = j - st - (i + (en - st) - Lq)
-            vis = ((j >= st) & (j < en)).expand(B, Lq, e0 - s0).clone()
-            if left >= 0:
-                vis &= rel >= -left
-            if right >= 0:
-                vis &= rel <= right
-            mask = vis[:, None].to(dev)  # (B, 1, Lq, span)
-            out, lse, _ = torch.ops.metal_flash.fwd(qt, kt, vt, mask, None, None, scale, 0, -1, -1, softcap, False)
+        out, lse = _attention(qt, kt, vt, alibi, scale, (e0 - s0) - Lq, left, right, softcap)
         return out.transpose(1, 2), lse
     # Per batch row: a view of the contiguous cache row, or a gather of the pages.
     outs, lses = [], []
@@ -235,8 +228,8 @@ def _attend(g: Geometry, ix: HostIndices, q, k_cache, v_cache, alibi, scale, lef
             row = int(ix.batch_idx[b]) if ix.batch_idx is not None else b
             kb, vb = _plain(k_cache[row:row + 1, s:e]), _plain(v_cache[row:row + 1, s:e])
         al = alibi[b:b + 1] if alibi is not None else None
-        out, lse, _ = torch.ops.metal_flash.fwd(qt[b:b + 1], kb.transpose(1, 2), vb.transpose(1, 2), None, al,
-                                                None, scale, (e - s) - Lq, left, right, softcap, False)
+        out, lse = _attention(qt[b:b + 1], kb.transpose(1, 2), vb.transpose(1, 2), al, scale, (e - s) - Lq, left,
+                              right, softcap)
         outs.append(out.transpose(1, 2))
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses)

@@ -9,7 +9,10 @@
   a process group of spawned gloo processes to run them), ``fuzz_problems`` (whole problems
   of every face; needs hypothesis, a test dependency) and ``portable``
   (``torch.randn_like`` / ``Tensor.normal_`` through :func:`randn`).
+* :func:`inject_faults`: kernels that fail to compile or to build their pipeline, on
+  purpose (the doctor checks the fallback with it).
 """
+from .faults import inject_faults
 from .oracle import (FLOOR_ROUNDINGS, GRAD_NAMES, SATURATED, UNIT_ROUNDOFF, Arith, Attention, allowed_error,
                      assert_matches_oracle, backward_reference, check_backward, check_forward, error_budget,
                      forward_reference, generator_keep_mask, grad_errors, plain_attention, randn)
@@ -17,5 +20,5 @@ from .oracle import (FLOOR_ROUNDINGS, GRAD_NAMES, SATURATED, UNIT_ROUNDOFF, Arit
 __all__ = [
     "FLOOR_ROUNDINGS", "GRAD_NAMES", "SATURATED", "UNIT_ROUNDOFF", "Arith", "Attention", "allowed_error",
     "assert_matches_oracle", "backward_reference", "check_backward", "check_forward", "error_budget",
-    "forward_reference", "generator_keep_mask", "grad_errors", "plain_attention", "randn",
+    "forward_reference", "generator_keep_mask", "grad_errors", "inject_faults", "plain_attention", "randn",
 ]

@@ -14,7 +14,7 @@ from torch_metal_flash._paths import shaders_dir
 from torch_metal_flash.problem.layout import empty_in_layout
 from torch_metal_flash.planner.plan import Plan
 from torch_metal_flash.problem.spec import AttentionSpec
-from . import forward_cases as fc
+import torch_metal_flash.testing.forward_cases as fc
 from .oracle import check_backward, randn
 
 ORDER_PAIRS = (("forward", "reverse"), ("reverse", "random"), ("random", "forward"))
@@ -62,14 +62,19 @@ def _library(source: str, constants: dict):
     return lib
 
 
-def run_plan(plan: Plan, order: str = "forward", checked: bool = True) -> list:
-    """Run every launch of the plan in order; returns the emulator's stats per launch."""
+def run_plan(plan: Plan, order: str = "forward", checked: bool = True, family: Optional[str] = None) -> list:
+    """Run every launch of the plan in order, as the GPU ``family`` it was planned for runs it (its
+    tensor ops' cooperative-tensor layout; None: the emulator's current family); returns the
+    emulator's stats per launch."""
+    from torch_metal_flash import emulator
+
     stats = []
-    for launch in plan.launches:
-        lib = _library(launch.source, launch.function_constants)
-        stats.append(getattr(lib, launch.kernel)(buffers=launch.buffers, grid=launch.grid_threads,
-                                                 threadgroup=launch.threadgroup, order=order,
-                                                 checked=checked))
+    with emulator.settings(family=family):
+        for launch in plan.launches:
+            lib = _library(launch.source, launch.function_constants)
+            stats.append(getattr(lib, launch.kernel)(buffers=launch.buffers, grid=launch.grid_threads,
+                                                     threadgroup=launch.threadgroup, order=order,
+                                                     checked=checked))
     return stats
 
 
@@ -95,7 +100,7 @@ def plan_for(spec, dout, out, aux, dlse=None, compute_dbias=False, family="apple
 def run_backward(spec, dout, out, aux, dlse=None, compute_dbias=False, order="forward", checked=True,
                  family="apple8"):
     plan, grads = plan_for(spec, dout, out, aux, dlse, compute_dbias, family)
-    stats = run_plan(plan, order=order, checked=checked)
+    stats = run_plan(plan, order=order, checked=checked, family=family)
     return grads, stats
 
 

@@ -9,7 +9,7 @@ import torch
 
 from torch_metal_flash import backends
 from torch_metal_flash.faces.kvcache import flash_attn_with_kvcache
-from . import kvcache_oracle
+import torch_metal_flash.testing.kvcache_oracle as kvcache_oracle
 from .oracle import assert_matches_oracle
 
 

@@ -96,7 +96,7 @@ from typing import Optional
 
 import torch
 
-from ..problem import philox
+import torch_metal_flash.problem.philox as philox
 from ..problem.spec import AttentionSpec
 
 UNIT_ROUNDOFF = {torch.float64: 2.0 ** -53, torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11,

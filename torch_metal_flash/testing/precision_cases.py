@@ -8,7 +8,7 @@ import dataclasses
 import torch
 
 from torch_metal_flash.problem.spec import make_spec
-from . import backward_cases as bk
+import torch_metal_flash.testing.backward_cases as bk
 from .oracle import backward_reference, randn
 
 SWEEP_SHAPES = {

@@ -39,9 +39,9 @@ DTYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16
 
 def current_family() -> str:
     """The GPU family the current device plans with: the Metal backend's on a Mac, else the emulator's."""
-    from .. import backends
+    import torch_metal_flash.backends as backends
     if torch.backends.mps.is_available():
-        from ..backends import metal
+        import torch_metal_flash.backends.metal as metal
         if metal.unavailable_reason(torch.device("mps")) is None:
             return backends.instance("metal").family
     return backends.instance("emulator").family
@@ -84,7 +84,7 @@ def use(op: str, variant: str) -> Iterator[None]:
         raise ValueError(f"tuning.use: {variant!r} is not a variant of {op!r}; valid variants: "
                          f"{STOCK!r} (torch's own SDPA), {', '.join(sorted(parts))}")
     global _forcing_stock, _stock_hint
-    from .. import core
+    import torch_metal_flash.core as core
     core.load()  # the plan cache keys on the forced variants from the first call on
     before = _forced()
     _local.forced = {**before, (op, parts.get(variant, "route")): variant}
@@ -113,7 +113,7 @@ _generation = 0
 
 
 def _thread_state() -> tuple:
-    from ..emulator import config
+    import torch_metal_flash.emulator.config as config
     family = config.family_override()
     state = tuple(sorted(_forced().items()))
     return state + ((("emulator-family", family),) if family else ())
@@ -121,7 +121,7 @@ def _thread_state() -> tuple:
 
 def sync_thread() -> None:
     """Tell the C++ plan cache which forced variants / emulator family this thread plans with."""
-    from .. import core
+    import torch_metal_flash.core as core
     state = _thread_state()
     with _tokens_lock:
         token = _tokens.setdefault(state, len(_tokens))
@@ -139,7 +139,7 @@ def state_key() -> tuple:
 def _bump() -> None:
     """The cache's contents changed: plans made before may pick other variants."""
     global _generation, _stock_hint
-    from .. import core
+    import torch_metal_flash.core as core
     _generation += 1
     _stock_hint = None
     if core.loaded():
@@ -436,7 +436,7 @@ def tune(problems, *, timer: Optional[Callable] = None, cache=None, progress: Op
     ``torch_peak_bytes`` and ``working_set_bytes``."""
     timer = timer or gpu_timer()
     device = torch.device("mps") if torch.backends.mps.is_available() else torch.device("cpu")
-    from .. import backends
+    import torch_metal_flash.backends as backends
     backend_name = "metal" if device.type == "mps" else "emulator"
     steps = []
     here = _family(None)
@@ -501,7 +501,7 @@ def tune(problems, *, timer: Optional[Callable] = None, cache=None, progress: Op
 def _time_stock(op, problem, mine, timer, device, backend_name, c, features) -> None:
     """Time torch's SDPA on a problem whose parts ``mine`` were tuned, record the verdict on
     their results and cache entries (the route of the class)."""
-    from .. import backends
+    import torch_metal_flash.backends as backends
     from . import stock
     if any(r["variant"] is None for r in mine):
         return  # no verified kernel to compare with: the class keeps the kernels' fallback
@@ -538,6 +538,6 @@ def _sync_family(_family: Optional[str]) -> None:
     # the plan cache keys on the family this thread plans with; its cache may hold other routes
     global _stock_hint
     _stock_hint = None
-    from .. import core
+    import torch_metal_flash.core as core
     core.load()
     sync_thread()

@@ -15,7 +15,7 @@ import time
 import torch
 
 from ..planner.tiles import FAMILIES, HEAD_DIM_BUCKETS
-from .. import progress
+import torch_metal_flash.progress as progress
 from . import cache_path, tune, variants
 from .space import OPS
 

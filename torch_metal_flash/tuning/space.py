@@ -55,7 +55,9 @@ def part_variants(op: str, part: str, dtype: torch.dtype, head_dim: int, head_di
 
 @functools.lru_cache(maxsize=4096)
 def _part_variants(op, part, dtype, head_dim, head_dim_v, family) -> tuple:
-    from ..planner import backward_tiles, decode, tiles
+    import torch_metal_flash.planner.backward_tiles as backward_tiles
+    import torch_metal_flash.planner.decode as decode
+    import torch_metal_flash.planner.tiles as tiles
     width = max(head_dim, head_dim_v)
     if width < 1 or width > tiles.MAX_HEAD_DIM:
         return ()

@@ -38,6 +38,39 @@ bool in_segments(Launch* L, uintptr_t a) {
   return false;
 }
 
+// Buffer arguments nothing is bound to point into a reserved, inaccessible range, one slot per index (the
+// pointer in the middle of its slot): the kernel may compute with such a pointer, and an access through it
+// is reported with the argument's index (checked: by the access callback; fast: by the fault handler).
+constexpr uint64_t kUnboundSlot = uint64_t(1) << 33;
+
+char* unbound_base() {
+  static char* base = [] {
+    void* p = mmap(nullptr, kUnboundSlot * MTL_MAX_BUFFERS, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                   -1, 0);
+    return p == MAP_FAILED ? (char*)nullptr : (char*)p;
+  }();
+  return base;
+}
+
+void* unbound_pointer(int index) {
+  char* base = unbound_base();
+  return base ? base + kUnboundSlot * index + kUnboundSlot / 2 : nullptr;
+}
+
+int unbound_index(uintptr_t a) {
+  char* base = unbound_base();
+  if (!base || a < (uintptr_t)base || a >= (uintptr_t)base + kUnboundSlot * MTL_MAX_BUFFERS) return -1;
+  return (int)((a - (uintptr_t)base) / kUnboundSlot);
+}
+
+void unbound_error(Worker* w, int index, int wr, void* pc) {
+  Launch* L = w->L;
+  set_error(w, MTL_E_UNBOUND, w->cur ? (int)w->cur->index : -1, nullptr, 0,
+            "%s through buffer(%d), which is not bound", wr == 1 ? "write" : (wr == 0 ? "read" : "access"), index);
+  L->d->err->buffer = index;
+  L->d->err->pc_offset = pc_offset(pc);
+}
+
 void oob_error(Worker* w, uintptr_t a, size_t size, int wr, void* pc) {
   Launch* L = w->L;
   int64_t off = 0;
@@ -78,6 +111,9 @@ void describe_fault(Worker* w) {
     set_error(w, MTL_E_CRASH, thread, nullptr, 0,
               "stack overflow in a kernel thread (each thread has %zu KiB of stack; large thread-local arrays?)",
               kStackBytes / 1024);
+  } else if ((sig == SIGSEGV || sig == SIGBUS) && unbound_index(a) >= 0) {
+    unbound_error(w, unbound_index(a), w->fault_write, w->fault_pc);
+    return;
   } else if (sig == SIGSEGV || sig == SIGBUS) {
     int region = -1;
     for (size_t r = 0; r < L->regions.size(); r++) {
@@ -153,8 +189,40 @@ void race_error(Worker* w, bool device, const char* space, uint64_t off, int bin
 }
 
 // Returns false (and records the error) on a race.
+// A write by another lane of the same simdgroup, in the same simd epoch, at the same store site: on a GPU
+// the lanes' stores of one step are one SIMD store, so it is no race if every lane stores the same value.
+inline bool simd_store_candidate(const Worker* w, const Shadow& s, uint32_t th, uint32_t sg, uint32_t ep, void* pc) {
+  return s.wpc == pc && s.w.iv == w->iv && s.w.iv >= w->tg_start_iv && !many(s.w.th) && s.w.th != th &&
+         s.w.th / kSimd == sg && s.w.ep == ep;
+}
+
+// A read stamp of this simdgroup in this epoch (read after the lane's own part of a SIMD store).
+inline bool same_simd_step(const Worker* w, Stamp r, uint32_t sg, uint32_t ep) {
+  return r.iv == w->iv && r.th != kManyCross && (many(r.th) ? (r.th & 0x7FFF) == sg : r.th / kSimd == sg) &&
+         r.ep == ep;
+}
+
+// The value check of a same-site store is made once the store has happened (SanitizerCoverage calls back
+// before it): the bytes must be those the other lanes stored.
+bool check_simd_store(Worker* w) {
+  PendingStore& ps = w->pending;
+  if (!ps.mask) return true;
+  uint32_t mask = ps.mask;
+  ps.mask = 0;
+  for (size_t i = 0; i < ps.size; i++)
+    if ((mask >> i & 1) && ((const unsigned char*)ps.a)[i] != ps.old[i]) {
+      race_error(w, ps.device, ps.device ? "device" : "threadgroup", ps.off + i, ps.bindex, true, true, ps.prev,
+                 ps.prev_pc, ps.pc);
+      char* m = w->L->d->err->msg;
+      size_t n = strlen(m);
+      snprintf(m + n, MTL_MSG - n, " (lanes of one simdgroup stored different values at one store site)");
+      return false;
+    }
+  return true;
+}
+
 bool shadow_access(Worker* w, Shadow* sh, size_t size, bool wr, void* pc, bool device, const char* space,
-                   uint64_t off, int bindex) {
+                   uint64_t off, int bindex, uintptr_t a) {
   Fiber* f = w->cur;
   uint32_t th = f->index, sg = f->sg, ep = w->sg_epoch[sg];
   for (size_t i = 0; i < size; i++) {
@@ -163,12 +231,21 @@ bool shadow_access(Worker* w, Shadow* sh, size_t size, bool wr, void* pc, bool d
       if (s.w.iv && s.w.iv < w->tg_start_iv) s.w.iv = 0;
       if (s.r.iv && s.r.iv < w->tg_start_iv) s.r.iv = 0;
     }
-    if (unordered(w, s.w, th, ep, device)) {
+    bool simd_store = wr && size <= sizeof w->pending.old && simd_store_candidate(w, s, th, sg, ep, pc);
+    if (simd_store) {
+      PendingStore& ps = w->pending;
+      if (!ps.mask) {
+        ps.a = a; ps.size = size; ps.device = device; ps.off = off; ps.bindex = bindex; ps.prev = s.w;
+        ps.prev_pc = s.wpc; ps.pc = pc;
+        memcpy(ps.old, (const void*)a, size);
+      }
+      ps.mask |= 1u << i;
+    } else if (unordered(w, s.w, th, ep, device)) {
       race_error(w, device, space, off + i, bindex, wr, true, s.w, s.wpc, pc);
       return false;
     }
     if (wr) {
-      if (unordered(w, s.r, th, ep, device)) {
+      if (unordered(w, s.r, th, ep, device) && !(simd_store && same_simd_step(w, s.r, sg, ep))) {
         race_error(w, device, space, off + i, bindex, true, false, s.r, s.rpc, pc);
         return false;
       }
@@ -203,6 +280,12 @@ bool shadow_access(Worker* w, Shadow* sh, size_t size, bool wr, void* pc, bool d
 __attribute__((noinline)) void slow_access(Worker* w, uintptr_t a, size_t size, bool wr, void* pc) {
   Launch* L = w->L;
   if (!L || L->failed.load(std::memory_order_relaxed)) return;
+  if (!check_simd_store(w)) abort_fiber(w);
+  int unbound = unbound_index(a);
+  if (unbound >= 0) {
+    unbound_error(w, unbound, wr ? 1 : 0, pc);
+    abort_fiber(w);
+  }
   if (wr) w->st.stores++; else w->st.loads++;
   // threadgroup memory
   if (a - (uintptr_t)w->arena < kArenaBytes) {
@@ -211,7 +294,7 @@ __attribute__((noinline)) void slow_access(Worker* w, uintptr_t a, size_t size, 
       if (a >= (uintptr_t)v.ptr && a + size <= (uintptr_t)v.ptr + v.size) {
         if (wr) w->st.tg_written += size; else w->st.tg_read += size;
         uint64_t off = a - (uintptr_t)w->arena;
-        if (!shadow_access(w, w->tg_shadow + off, size, wr, pc, false, "threadgroup", off, -1)) abort_fiber(w);
+        if (!shadow_access(w, w->tg_shadow + off, size, wr, pc, false, "threadgroup", off, -1, a)) abort_fiber(w);
         return;
       }
     }
@@ -230,7 +313,7 @@ __attribute__((noinline)) void slow_access(Worker* w, uintptr_t a, size_t size, 
     else { w->st.device_read += size; w->st.buf_read[B.index] += size; }
     Region& R = L->regions[B.region];
     uint64_t roff = a - (uintptr_t)R.data;
-    if (R.shadow && !shadow_access(w, R.shadow + roff, size, wr, pc, true, "device", a - (uintptr_t)B.dev, B.index))
+    if (R.shadow && !shadow_access(w, R.shadow + roff, size, wr, pc, true, "device", a - (uintptr_t)B.dev, B.index, a))
       abort_fiber(w);
     return;
   }

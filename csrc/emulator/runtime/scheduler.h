@@ -62,10 +62,14 @@ void fiber_main(void* arg) {
   __builtin_trap();
 }
 
+bool check_simd_store(Worker* w);  // race_detector.h
+
 void run_fiber(Worker* w, Fiber* f) {
   f->state = F_RUNNING;
   w->cur = f;
   mtl_fiber_switch(&w->sched_sp, f->sp);
+  if (w->pending.mask && !w->L->failed.load(std::memory_order_relaxed)) check_simd_store(w);
+  w->pending.mask = 0;
   w->cur = nullptr;
   w->st.switches += 2;
 }

@@ -4,13 +4,23 @@
 // (include/, which needs MSL 4.0 and names it mpp); docs/emulator.md
 // "Tensor ops (Metal 4)".
 //
-// Each operand is a cooperative tensor viewed AS STORED (left M x K, or K x M
-// with transpose_left; right K x N, or N x K with transpose_right; destination
-// M x N), split into 16 x 16 fragments in row-major fragment order.  Element
-// e = f * 8 + i of a lane l is in fragment f at
-//   row = ((l >> 2) & 4 | (l >> 1) & 3) + (i >> 2) * 8,  col = ((l >> 2) & 2 | l & 1) * 4 + i % 4
-// (the layout MLX's NAX kernels read and write).  run() is a rendezvous of
-// the 32 lanes, like simdgroup_multiply_accumulate.
+// Which element of which lane holds which entry of an operand depends on the
+// GPU family; the launch says which (MtlLaunch::tensor_layout, from the
+// family the emulator runs as).  Both layouts split an operand into 16 x 16
+// fragments; lane l holds 8 entries of each, in two rows 8 apart.
+// * Apple10 (the layout MLX's NAX kernels read and write): the operand AS
+//   STORED (left M x K, or K x M with transpose_left; right K x N, or N x K
+//   with transpose_right), fragments in row-major order; element
+//   e = f * 8 + i is in fragment f at
+//     row = ((l >> 2) & 4 | (l >> 1) & 3) + (i >> 2) * 8,
+//     col = ((l >> 2) & 2 | l & 1) * 4 + i % 4   (four contiguous columns).
+// * Apple8/9 (PyTorch's MppAttention.h, BaseMPPFrag::get_coord): the operand
+//   in its LOGICAL orientation (left M x K, right K x N, whatever the
+//   transposes); in a fragment the lane holds rows fm, fm + 8 and columns
+//   fn + {0, 1, 8, 9}, fm = ((l >> 4) & 1) * 4 + ((l >> 1) & 3),
+//   fn = ((l >> 3) & 1) * 4 + (l & 1) * 2; elements run along a 16-row strip:
+//   its first row across every fragment (4 per fragment), then its second.
+// run() is a rendezvous of the 32 lanes, like simdgroup_multiply_accumulate.
 #pragma once
 #pragma clang system_header
 
@@ -57,13 +67,25 @@ template <unsigned long D> struct mm_desc {
 template <class T> inline constexpr constant bool tensor_elem_ok =
     __is_same(T, half) || __is_same(T, bfloat) || __is_same(T, float);
 
-// Where element e of lane l is in a Rows x Cols operand (as stored).
-MTL_INLINE void ct_coord(uint lane, int e, int cols, thread int& row, thread int& col) {
-  int f = e / 8, i = e % 8, per_row = cols / 16;
-  row = (f / per_row) * 16 + ((((lane >> 2) & 4) | ((lane >> 1) & 3)) + (i >> 2) * 8);
-  col = (f % per_row) * 16 + (((((lane >> 2) & 2) | (lane & 1)) * 4) + i % 4);
+// Where element e of lane l is in an operand stored as rows x cols; `transposed`: stored transposed to its
+// logical orientation (transpose_left / transpose_right).
+MTL_INLINE void ct_coord(int layout, uint lane, int e, int rows, int cols, bool transposed, thread int& row,
+                         thread int& col) {
+  if (layout == MTL_LAYOUT_APPLE10) {
+    int f = e / 8, i = e % 8, per_row = cols / 16;
+    row = (f / per_row) * 16 + ((((lane >> 2) & 4) | ((lane >> 1) & 3)) + (i >> 2) * 8);
+    col = (f % per_row) * 16 + (((((lane >> 2) & 2) | (lane & 1)) * 4) + i % 4);
+    return;
+  }
+  int lcols = transposed ? rows : cols, per_row = lcols / 16;
+  int strip = e / (8 * per_row), row8 = e % (8 * per_row) / (4 * per_row), f = e % (4 * per_row) / 4, j = e % 4;
+  int r = strip * 16 + (int)(((lane >> 4) & 1) * 4 + ((lane >> 1) & 3)) + row8 * 8;
+  int c = f * 16 + (int)(((lane >> 3) & 1) * 4 + (lane & 1) * 2) + ((j & 1) | (j >> 1) << 3);
+  row = transposed ? c : r;
+  col = transposed ? r : c;
 }
 
+extern "C" int __mtl_rt_tensor_layout(void);
 extern "C" void __mtl_rt_fail(int code, const char* msg, const char* file, uint32_t line);
 
 // A cooperative tensor: the slice of a Rows x Cols operand one lane holds.
@@ -106,12 +128,13 @@ struct cooperative_tensor {
 };
 
 template <class T, int Rows, int Cols>
-MTL_INLINE void gather_ct(MtlCollRec* const* L, const void* MtlCollRec::*field, thread float* m) {
+MTL_INLINE void gather_ct(int layout, bool transposed, MtlCollRec* const* L, const void* MtlCollRec::*field,
+                          thread float* m) {
   for (uint l = 0; l < 32; l++) {
     const thread T* e = (const thread T*)(L[l]->*field);
     for (int i = 0; i < Rows * Cols / 32; i++) {
       int r, c;
-      ct_coord(l, i, Cols, r, c);
+      ct_coord(layout, l, i, Rows, Cols, transposed, r, c);
       m[r * Cols + c] = (float)e[i];
     }
   }
@@ -122,15 +145,16 @@ MTL_INLINE void gather_ct(MtlCollRec* const* L, const void* MtlCollRec::*field, 
 template <unsigned long Desc, class TA, class TB, class TD>
 MTL_RUNTIME_SIDE void op_matmul2d(MtlCollRec* const* L, uint32_t) {
   typedef mm_desc<Desc> G;
+  int layout = __mtl_rt_tensor_layout();
   float a[G::m * G::k], b[G::k * G::n], d[G::m * G::n];
-  gather_ct<TA, G::left_rows, G::left_cols>(L, &MtlCollRec::in, a);
-  gather_ct<TB, G::right_rows, G::right_cols>(L, &MtlCollRec::in2, b);
-  if (G::acc) gather_ct<TD, G::m, G::n>(L, &MtlCollRec::in3, d);
+  gather_ct<TA, G::left_rows, G::left_cols>(layout, G::tl, L, &MtlCollRec::in, a);
+  gather_ct<TB, G::right_rows, G::right_cols>(layout, G::tr, L, &MtlCollRec::in2, b);
+  if (G::acc) gather_ct<TD, G::m, G::n>(layout, false, L, &MtlCollRec::in3, d);
   for (uint l = 0; l < 32; l++) {
     thread TD* out = (thread TD*)L[l]->out;
     for (int e = 0; e < G::m * G::n / 32; e++) {
       int r, c;
-      ct_coord(l, e, G::n, r, c);
+      ct_coord(layout, l, e, G::m, G::n, false, r, c);
       float s = G::acc ? d[r * G::n + c] : 0.0f;
       for (int k = 0; k < G::k; k++) {
         float x = G::tl ? a[k * G::m + r] : a[r * G::k + k];

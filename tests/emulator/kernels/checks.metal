@@ -130,3 +130,43 @@ kernel void packed_device(device const float* x [[buffer(0)]], device float* y [
   const float4 t = v[i];
   y[i] = t.x;
 }
+
+// The lanes of one simdgroup storing at one store site in one step: one SIMD
+// store on the GPU.  The same value is no race; different values, or two
+// simdgroups storing to one address, are.
+kernel void simd_same_value(device float* o [[buffer(0)]], uint sg [[simdgroup_index_in_threadgroup]]) {
+  if (sg == 0) o[0] = 1.0f;  // same value from every lane of simdgroup 0
+}
+kernel void simd_same_value_then_read(device float* o [[buffer(0)]], device float* y [[buffer(1)]],
+                                      uint sg [[simdgroup_index_in_threadgroup]],
+                                      uint lane [[thread_index_in_simdgroup]]) {
+  if (sg == 0) {
+    o[0] = 2.0f;
+    simdgroup_barrier(mem_flags::mem_device);
+    y[lane] = o[0];
+  }
+}
+kernel void simd_different_values(device float* o [[buffer(0)]], uint sg [[simdgroup_index_in_threadgroup]],
+                                  uint lane [[thread_index_in_simdgroup]]) {
+  if (sg == 0) o[0] = float(lane);  // lanes disagree: a race
+}
+kernel void two_simdgroups_same_value(device float* o [[buffer(0)]]) {
+  o[0] = 1.0f;  // the same value, but from two simdgroups: a race
+}
+kernel void threadgroup_same_value(device float* o [[buffer(0)]], uint sg [[simdgroup_index_in_threadgroup]],
+                                   uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float t[1];
+  if (sg == 1) t[0] = 3.0f;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (sg == 0) o[lane] = t[0];
+}
+
+// A buffer argument the kernel never reads needs no binding; one it reads does.
+kernel void unread_buffer(device float* y [[buffer(0)]], device const float* unused [[buffer(1)]],
+                          uint i [[thread_position_in_grid]]) {
+  y[i] = float(i);
+}
+kernel void read_buffer(device float* y [[buffer(0)]], device const float* x [[buffer(1)]],
+                        uint i [[thread_position_in_grid]]) {
+  y[i] = x[i];
+}

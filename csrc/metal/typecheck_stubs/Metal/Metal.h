@@ -84,3 +84,5 @@ typedef NS_ENUM(NSInteger, MTLMathFloatingPointFunctions) { MTLMathFloatingPoint
 @protocol MTLCommandBuffer <NSObject>
 @end
 typedef void (^MTLCommandBufferHandler)(id <MTLCommandBuffer>);
+@interface MTLCaptureManager : NSObject
+@end
