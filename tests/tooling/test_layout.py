@@ -28,7 +28,7 @@ LAYERS = [
     {"faces", "flex", "distributed"},
     {"integrations", "nn"},
     {"diagnostics", "testing"},
-    {"doctor", "__main__", ""},  # "" is the package's __init__
+    {"doctor", "__main__", "_compose", ""},  # "" is the package's __init__
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 # Commands sit on top whatever folder they live in (`python -m torch_metal_flash tune` runs the faces).
@@ -64,6 +64,25 @@ def _layer(dotted: str) -> str:
         return "__main__"
     parts = dotted.split(".")
     return parts[1] if len(parts) > 1 else ""
+
+
+# The slots through which a lower layer calls up: filled in the composition root only.
+UPWARD_SLOTS = {("backends", "mirror_choice_to"), ("backends", "count_runs_from"), ("metal", "run_plans_with"),
+                ("checks", "use_native_signature"), ("core", "when_loaded"), ("config", "on_family_change"),
+                ("choice", "install"), ("tuning", "install_result_check")}
+
+
+def test_upward_callbacks_are_wired_in_the_composition_root_only():
+    wired = []
+    for module, _, path in _modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and isinstance(node.func.value, ast.Name) \
+                    and (node.func.value.id, node.func.attr) in UPWARD_SLOTS:
+                wired.append((module, (node.func.value.id, node.func.attr), node.lineno))
+    elsewhere = [w for w in wired if w[0] != f"{NAME}._compose"]
+    assert not elsewhere, f"wire these in {NAME}/_compose.py: {elsewhere}"
+    assert {w[1] for w in wired} == UPWARD_SLOTS
 
 
 def test_every_module_is_in_a_layer():

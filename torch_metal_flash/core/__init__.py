@@ -37,9 +37,7 @@ import torch
 import torch_metal_flash.backends as backends
 import torch_metal_flash.caches as caches
 import torch_metal_flash.native as native
-import torch_metal_flash.backends.metal as metal
 from ..planner.plan import Plan, Unsupported
-import torch_metal_flash.problem.checks as checks
 
 __all__ = ["CoreOp", "register", "load", "loaded", "plan_cache_info", "plan_cache_clear", "configure_plan_cache",
            "python_body"]
@@ -152,8 +150,6 @@ def load():
                           _emulator_encode)
             for i in range(len(_OPS)):
                 _register_with(ext, i)
-            backends.mirror_choice_to(ext.core.set_thread_backend)
-            checks.use_native_signature(getattr(ext.core, "signature", None))
             transpose_12 = getattr(ext.core, "transpose_12", _transpose_12)
             for hook in _on_load:
                 hook(ext)
@@ -266,9 +262,6 @@ def run_counts(reset: bool = False) -> dict:
         return {}
     return {name: n for name, n in _ext.core.run_counts(reset).items() if n}
 
-
-backends.count_runs_from(run_counts)
-metal.run_plans_with(run_plan)
 
 
 # ---------------------------------------------------------------------------

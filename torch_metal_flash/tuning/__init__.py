@@ -405,7 +405,7 @@ def _runner(problem: dict, device: torch.device, forward_backward: bool = False)
 
 
 # Checks a variant's results on this machine before it is timed: (op, problem, device) -> None, or
-# what differs.  The package installs it (the oracle lives in torch_metal_flash.testing, a layer up).
+# what differs.  torch_metal_flash._compose installs it (the oracle lives in torch_metal_flash.testing, a layer up).
 _result_check: Optional[Callable[[str, dict, torch.device], Optional[str]]] = None
 
 
@@ -532,7 +532,7 @@ def _time_stock(op, problem, mine, timer, device, backend_name, c, features) -> 
         c.entries[key]["stock"] = verdict
 
 
-# ----------------------------------------------------------------------------- hooks into the layers below
+# ----------------------------------------------------------------------------- callbacks (wired by torch_metal_flash._compose)
 
 def _sync_family(_family: Optional[str]) -> None:
     # the plan cache keys on the family this thread plans with; its cache may hold other routes
@@ -541,15 +541,3 @@ def _sync_family(_family: Optional[str]) -> None:
     import torch_metal_flash.core as core
     core.load()
     sync_thread()
-
-
-def _register_hooks() -> None:
-    import torch_metal_flash.core as core
-    import torch_metal_flash.emulator.config as config
-    import torch_metal_flash.planner.choice as choice
-    core.when_loaded(sync_core)
-    config.on_family_change(_sync_family)
-    choice.install(planned)
-
-
-_register_hooks()
