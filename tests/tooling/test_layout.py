@@ -42,9 +42,10 @@ def _modules():
         yield ".".join(parts[:-1] if is_package else parts), is_package, path
 
 
-def _imports(module: str, is_package: bool, path: Path):
-    """Every package module ``module`` imports, at module level or inside functions."""
-    for node in ast.walk(ast.parse(path.read_text())):
+def _imports(module: str, is_package: bool, text: str):
+    """(target, name, line) of every import in ``module``'s source, at module level or inside functions:
+    ``from target import name``, or ``import target`` with name None."""
+    for node in ast.walk(ast.parse(text)):
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = module.split(".") if is_package else module.split(".")[:-1]
@@ -94,7 +95,7 @@ def test_no_module_imports_a_layer_above_its_own():
     known = {m for m, _, _ in _modules()}
     wrong = []
     for module, is_package, path in _modules():
-        for target, name, line in _imports(module, is_package, path):
+        for target, name, line in _imports(module, is_package, path.read_text()):
             if not (target == NAME or target.startswith(NAME + ".")):
                 continue
             full = f"{target}.{name}" if name and f"{target}.{name}" in known else target
@@ -110,7 +111,7 @@ def test_only_the_top_layer_imports_the_package_itself():
     known = {m for m, _, _ in _modules()}
     wrong = [f"{path.relative_to(PACKAGE.parent)}:{line}"
              for module, is_package, path in _modules() if RANK[_layer(module)] < RANK["doctor"]
-             for target, name, line in _imports(module, is_package, path)
+             for target, name, line in _imports(module, is_package, path.read_text())
              if target == NAME and (name is None or f"{NAME}.{name}" not in known)]
     assert not wrong, f"these import the package's __init__ (a cycle): {wrong}"
 
@@ -126,17 +127,8 @@ def import_cycles(modules) -> list[list[str]]:
     graph = {}
     for module, is_package, text in modules:
         out = set()
-        for node in ast.walk(ast.parse(text)):
-            if isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = module.split(".") if is_package else module.split(".")[:-1]
-                    base = base[:len(base) - node.level + 1]
-                    target = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    target = node.module or ""
-                out |= {target} | {f"{target}.{a.name}" for a in node.names}
-            elif isinstance(node, ast.Import):
-                out |= {a.name for a in node.names}
+        for target, name, _ in _imports(module, is_package, text):
+            out |= {target} if name is None else {target, f"{target}.{name}"}
         graph[module] = (out & known) - {module}
     index, low, stack, on_stack, cycles = {}, {}, [], set(), []
 
