@@ -502,17 +502,21 @@ std::shared_ptr<Slot> find_slot(std::unordered_map<std::string, std::shared_ptr<
   return slot;
 }
 
-// Runs `build` for a slot whose mutex the caller holds: a c10::Error it throws
-// is kept in the slot (marked built) and rethrown.
+inline void mark_built(bool& built) { built = true; }
+inline void mark_built(std::atomic<bool>& built) { built.store(true, std::memory_order_release); }
+
+// Runs `build` for a slot whose mutex the caller holds and marks the slot
+// built; a c10::Error it throws is kept in the slot first, then rethrown.
 template <class Slot, class Build>
 void build_or_remember(Slot& slot, Build&& build) {
   try {
     build();
   } catch (const c10::Error& e) {
     slot.error = e.what_without_backtrace();
-    slot.built = true;
+    mark_built(slot.built);
     throw;
   }
+  mark_built(slot.built);
 }
 
 bool file_exists(const std::string& path) {
@@ -542,7 +546,6 @@ void build_library(LibrarySlot& slot, const std::string& dir, const std::string&
       if (lib != nil) {
         slot.library = lib;
         slot.origin = "shaders/" + stem + ".metallib (precompiled, safe math)";
-        slot.built = true;
         return;
       }
       metallib_failure = "; shaders/" + stem + ".metallib did not load: " + ns_error_text(error);
@@ -567,7 +570,6 @@ void build_library(LibrarySlot& slot, const std::string& dir, const std::string&
     slot.library = lib;
     slot.origin = "shaders/" + source + " compiled at run time (MSL " + language + ", math " + math + ")" +
                   metallib_failure;
-    slot.built = true;
   }
 }
 
@@ -609,7 +611,6 @@ std::shared_ptr<KernelSlot> kernel_constants(const std::string& source, const st
     }
     std::sort(slot->constants.begin(), slot->constants.end(),
               [](const KernelSlot::Declared& a, const KernelSlot::Declared& b) { return a.index < b.index; });
-    slot->built = true;
   });
   return slot;
 }
@@ -653,20 +654,12 @@ std::shared_ptr<PipelineSlot> pipeline(const std::string& source, const std::str
     TORCH_CHECK(slot->error.empty(), slot->error);
     return slot;
   }
-  try {
-    build_pipeline(*slot, source, kernel, key, values);
-  } catch (const c10::Error& e) {
-    slot->error = e.what_without_backtrace();
-    slot->built.store(true, std::memory_order_release);
-    throw;
-  }
-  slot->built.store(true, std::memory_order_release);
+  build_or_remember(*slot, [&] { build_pipeline(*slot, source, kernel, key, values); });
   return slot;
 }
 
-void build_pipeline(PipelineSlot& slot_ref, const std::string& source, const std::string& kernel,
+void build_pipeline(PipelineSlot& slot, const std::string& source, const std::string& kernel,
                     const std::string& key, const std::vector<tmf::Constant>& values) {
-  PipelineSlot* slot = &slot_ref;
   id<MTLLibrary> lib = library(source)->library;
   @autoreleasepool {
     MTLFunctionConstantValues* constant_values = [MTLFunctionConstantValues new];
@@ -682,11 +675,11 @@ void build_pipeline(PipelineSlot& slot_ref, const std::string& source, const std
     id<MTLComputePipelineState> pso = [device() newComputePipelineStateWithFunction:fn error:&error];
     TORCH_CHECK(pso != nil, "torch_metal_flash: cannot build the pipeline state of kernel '", kernel, "' (shaders/",
                 source, "):\n", ns_error_text(error));
-    slot->pso = pso;
-    slot->max_threads = pso.maxTotalThreadsPerThreadgroup;
-    slot->thread_width = pso.threadExecutionWidth;
-    slot->static_tg_memory = pso.staticThreadgroupMemoryLength;
-    slot->tg_memory_limit = pso.device.maxThreadgroupMemoryLength;
+    slot.pso = pso;
+    slot.max_threads = pso.maxTotalThreadsPerThreadgroup;
+    slot.thread_width = pso.threadExecutionWidth;
+    slot.static_tg_memory = pso.staticThreadgroupMemoryLength;
+    slot.tg_memory_limit = pso.device.maxThreadgroupMemoryLength;
   }
 }
 
