@@ -132,32 +132,19 @@ def test_the_launchers_tensor_op_probe_runs_as_the_accelerators_do():
 
     import torch
 
+    from support.tensor_layouts import offsets
+
     header = (csrc_dir() / "metal" / "neural_accelerators.h").read_text()
     source = re.search(r'kProbeSource = R"METAL\((.*?)\)METAL"', header, re.S).group(1)
     kernel = re.search(r'kProbeKernel = "(\w+)"', header).group(1)
     lib = emulator.compile_shader(source, name="tensor_op_probe.metal", language_version="4.0", math_mode="safe")
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(16, 16, generator=g).half(), torch.randn(32, 16, generator=g).half()  # b: N x K (transposed)
-    idx_a = _layout_indices(16, 16)
-    idx_b = _layout_indices(32, 16)
+    lanes = lambda rows, cols: offsets([(rows, cols, False)], "apple10").long()  # noqa: E731
     d = torch.zeros(16 * 32)
     with emulator.settings(family="apple10"):
-        lib[kernel](a.flatten()[idx_a], b.flatten()[idx_b], d, grid=32, threadgroup=32)
+        lib[kernel](a.flatten()[lanes(16, 16)], b.flatten()[lanes(32, 16)], d, grid=32, threadgroup=32)
     got = torch.zeros(16 * 32)
-    got[_layout_indices(16, 32)] = d
+    got[lanes(16, 32)] = d
     want = a.double() @ b.double().t()
     assert (got.view(16, 32).double() - want).abs().max() < 1e-2
-
-
-def _layout_indices(rows: int, cols: int):
-    """Row-major offsets, lane by lane, of Apple10's cooperative-tensor layout (docs/emulator.md)."""
-    import torch
-    out = []
-    for lane in range(32):
-        for e in range(rows * cols // 32):
-            f, i = divmod(e, 8)
-            per_row = cols // 16
-            r = (f // per_row) * 16 + (((lane >> 2) & 4) | ((lane >> 1) & 3)) + (i >> 2) * 8
-            c = (f % per_row) * 16 + ((((lane >> 2) & 2) | (lane & 1)) * 4) + i % 4
-            out.append(r * cols + c)
-    return torch.tensor(out)
