@@ -107,6 +107,17 @@ inline void dp_block(thread simdgroup_float8x8* dP, const thread simdgroup_float
   }
 }
 
+// Fragment dd of a simdgroup's 8 K (or V) rows: held in registers, or read from
+// the rows staged in threadgroup memory.
+template <bool STAGED, typename T>
+inline simdgroup_float8x8 row_frag(const thread simdgroup_float8x8* regs, const threadgroup T* rows, int ld, int dd,
+                                   flash::FragCoord fc) {
+  if (!STAGED) return regs[dd];
+  simdgroup_float8x8 m;
+  flash::load_frag(m, rows + dd * 8, ld, fc);
+  return m;
+}
+
 // P = exp(s - m) / l of a visible score with the row's stats (m, 1 / l).
 // s <= m for the forward's own scores; the clamp keeps the exponent finite
 // for any finite score (a finfo.min mask) and for rows with stats (0, 0).
@@ -541,28 +552,18 @@ template <typename T, int BD, int BK, int BQ, int MODE>
           if (kDK) dPt[qq] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
           for (int dd = 0; dd < NF; dd += 2) {
             simdgroup_float8x8 Qt;
-            simdgroup_float8x8 Kd[2];
-            if (kStageKV) {
-              flash::load_frag(Kd[0], Ksg + dd * 8, LD, fc);
-              flash::load_frag(Kd[1], Ksg + dd * 8 + 8, LD, fc);
-            }
             flash::load_frag_t(Qt, Qs + qq * 8 * LD + dd * 8, LD, fc);
             flash::frag_scale(Qt, f.qk_scale);
-            simdgroup_multiply_accumulate(St[qq], kStageKV ? Kd[0] : Kf[kStageKV ? 0 : dd], Qt, St[qq]);
+            simdgroup_multiply_accumulate(St[qq], flash_bwd::row_frag<kStageKV>(Kf, Ksg, LD, dd, fc), Qt, St[qq]);
             flash::load_frag_t(Qt, Qs + qq * 8 * LD + dd * 8 + 8, LD, fc);
             flash::frag_scale(Qt, f.qk_scale);
-            simdgroup_multiply_accumulate(St[qq], kStageKV ? Kd[1] : Kf[kStageKV ? 0 : dd + 1], Qt, St[qq]);
+            simdgroup_multiply_accumulate(St[qq], flash_bwd::row_frag<kStageKV>(Kf, Ksg, LD, dd + 1, fc), Qt, St[qq]);
             if (kDK) {
               simdgroup_float8x8 dOt;
-              simdgroup_float8x8 Vd[2];
-              if (kStageKV) {
-                flash::load_frag(Vd[0], Vsg + dd * 8, LD, fc);
-                flash::load_frag(Vd[1], Vsg + dd * 8 + 8, LD, fc);
-              }
               flash::load_frag_t(dOt, dOs + qq * 8 * LD + dd * 8, LD, fc);
-              simdgroup_multiply_accumulate(dPt[qq], kStageKV ? Vd[0] : Vf[kStageKV ? 0 : dd], dOt, dPt[qq]);
+              simdgroup_multiply_accumulate(dPt[qq], flash_bwd::row_frag<kStageKV>(Vf, Vsg, LD, dd, fc), dOt, dPt[qq]);
               flash::load_frag_t(dOt, dOs + qq * 8 * LD + dd * 8 + 8, LD, fc);
-              simdgroup_multiply_accumulate(p1, kStageKV ? Vd[1] : Vf[kStageKV ? 0 : dd + 1], dOt, p1);
+              simdgroup_multiply_accumulate(p1, flash_bwd::row_frag<kStageKV>(Vf, Vsg, LD, dd + 1, fc), dOt, p1);
             }
           }
           if (kDK) flash::frag_add(dPt[qq], p1);
@@ -884,10 +885,10 @@ FLASH_BWD_DQ_INSTANTIATE(bf16, bfloat, 512, 32, 8)
 // BD 256, split into a dK (MODE 1) and a dV (MODE 2) kernel above.
 FLASH_BWD_DKV_INSTANTIATE(f32, float, 32, 64, 32, 0)
 FLASH_BWD_DKV_INSTANTIATE(f32, float, 64, 64, 32, 0)
-FLASH_BWD_DKV_INSTANTIATE(f32, float, 80, 32, 8, 0)
-FLASH_BWD_DKV_INSTANTIATE(f32, float, 96, 16, 16, 0)
-FLASH_BWD_DKV_INSTANTIATE(f32, float, 128, 16, 8, 0)
-FLASH_BWD_DKV_INSTANTIATE(f32, float, 160, 16, 8, 0)
+FLASH_BWD_DKV_INSTANTIATE(f32, float, 80, 16, 8, 0)
+FLASH_BWD_DKV_INSTANTIATE(f32, float, 96, 16, 8, 0)
+FLASH_BWD_DKV_INSTANTIATE(f32, float, 128, 8, 8, 0)
+FLASH_BWD_DKV_INSTANTIATE(f32, float, 160, 8, 8, 0)
 FLASH_BWD_DKV_INSTANTIATE(f32, float, 192, 8, 8, 0)
 FLASH_BWD_DKV_INSTANTIATE(f32, float, 256, 8, 8, 0)
 FLASH_BWD_DKV_INSTANTIATE(f32, float, 384, 32, 8, 1)
@@ -896,11 +897,11 @@ FLASH_BWD_DKV_INSTANTIATE(f32, float, 512, 32, 8, 1)
 FLASH_BWD_DKV_INSTANTIATE(f32, float, 512, 32, 8, 2)
 FLASH_BWD_DKV_INSTANTIATE(f16, half, 32, 64, 32, 0)
 FLASH_BWD_DKV_INSTANTIATE(f16, half, 64, 64, 32, 0)
-FLASH_BWD_DKV_INSTANTIATE(f16, half, 80, 32, 32, 0)
-FLASH_BWD_DKV_INSTANTIATE(f16, half, 96, 32, 32, 0)
-FLASH_BWD_DKV_INSTANTIATE(f16, half, 128, 32, 16, 0)
-FLASH_BWD_DKV_INSTANTIATE(f16, half, 160, 32, 8, 0)
-FLASH_BWD_DKV_INSTANTIATE(f16, half, 192, 16, 16, 0)
+FLASH_BWD_DKV_INSTANTIATE(f16, half, 80, 32, 16, 0)
+FLASH_BWD_DKV_INSTANTIATE(f16, half, 96, 32, 8, 0)
+FLASH_BWD_DKV_INSTANTIATE(f16, half, 128, 16, 16, 0)
+FLASH_BWD_DKV_INSTANTIATE(f16, half, 160, 16, 8, 0)
+FLASH_BWD_DKV_INSTANTIATE(f16, half, 192, 16, 8, 0)
 FLASH_BWD_DKV_INSTANTIATE(f16, half, 256, 16, 8, 0)
 FLASH_BWD_DKV_INSTANTIATE(f16, half, 384, 32, 8, 1)
 FLASH_BWD_DKV_INSTANTIATE(f16, half, 384, 32, 8, 2)
@@ -908,11 +909,11 @@ FLASH_BWD_DKV_INSTANTIATE(f16, half, 512, 32, 8, 1)
 FLASH_BWD_DKV_INSTANTIATE(f16, half, 512, 32, 8, 2)
 FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 32, 64, 32, 0)
 FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 64, 64, 32, 0)
-FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 80, 32, 32, 0)
-FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 96, 32, 32, 0)
-FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 128, 32, 16, 0)
-FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 160, 32, 8, 0)
-FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 192, 16, 16, 0)
+FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 80, 32, 16, 0)
+FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 96, 32, 8, 0)
+FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 128, 16, 16, 0)
+FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 160, 16, 8, 0)
+FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 192, 16, 8, 0)
 FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 256, 16, 8, 0)
 FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 384, 32, 8, 1)
 FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 384, 32, 8, 2)

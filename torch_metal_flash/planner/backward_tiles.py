@@ -169,11 +169,14 @@ _DKV = {
 }
 _DKV["bf16"] = dict(_DKV["f16"])
 # The fused dK/dV kernel above head dim 64: its K and V rows (2 * BK) and the streamed Q and dO
-# tiles (2 * BQ) share the 32 KiB, hence fewer rows than the split pair's; float32 at 256 fills
-# it with unpadded rows and reads the row statistics from device memory.
+# tiles (2 * BQ) share the threadgroup memory.  As the split pair's tiles, they stay under 20 KiB
+# (room for a second threadgroup) where 16 key rows allow it; float16 at 256 keeps 16 key rows
+# (25 KiB: Q and dO are then streamed as often as by the split pair of 32 rows, which streams
+# them twice), float32 from 160 takes 8 (at 256 the whole 32 KiB, unpadded, the row statistics
+# read from device memory).
 _DKV_FUSED = {
-    "f32": {80: (32, 8), 96: (16, 16), 128: (16, 8), 160: (16, 8), 192: (8, 8), 256: (8, 8)},
-    "f16": {80: (32, 32), 96: (32, 32), 128: (32, 16), 160: (32, 8), 192: (16, 16), 256: (16, 8)},
+    "f32": {80: (16, 8), 96: (16, 8), 128: (8, 8), 160: (8, 8), 192: (8, 8), 256: (8, 8)},
+    "f16": {80: (32, 16), 96: (32, 8), 128: (16, 16), 160: (16, 8), 192: (16, 8), 256: (16, 8)},
 }
 _DKV_FUSED["bf16"] = dict(_DKV_FUSED["f16"])
 
@@ -242,7 +245,7 @@ def dkv_variants(dtype: torch.dtype, head_dim: int, family: str = "apple8") -> l
     t = simd[0]
     if t.mode == 0 and t.bd > REGISTER_KV_MAX_BD:
         out.append(_dkv_tiles(t.dtype, t.bd, (1, 2)))  # the split pair, for Macs where it wins
-    if t.bd in EXTRA_BUCKETS:
+    if t.bd in EXTRA_BUCKETS and t.bk >= 16:
         out.append(tuple(DKVTile(x.dtype, x.bd, x.bk // 2, x.bq, x.mode) for x in simd))
     return list({pair[0].kernel: pair for pair in out}.values())
 
