@@ -208,6 +208,27 @@ def test_emulator_threadgroup_memory_of_the_wide_tiles():
     assert backward_tiles(torch.float32, 512).dq.threadgroup_memory == 32768
 
 
+@pytest.mark.parametrize("case", [
+    # a threadgroup whose last simdgroups own no key (40 keys, 32-row blocks), every score feature
+    dict(dtype="f16", d=80, lq=29, lk=40, masking="window", hq=6, hkv=3, feature="all", layout="blhd", batch=2),
+    dict(dtype="bf16", d=160, lq=33, lk=17, masking="causal_br", hq=4, hkv=1, feature="bias_bcast",
+         layout="bhld", batch=1, dbias=True, dlse=True),
+    dict(dtype="f32", d=256, lq=17, lk=23, masking="diag_neg", hq=2, hkv=2, feature="sinks", layout="blhd",
+         batch=1),
+], ids=case_id)
+def test_fused_dkv_with_staged_rows(case):
+    """The fused dK/dV kernel with its K/V rows in threadgroup memory: partial and empty simdgroups,
+    GQA, masks, bias gradients, sinks, float32's unpadded 32 KiB tile."""
+    assert _backward_tiles_of(case).dkv[0].stages_kv
+    run_and_check(case, orders=("forward", "reverse"))
+
+
+def _backward_tiles_of(case):
+    from torch_metal_flash.planner.backward_tiles import backward_tiles
+    return backward_tiles({"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[case["dtype"]],
+                          case["d"])
+
+
 def test_fused_dkv_up_to_256():
     """One dK/dV kernel up to head dim 256: K and V in registers to 64, staged in threadgroup memory
     above (the emulator's count equals the table's, float32 at 256 the whole 32 KiB); the split pair
