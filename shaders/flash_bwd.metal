@@ -26,12 +26,14 @@
 //     dS = P (dP - delta) (written to dbias when asked), softcap chain rule,
 //     dQ += scale * dS K.  Also writes the zeros of dbias outside the band.
 //  3. flash_bwd_dkv_<dt>_d<BD>_k<BK>_q<BQ>_m<MODE>: grid (ceil(Lk/BK), Hkv, B),
-//     one simdgroup per 8 key rows; K, V and the dK / dV accumulators in
-//     registers; loops over every query head of the GQA group and over the
-//     query blocks of the band, streaming Q and dO tiles (and their stats /
-//     delta) through threadgroup memory (Q pre-scaled as its fragments load).  Every dK / dV row
-//     has exactly one writer.  MODE 0 computes dK and dV, MODE 1 only dK,
-//     MODE 2 only dV (split variants for large head dims, against spills).
+//     one simdgroup per 8 key rows, the dK / dV accumulators in registers;
+//     loops over every query head of the GQA group and over the query blocks
+//     of the band, streaming Q and dO tiles (and their stats / delta) through
+//     threadgroup memory (Q pre-scaled as its fragments load).  Every dK / dV
+//     row has exactly one writer.  MODE 0 computes dK and dV (K and V in
+//     registers up to head dim 64, staged once in threadgroup memory above),
+//     MODE 1 only dK, MODE 2 only dV (a split pair, K and V in registers: the
+//     default above head dim 256, a tuning variant below).
 //  4. flash_bwd_dsinks: one threadgroup per head, a fixed-order reduction
 //     dsinks[h] = -sum_{b,i} exp(sink[h] - m[b,h,i]) / l[b,h,i] * delta[b,h,i].
 //  5. flash_bwd_diag_<dt>_d<BD>_q<BQ>_k<BK> (FlexAttention sources only): the
@@ -58,7 +60,7 @@
 // Function constants (indices: function_constants.h): the forward's FC_ATTN_*
 // ones, which the scores depend on, plus has_dbias and has_dlse.
 // Threadgroup memory per variant: planner/backward_tiles.py and
-// bench/results/backward.md (all <= 17.4 KiB).
+// bench/results/backward.md.
 #include "flash_common.h"
 #include "flash_bwd_params.h"
 #include "flash_flex.h"
@@ -82,6 +84,9 @@ namespace flash_bwd {
 
 // A row's max below this marks a saturated row (see the preprocess kernel).
 constant constexpr float kSaturated = -1.0e37f;
+// Up to this head dim the fused dK/dV kernel holds K and V in registers
+// (planner/backward_tiles.py: REGISTER_KV_MAX_BD).
+constant constexpr int kRegisterKVMaxBD = 64;
 
 // dP = dO V^T for a block of NK * 8 keys: two chains (even / odd head-dim
 // fragments) summed at the end, half the rounding-error growth of one chain over BD.
@@ -100,6 +105,17 @@ inline void dp_block(thread simdgroup_float8x8* dP, const thread simdgroup_float
     }
     flash::frag_add(dP[kk], p1);
   }
+}
+
+// Fragment dd of a simdgroup's 8 K (or V) rows: held in registers, or read from
+// the rows staged in threadgroup memory.
+template <bool STAGED, typename T>
+inline simdgroup_float8x8 row_frag(const thread simdgroup_float8x8* regs, const threadgroup T* rows, int ld, int dd,
+                                   flash::FragCoord fc) {
+  if (!STAGED) return regs[dd];
+  simdgroup_float8x8 m;
+  flash::load_frag(m, rows + dd * 8, ld, fc);
+  return m;
 }
 
 // P = exp(s - m) / l of a visible score with the row's stats (m, 1 / l).
@@ -393,23 +409,33 @@ template <typename T, int BD, int BK, int BQ, int MODE>
 [[kernel]] void flash_bwd_dkv(FLASH_BWD_DKV_ARGS(T)) {
   constexpr int WM = BK / 8;
   constexpr int NT = WM * 32;
-  constexpr int LD = flash::TileLD<T, BD, 2 * BQ>::value;
   constexpr int NF = BD / 8;
   constexpr int NQ = BQ / 8;
-  // The block's row statistics are staged in threadgroup memory where they fit
-  // next to the Q and dO tiles, else read from device memory where used.
-  constexpr bool kStatsStaged = 2 * BQ * LD * int(sizeof(T)) + BQ * 12 <= flash::kThreadgroupBytes;
   constexpr bool kDK = MODE != 2;
   constexpr bool kDV = MODE != 1;
+  // The fused kernel above head dim 64 keeps only the dK and dV accumulators in
+  // registers: its K and V rows wait in threadgroup memory (read as fragments per
+  // query block), which keeps one kernel -- S and dP computed once -- within a
+  // thread's registers up to head dim 256.
+  constexpr bool kStageKV = MODE == 0 && BD > flash_bwd::kRegisterKVMaxBD;
+  constexpr int KV_ROWS = kStageKV ? 2 * BK : 0;
+  constexpr int LD = flash::TileLD<T, BD, 2 * BQ + KV_ROWS>::value;
+  constexpr int TILE_ELEMS = (2 * BQ + KV_ROWS) * LD;
+  // The block's row statistics are staged in threadgroup memory where they fit
+  // next to the tiles, else read from device memory where used.
+  constexpr bool kStatsStaged = TILE_ELEMS * int(sizeof(T)) + BQ * 12 <= flash::kThreadgroupBytes;
   static_assert(BQ % 8 == 0 && BK % 8 == 0 && BD % 16 == 0, "tile sizes (two chains over BD)");
 
-  // One buffer: the Q and dO tiles, then (when staged) the row statistics m, 1/l and delta.
+  // One buffer: the Q and dO tiles, the staged K and V rows, then (when staged) the
+  // row statistics m, 1/l and delta.
   constexpr int STAT_ELEMS = kStatsStaged ? BQ * 12 / int(sizeof(T)) : 0;
-  threadgroup T smem[2 * BQ * LD + STAT_ELEMS];
-  threadgroup float2* stat_tile = reinterpret_cast<threadgroup float2*>(smem + 2 * BQ * LD);
+  threadgroup T smem[TILE_ELEMS + STAT_ELEMS];
+  threadgroup float2* stat_tile = reinterpret_cast<threadgroup float2*>(smem + TILE_ELEMS);
   threadgroup float* delta_tile = reinterpret_cast<threadgroup float*>(stat_tile + BQ);
   threadgroup T* Qs = smem;
   threadgroup T* dOs = smem + BQ * LD;
+  threadgroup T* Ks = smem + 2 * BQ * LD;  // (kStageKV) BK key rows, then BK value rows
+  threadgroup T* Vs = Ks + BK * LD;
 
   constant FlashFwdParams& f = p.f;
   const bool aligned = dims_aligned;  // (a plain bool argument below)
@@ -430,18 +456,29 @@ template <typename T, int BD, int BK, int BQ, int MODE>
   const device T* kp = k + long(sq.bt) * f.k_stride_b + long(kvh) * f.k_stride_h + key0 * f.k_stride_l;
   const device T* vp = v + long(sq.bt) * f.v_stride_b + long(kvh) * f.v_stride_h + key0 * f.v_stride_l;
 
-  simdgroup_float8x8 Kf[NF];
-  simdgroup_float8x8 Vf[NF];
+  constexpr int NR = kStageKV ? 1 : NF;  // K and V fragments held in registers
+  simdgroup_float8x8 Kf[NR];
+  simdgroup_float8x8 Vf[NR];
   simdgroup_float8x8 dKf[NF];
   simdgroup_float8x8 dVf[NF];
+  if (kStageKV) {
+    const long krow0 = long(sq.k0 + kb0);  // the threadgroup's first key row in the tensors
+    const device T* kblk = k + long(sq.bt) * f.k_stride_b + long(kvh) * f.k_stride_h + krow0 * f.k_stride_l;
+    const device T* vblk = v + long(sq.bt) * f.v_stride_b + long(kvh) * f.v_stride_h + krow0 * f.v_stride_l;
+    flash::load_tile<T, BK, BD, NT>(Ks, LD, kblk, f.k_stride_l, Lk - kb0, f.head_dim, aligned, false, tid);
+    flash::load_tile<T, BK, BD, NT>(Vs, LD, vblk, f.v_stride_l, Lk - kb0, f.head_dim_v, aligned, false, tid);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
   for (int dd = 0; dd < NF; ++dd) {
-    flash::load_frag_device(Kf[dd], kp + dd * 8, f.k_stride_l, Lk - c0, f.head_dim - dd * 8, fc, 1.0f);
-    if (kDK) {
-      flash::load_frag_device(Vf[dd], vp + dd * 8, f.v_stride_l, Lk - c0, f.head_dim_v - dd * 8, fc, 1.0f);
-      dKf[dd] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    if (!kStageKV) {
+      flash::load_frag_device(Kf[dd], kp + dd * 8, f.k_stride_l, Lk - c0, f.head_dim - dd * 8, fc, 1.0f);
+      if (kDK) flash::load_frag_device(Vf[dd], vp + dd * 8, f.v_stride_l, Lk - c0, f.head_dim_v - dd * 8, fc, 1.0f);
     }
+    if (kDK) dKf[dd] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
     if (kDV) dVf[dd] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
   }
+  const threadgroup T* Ksg = Ks + int(sg) * 8 * LD;  // (kStageKV) this simdgroup's rows
+  const threadgroup T* Vsg = Vs + int(sg) * 8 * LD;
 
   // Query rows whose band reaches this threadgroup's keys, and this simdgroup's.
   const flash::Band band{sq.diag, f.window_left, f.window_right};
@@ -517,16 +554,16 @@ template <typename T, int BD, int BK, int BQ, int MODE>
             simdgroup_float8x8 Qt;
             flash::load_frag_t(Qt, Qs + qq * 8 * LD + dd * 8, LD, fc);
             flash::frag_scale(Qt, f.qk_scale);
-            simdgroup_multiply_accumulate(St[qq], Kf[dd], Qt, St[qq]);
+            simdgroup_multiply_accumulate(St[qq], flash_bwd::row_frag<kStageKV>(Kf, Ksg, LD, dd, fc), Qt, St[qq]);
             flash::load_frag_t(Qt, Qs + qq * 8 * LD + dd * 8 + 8, LD, fc);
             flash::frag_scale(Qt, f.qk_scale);
-            simdgroup_multiply_accumulate(St[qq], Kf[dd + 1], Qt, St[qq]);
+            simdgroup_multiply_accumulate(St[qq], flash_bwd::row_frag<kStageKV>(Kf, Ksg, LD, dd + 1, fc), Qt, St[qq]);
             if (kDK) {
               simdgroup_float8x8 dOt;
               flash::load_frag_t(dOt, dOs + qq * 8 * LD + dd * 8, LD, fc);
-              simdgroup_multiply_accumulate(dPt[qq], Vf[dd], dOt, dPt[qq]);
+              simdgroup_multiply_accumulate(dPt[qq], flash_bwd::row_frag<kStageKV>(Vf, Vsg, LD, dd, fc), dOt, dPt[qq]);
               flash::load_frag_t(dOt, dOs + qq * 8 * LD + dd * 8 + 8, LD, fc);
-              simdgroup_multiply_accumulate(p1, Vf[dd + 1], dOt, p1);
+              simdgroup_multiply_accumulate(p1, flash_bwd::row_frag<kStageKV>(Vf, Vsg, LD, dd + 1, fc), dOt, p1);
             }
           }
           if (kDK) flash::frag_add(dPt[qq], p1);
@@ -843,58 +880,41 @@ FLASH_BWD_DQ_INSTANTIATE(bf16, bfloat, 256, 32, 16)
 FLASH_BWD_DQ_INSTANTIATE(bf16, bfloat, 384, 32, 8)
 FLASH_BWD_DQ_INSTANTIATE(bf16, bfloat, 512, 32, 8)
 
-// dK/dV (T, BD, BK, BQ, MODE): Q + dO tiles of BQ x (BD + pad) elements; fused
-// (MODE 0) up to BD 64, split into a dK (MODE 1) and a dV (MODE 2) kernel above.
+// dK/dV (T, BD, BK, BQ, MODE): Q + dO tiles of BQ x (BD + pad) elements, plus (fused
+// above head dim 64) the K and V rows, BK x (BD + pad) each; fused (MODE 0) up to
+// BD 256, split into a dK (MODE 1) and a dV (MODE 2) kernel above.
 FLASH_BWD_DKV_INSTANTIATE(f32, float, 32, 64, 32, 0)
 FLASH_BWD_DKV_INSTANTIATE(f32, float, 64, 64, 32, 0)
-FLASH_BWD_DKV_INSTANTIATE(f32, float, 80, 64, 16, 1)
-FLASH_BWD_DKV_INSTANTIATE(f32, float, 80, 64, 16, 2)
-FLASH_BWD_DKV_INSTANTIATE(f32, float, 96, 64, 16, 1)
-FLASH_BWD_DKV_INSTANTIATE(f32, float, 96, 64, 16, 2)
-FLASH_BWD_DKV_INSTANTIATE(f32, float, 128, 64, 16, 1)
-FLASH_BWD_DKV_INSTANTIATE(f32, float, 128, 64, 16, 2)
-FLASH_BWD_DKV_INSTANTIATE(f32, float, 160, 32, 8, 1)
-FLASH_BWD_DKV_INSTANTIATE(f32, float, 160, 32, 8, 2)
-FLASH_BWD_DKV_INSTANTIATE(f32, float, 192, 32, 8, 1)
-FLASH_BWD_DKV_INSTANTIATE(f32, float, 192, 32, 8, 2)
-FLASH_BWD_DKV_INSTANTIATE(f32, float, 256, 32, 8, 1)
-FLASH_BWD_DKV_INSTANTIATE(f32, float, 256, 32, 8, 2)
+FLASH_BWD_DKV_INSTANTIATE(f32, float, 80, 16, 8, 0)
+FLASH_BWD_DKV_INSTANTIATE(f32, float, 96, 16, 8, 0)
+FLASH_BWD_DKV_INSTANTIATE(f32, float, 128, 8, 8, 0)
+FLASH_BWD_DKV_INSTANTIATE(f32, float, 160, 8, 8, 0)
+FLASH_BWD_DKV_INSTANTIATE(f32, float, 192, 8, 8, 0)
+FLASH_BWD_DKV_INSTANTIATE(f32, float, 256, 8, 8, 0)
 FLASH_BWD_DKV_INSTANTIATE(f32, float, 384, 32, 8, 1)
 FLASH_BWD_DKV_INSTANTIATE(f32, float, 384, 32, 8, 2)
 FLASH_BWD_DKV_INSTANTIATE(f32, float, 512, 32, 8, 1)
 FLASH_BWD_DKV_INSTANTIATE(f32, float, 512, 32, 8, 2)
 FLASH_BWD_DKV_INSTANTIATE(f16, half, 32, 64, 32, 0)
 FLASH_BWD_DKV_INSTANTIATE(f16, half, 64, 64, 32, 0)
-FLASH_BWD_DKV_INSTANTIATE(f16, half, 80, 64, 32, 1)
-FLASH_BWD_DKV_INSTANTIATE(f16, half, 80, 64, 32, 2)
-FLASH_BWD_DKV_INSTANTIATE(f16, half, 96, 64, 32, 1)
-FLASH_BWD_DKV_INSTANTIATE(f16, half, 96, 64, 32, 2)
-FLASH_BWD_DKV_INSTANTIATE(f16, half, 128, 64, 32, 1)
-FLASH_BWD_DKV_INSTANTIATE(f16, half, 128, 64, 32, 2)
-FLASH_BWD_DKV_INSTANTIATE(f16, half, 160, 32, 16, 1)
-FLASH_BWD_DKV_INSTANTIATE(f16, half, 160, 32, 16, 2)
-FLASH_BWD_DKV_INSTANTIATE(f16, half, 192, 32, 16, 1)
-FLASH_BWD_DKV_INSTANTIATE(f16, half, 192, 32, 16, 2)
-FLASH_BWD_DKV_INSTANTIATE(f16, half, 256, 32, 16, 1)
-FLASH_BWD_DKV_INSTANTIATE(f16, half, 256, 32, 16, 2)
+FLASH_BWD_DKV_INSTANTIATE(f16, half, 80, 32, 16, 0)
+FLASH_BWD_DKV_INSTANTIATE(f16, half, 96, 32, 8, 0)
+FLASH_BWD_DKV_INSTANTIATE(f16, half, 128, 16, 16, 0)
+FLASH_BWD_DKV_INSTANTIATE(f16, half, 160, 16, 8, 0)
+FLASH_BWD_DKV_INSTANTIATE(f16, half, 192, 16, 8, 0)
+FLASH_BWD_DKV_INSTANTIATE(f16, half, 256, 16, 8, 0)
 FLASH_BWD_DKV_INSTANTIATE(f16, half, 384, 32, 8, 1)
 FLASH_BWD_DKV_INSTANTIATE(f16, half, 384, 32, 8, 2)
 FLASH_BWD_DKV_INSTANTIATE(f16, half, 512, 32, 8, 1)
 FLASH_BWD_DKV_INSTANTIATE(f16, half, 512, 32, 8, 2)
 FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 32, 64, 32, 0)
 FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 64, 64, 32, 0)
-FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 80, 64, 32, 1)
-FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 80, 64, 32, 2)
-FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 96, 64, 32, 1)
-FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 96, 64, 32, 2)
-FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 128, 64, 32, 1)
-FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 128, 64, 32, 2)
-FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 160, 32, 16, 1)
-FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 160, 32, 16, 2)
-FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 192, 32, 16, 1)
-FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 192, 32, 16, 2)
-FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 256, 32, 16, 1)
-FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 256, 32, 16, 2)
+FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 80, 32, 16, 0)
+FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 96, 32, 8, 0)
+FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 128, 16, 16, 0)
+FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 160, 16, 8, 0)
+FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 192, 16, 8, 0)
+FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 256, 16, 8, 0)
 FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 384, 32, 8, 1)
 FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 384, 32, 8, 2)
 FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 512, 32, 8, 1)

@@ -139,9 +139,9 @@ def test_backward_takes_the_tiles_of_a_larger_bucket_when_its_own_need_too_many_
     ran = lowered({"flash_bwd_dq_f16_d64_": {"max_total_threads_per_threadgroup": 192}})
     fitted = _grads(q, k, v, True, "emulator")
     kernels = [launch.kernel for launch in ran[-1].launches]
-    # d80..d128 use 64-row blocks too; d160 is the first bucket with 128-thread tiles
-    assert kernels == ["flash_bwd_pre_f16", "flash_bwd_dq_f16_d160_q32_k16", "flash_bwd_dkv_f16_d160_k32_q16_m1",
-                       "flash_bwd_dkv_f16_d160_k32_q16_m2"], kernels
+    # d80 is the first bucket whose tiles need less (its fused dK/dV kernel owns 32 key rows: 128
+    # threads); its dQ kernel is not the lowered one
+    assert kernels == ["flash_bwd_pre_f16", "flash_bwd_dq_f16_d80_q64_k32", "flash_bwd_dkv_f16_d80_k32_q16_m0"], kernels
     # The oracle's rule (the forward ran the d64 tile: the backward's d160 scores are still the forward's).
     dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(7)).to(q.dtype)  # as _grads draws it
     check_backward(_spec(q, k, v, True), dout.transpose(1, 2), None,
@@ -149,7 +149,8 @@ def test_backward_takes_the_tiles_of_a_larger_bucket_when_its_own_need_too_many_
 
 
 def test_backward_falls_back_whole_when_a_late_launch_cannot_fit(lowered):
-    ran = lowered({"flash_bwd_dkv_f32_": {"max_total_threads_per_threadgroup": 32}})
+    # below every dK/dV tile's threads (the fewest: one simdgroup, float32's fused kernel from d128)
+    ran = lowered({"flash_bwd_dkv_f32_": {"max_total_threads_per_threadgroup": 16}})
     q, k, v = _qkv(1, 2, 2, 17, 17, 32, torch.float32, seed=4)
     with tmf.backend("emulator", strict=True):
         out = tmf.flash_attn_func(*(t.detach().requires_grad_(True) for t in (q, k, v)))

@@ -8,11 +8,14 @@ Two tiled kernels of ``shaders/flash_bwd.metal`` per problem:
 * dK/dV kernel ``flash_bwd_dkv_<dt>_d<BD>_k<BK>_q<BQ>_m<MODE>``: ``BK`` key
   rows per threadgroup (8 per simdgroup), Q and dO tiles of
   ``BQ x (BD + pad)`` elements plus ``3 * BQ`` floats (row stats m, 1/l and delta).
-  ``MODE`` 0 computes dK and dV in one kernel; for head dims above 64 the
-  work is split into a dK kernel (MODE 1) and a dV kernel (MODE 2): the
-  fused kernel keeps four head-dim-wide accumulators/operands per simdgroup
-  in registers and spills (a fused kernel of this shape was reported at 4 KB of spills, 111
-  temporary registers, at head dim 64).
+  ``MODE`` 0 computes dK and dV in one kernel, 1 only dK, 2 only dV.  Up to head
+  dim 64 the fused kernel holds K, V and both accumulators in registers; above, it
+  stages its K and V rows in threadgroup memory (``2 * BK`` more tile rows) and keeps
+  only the dK and dV accumulators in registers, so it computes FlashAttention-2's
+  four dK/dV-side products once at every head dim up to 256 (:data:`FUSED_MAX_BD`).
+  The split pair (a dK and a dV kernel, each recomputing S) stays among the variants
+  up to 256 and is the default above, where two head-dim-wide accumulators no longer
+  fit a thread's registers.
 
 On GPUs with neural accelerators (family apple10) half/bfloat problems run the
 accelerator kernels of ``shaders/flash_bwd_nax.metal`` where the register budget
@@ -50,7 +53,8 @@ PRE_THREADS = 256
 PRE_ROWS_PER_GROUP = 8
 DSINKS_THREADS = 256
 DSINKS_KERNEL = "flash_bwd_dsinks"
-FUSED_MAX_BD = 64
+FUSED_MAX_BD = 256  # the fused dK/dV kernel is the default up to this head dim
+REGISTER_KV_MAX_BD = 64  # above, the fused kernel stages K and V in threadgroup memory
 THREADGROUP_BYTES = 32768  # every Apple GPU's maxThreadgroupMemoryLength
 SOURCE = "flash_bwd.metal"
 VARIANTS_SOURCE = "flash_bwd_variants.metal"
@@ -120,11 +124,18 @@ class DKVTile:
     def source(self) -> str:
         if self.nax:
             return NAX_SOURCE
-        return SOURCE if (self.bk, self.bq) == _DKV[self.dtype][self.bd] else VARIANTS_SOURCE
+        default = self.mode in _modes(self.bd) and (self.bk, self.bq) == _dkv_table(self.mode)[self.dtype][self.bd]
+        return SOURCE if default else VARIANTS_SOURCE
+
+    @property
+    def stages_kv(self) -> bool:
+        """The fused kernel above head dim 64 reads its K and V rows from threadgroup memory."""
+        return self.mode == 0 and self.bd > REGISTER_KV_MAX_BD and not self.nax
 
     @property
     def threadgroup_memory(self) -> int:
-        tiles = 2 * self.bq * tile_ld(self.dtype, self.bd, 2 * self.bq) * _ELEM_SIZE[self.dtype]
+        rows = 2 * self.bq + (2 * self.bk if self.stages_kv else 0)
+        tiles = rows * tile_ld(self.dtype, self.bd, rows) * _ELEM_SIZE[self.dtype]
         stats = 3 * self.bq * 4
         return tiles + stats if tiles + stats <= THREADGROUP_BYTES else tiles  # else read from device
 
@@ -157,8 +168,26 @@ _DKV = {
             160: (32, 16), 192: (32, 16), 256: (32, 16), 384: (32, 8), 512: (32, 8)},
 }
 _DKV["bf16"] = dict(_DKV["f16"])
+# The fused dK/dV kernel above head dim 64: its K and V rows (2 * BK) and the streamed Q and dO
+# tiles (2 * BQ) share the threadgroup memory.  As the split pair's tiles, they stay under 20 KiB
+# (room for a second threadgroup) where 16 key rows allow it; float16 at 256 keeps 16 key rows
+# (25 KiB: Q and dO are then streamed as often as by the split pair of 32 rows, which streams
+# them twice), float32 from 160 takes 8 (at 256 the whole 32 KiB, unpadded, the row statistics
+# read from device memory).
+_DKV_FUSED = {
+    "f32": {80: (16, 8), 96: (16, 8), 128: (8, 8), 160: (8, 8), 192: (8, 8), 256: (8, 8)},
+    "f16": {80: (32, 16), 96: (32, 8), 128: (16, 16), 160: (16, 8), 192: (16, 8), 256: (16, 8)},
+}
+_DKV_FUSED["bf16"] = dict(_DKV_FUSED["f16"])
 
-BACKWARD_TILES = {family: {"dq": _DQ, "dkv": _DKV} for family in FAMILIES}
+
+def _dkv_table(mode: int) -> dict:
+    """The (BK, BQ) table of a dK/dV mode: the split pair's, or the fused kernel's above head dim 64."""
+    if mode != 0:
+        return _DKV
+    return {dt: {**_DKV[dt], **_DKV_FUSED[dt]} for dt in _DKV}
+
+BACKWARD_TILES = {family: {"dq": _DQ} for family in FAMILIES}
 
 # The neural-accelerator tiles of apple10 (shaders/flash_bwd_nax.metal) per bucket, half and
 # bfloat alike, the default first.  dQ (BQ, BK, shared_kv): 64 query rows (4 simdgroups of 16),
@@ -183,11 +212,18 @@ def _nax_dq(dt: str, bd: int, family: str) -> list[DQTile]:
 def _nax_dkv(dt: str, bd: int, family: str) -> list[tuple[DKVTile, ...]]:
     if table_family(family) != NAX_FAMILY or dt not in NAX_DTYPES:
         return []
-    return [tuple(DKVTile(dt, bd, bk, bq, m, nax=True) for m in _modes(bd)) for bk, bq in NAX_DKV.get(bd, ())]
+    return [tuple(DKVTile(dt, bd, bk, bq, m, nax=True) for m in _modes(bd, nax=True))
+            for bk, bq in NAX_DKV.get(bd, ())]
 
 
-def _modes(bd: int) -> tuple[int, ...]:
-    return (0,) if bd <= FUSED_MAX_BD else (1, 2)
+def _modes(bd: int, nax: bool = False) -> tuple[int, ...]:
+    """The dK/dV kernels of a tile: the fused one, or the split pair (the accelerator kernels fuse only
+    up to head dim 64, where K, V and both accumulators fit their registers)."""
+    return (0,) if bd <= (REGISTER_KV_MAX_BD if nax else FUSED_MAX_BD) else (1, 2)
+
+
+def _dkv_tiles(dt: str, bd: int, modes: tuple[int, ...]) -> tuple[DKVTile, ...]:
+    return tuple(DKVTile(dt, bd, *_dkv_table(m)[dt][bd], m) for m in modes)
 
 
 def dq_variants(dtype: torch.dtype, head_dim: int, family: str = "apple8") -> list[DQTile]:
@@ -207,18 +243,18 @@ def dkv_variants(dtype: torch.dtype, head_dim: int, family: str = "apple8") -> l
     simd = _table_tiles(first[0].dtype, first[0].bd, family).dkv
     out = [first, *_nax_dkv(first[0].dtype, first[0].bd, family), simd]
     t = simd[0]
-    if t.bd in EXTRA_BUCKETS:
-        out.append(tuple(DKVTile(t.dtype, t.bd, t.bk // 2, t.bq, m) for m in _modes(t.bd)))
+    if t.mode == 0 and t.bd > REGISTER_KV_MAX_BD:
+        out.append(_dkv_tiles(t.dtype, t.bd, (1, 2)))  # the split pair, for Macs where it wins
+    if t.bd in EXTRA_BUCKETS and t.bk >= 16:
+        out.append(tuple(DKVTile(x.dtype, x.bd, x.bk // 2, x.bq, x.mode) for x in simd))
     return list({pair[0].kernel: pair for pair in out}.values())
 
 
 def _table_tiles(dt: str, bd: int, family: str) -> BackwardTiles:
     """The family table's simdgroup tiles."""
     # appleN newer than the tables -> the newest table; no simdgroup matrices -> ValueError.
-    table = BACKWARD_TILES[table_family(family)]
-    bq, bk = table["dq"][dt][bd]
-    kbk, kbq = table["dkv"][dt][bd]
-    return BackwardTiles(DQTile(dt, bd, bq, bk), tuple(DKVTile(dt, bd, kbk, kbq, m) for m in _modes(bd)))
+    bq, bk = BACKWARD_TILES[table_family(family)]["dq"][dt][bd]
+    return BackwardTiles(DQTile(dt, bd, bq, bk), _dkv_tiles(dt, bd, _modes(bd)))
 
 
 def backward_tiles(dtype: torch.dtype, head_dim: int, family: str = "apple8", dq_variant: str | None = None,
