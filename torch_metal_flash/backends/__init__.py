@@ -158,17 +158,23 @@ class Declined(Exception):
 _declining = threading.local()
 
 
-@contextlib.contextmanager
-def declining() -> Iterator[None]:
-    """Calls inside that would fall back to the reference path raise :class:`Declined`
-    instead (no warning, nothing run): a drop-in that has a better fallback of its own
-    (torch's original) tries the kernels first rather than asking the planner twice."""
-    depth = getattr(_declining, "depth", 0)
-    _declining.depth = depth + 1
-    try:
-        yield
-    finally:
-        _declining.depth = depth
+class _Declining:
+    # a plain class, not contextlib's generator: the override enters it on every inference call
+    def __enter__(self) -> None:
+        _declining.depth = getattr(_declining, "depth", 0) + 1
+
+    def __exit__(self, *exc) -> None:
+        _declining.depth -= 1
+
+
+_DECLINING = _Declining()
+
+
+def declining() -> _Declining:
+    """Calls inside (a ``with`` block) that would fall back to the reference path raise
+    :class:`Declined` instead (no warning, nothing run): a drop-in that has a better fallback
+    of its own (torch's original) tries the kernels first rather than asking the planner twice."""
+    return _DECLINING
 
 
 def fallback(reason: str) -> None:

@@ -59,10 +59,11 @@ def _attention(q, k, v, mask, alibi_slopes, sinks, scale, diag_offset, window_le
                                                        diag_offset, window_left, window_right, softcap, k.scales,
                                                        k.biases, v.scales, v.biases, *flat_format(k))
         return (out, lse, None) if return_probs else (out, lse)
-    rng_state = philox.new_rng_state(q.device) if dropout_p > 0 else None
-    vl = varlen or _NO_VARLEN
-    extra = (float(dropout_p), rng_state, vl.cu_seqlens_q, vl.cu_seqlens_k, vl.seqused_k, vl.block_table,
-             vl.max_seqlen_q, vl.max_seqlen_k)
+    extra = ()  # the schema's defaults (no dropout, no varlen) are left to the op: each argument costs a parse
+    if dropout_p > 0 or varlen is not None:
+        vl = varlen or _NO_VARLEN
+        extra = (float(dropout_p), philox.new_rng_state(q.device) if dropout_p > 0 else None, vl.cu_seqlens_q,
+                 vl.cu_seqlens_k, vl.seqused_k, vl.block_table, vl.max_seqlen_q, vl.max_seqlen_k)
     out, lse, _ = _FWD(q, k, v, mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right, softcap,
                        ops.needs_grad(q, k, v, mask, sinks), *extra)
     if not return_probs:
@@ -301,7 +302,7 @@ def _flash_attn(q, k, v, alibi_slopes, return_attn_probs, dropout_p, scale, left
         else:
             qt, kt, vt = core.transpose_12(q, k, v)
         out = _FWD(qt, kt, vt, None, alibi_slopes, None, scale, k.shape[1] - q.shape[1], left, right, softcap,
-                   ops.needs_grad(qt, kt, vt), 0.0, None, None, None, None, None, 0, 0)[0]
+                   ops.needs_grad(qt, kt, vt))[0]
         return out.transpose(1, 2)
     res = _attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, alibi_slopes, None, scale,
                      k.shape[1] - q.shape[1], left, right, softcap, dropout_p, return_probs=return_attn_probs)

@@ -76,6 +76,7 @@ _lock = threading.RLock()
 _lib: Optional[torch.library.Library] = None
 _depth = 0  # nesting of enable_sdpa() / sdpa_override()
 _cpu_modes: list = []  # the cpu= argument of each active enable, innermost last
+_cpu_now: Optional[bool] = None  # _cpu_modes[-1] (or None), read without the lock on every call
 
 ROUTED_TO_TORCH = "the tuned route: torch's SDPA is faster for this problem class (docs/tuning.md)"
 _stats_lock = threading.Lock()
@@ -109,6 +110,7 @@ def enable_sdpa(*, cpu: Optional[bool] = None) -> None:
             _clear_python_dispatch_cache()
         _depth += 1
         _cpu_modes.append(cpu)
+        _set_cpu_now()
 
 
 def disable_sdpa() -> None:
@@ -122,6 +124,7 @@ def disable_sdpa() -> None:
             return
         _depth -= 1
         _cpu_modes.pop()
+        _set_cpu_now()
         if _depth == 0 and _lib is not None:
             _lib._destroy()
             _lib = None
@@ -186,9 +189,13 @@ def _call_original(query, key, value, attn_mask, dropout_p, is_causal, scale, en
     return stock.original_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
 
 
+def _set_cpu_now() -> None:
+    global _cpu_now
+    _cpu_now = _cpu_modes[-1] if _cpu_modes else None
+
+
 def _cpu_mode() -> Optional[bool]:
-    with _lock:
-        return _cpu_modes[-1] if _cpu_modes else None
+    return _cpu_now
 
 
 def _device_reason(device: torch.device) -> Optional[str]:
