@@ -315,8 +315,8 @@ def test_cli_list_verify_and_tune_without_a_gpu(capsys):
     from torch_metal_flash.tuning import cli
     assert cli.main(["--list", "--ops", "bwd", "--dtypes", "bfloat16", "--head-dims", "128"]) == 0
     text = capsys.readouterr().out
-    assert ("flash_bwd_dq_bf16_d128_q64_k32, flash_bwd_dq_bf16_d128_q32_k32, flash_bwd_dkv_bf16_d128_k16_q16_m0, "
-            "flash_bwd_dkv_bf16_d128_k64_q32_m1, flash_bwd_dkv_bf16_d128_k8_q16_m0") in text
+    assert ("flash_bwd_dq_bf16_d128_q64_k32, flash_bwd_dq_bf16_d128_q32_k32, flash_bwd_dkv_bf16_d128_k32_q8_m0, "
+            "flash_bwd_dkv_bf16_d128_k64_q32_m1, flash_bwd_dkv_bf16_d128_k16_q8_m0") in text
     assert cli.main(["--verify", "--ops", "decode", "--dtypes", "float16", "--head-dims", "64"]) == 0
     text = capsys.readouterr().out
     assert text.count(" ok (") == 2 and "every variant matches the oracle" in text

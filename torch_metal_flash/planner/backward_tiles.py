@@ -169,14 +169,14 @@ _DKV = {
 }
 _DKV["bf16"] = dict(_DKV["f16"])
 # The fused dK/dV kernel above head dim 64: its K and V rows (2 * BK) and the streamed Q and dO
-# tiles (2 * BQ) share the threadgroup memory.  As the split pair's tiles, they stay under 20 KiB
-# (room for a second threadgroup) where 16 key rows allow it; float16 at 256 keeps 16 key rows
-# (25 KiB: Q and dO are then streamed as often as by the split pair of 32 rows, which streams
-# them twice), float32 from 160 takes 8 (at 256 the whole 32 KiB, unpadded, the row statistics
-# read from device memory).
+# tiles (2 * BQ) share the threadgroup memory.  BK is half the split pair's key rows, so that the
+# one kernel streams Q and dO as often as the pair (which streams them twice), where that fits
+# 32 KiB next to 8-row Q/dO tiles (else the most that do: float32 from 128); BQ is 16 where the
+# whole stays under 20 KiB, else 8.  float32 at 256 fills the 32 KiB with unpadded rows and reads
+# the row statistics from device memory.
 _DKV_FUSED = {
-    "f32": {80: (16, 8), 96: (16, 8), 128: (8, 8), 160: (8, 8), 192: (8, 8), 256: (8, 8)},
-    "f16": {80: (32, 16), 96: (32, 8), 128: (16, 16), 160: (16, 8), 192: (16, 8), 256: (16, 8)},
+    "f32": {80: (32, 8), 96: (32, 8), 128: (16, 8), 160: (16, 8), 192: (8, 8), 256: (8, 8)},
+    "f16": {80: (32, 16), 96: (32, 16), 128: (32, 8), 160: (16, 8), 192: (16, 8), 256: (16, 8)},
 }
 _DKV_FUSED["bf16"] = dict(_DKV_FUSED["f16"])
 
