@@ -29,14 +29,15 @@ Plus two fixed kernels: ``flash_bwd_pre_<dt>`` (8 rows per threadgroup of
 1 KiB of threadgroup memory).
 
 The table's values (the default of every family, not measured; sources:
-docs/tuning.md) keep every tile at or under ~17.5 KiB of threadgroup memory up to
-head dim 256 (``threads`` = 4 x the owned block: 256 for 64-row blocks); the wide
+docs/tuning.md) keep the dQ and split dK/dV tiles at or under ~17.5 KiB of threadgroup
+memory up to head dim 256 (``threads`` = 4 x the owned block: 256 for 64-row blocks), the
+fused dK/dV tiles that stage K and V within 32 KiB (:data:`_DKV_FUSED`); the wide
 buckets 384 and 512 take 8-row streamed tiles, which float32 at 512 fills to the
 32 KiB with unpadded rows (its dK/dV kernel then reads the row statistics from
 device memory instead of staging them).  The tuner
 (:mod:`torch_metal_flash.tuning`) chooses the dQ and the dK/dV tile among
 :func:`dq_variants` / :func:`dkv_variants`: the table's plus half-height owned
-blocks (:data:`EXTRA_BUCKETS`), instantiated in
+blocks (:data:`EXTRA_BUCKETS`) and, up to head dim 256, the split dK/dV pair, instantiated in
 ``shaders/flash_bwd_variants.metal`` (the same templates).  A new entry needs
 matching ``FLASH_BWD_*_INSTANTIATE`` lines in the shader (a test checks).
 """
