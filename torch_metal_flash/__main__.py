@@ -84,7 +84,7 @@ def main(argv=None) -> int:
         from torch_metal_flash import doctor
         return doctor.main(argv[1:])
     if argv[:1] == ["tune"]:
-        from torch_metal_flash.tuning import cli
+        import torch_metal_flash.tune as cli
         return cli.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m torch_metal_flash", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one small case per face")

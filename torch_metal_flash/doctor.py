@@ -454,10 +454,10 @@ def _kernel_names(op: str, q, v, causal: bool) -> str:
 
 def run_timing(name, device, full: bool, out=print) -> tuple[list, list]:
     """(rows, failures): per case our kernels against F.scaled_dot_product_attention, as
-    ``tune``'s table (tuning/cli.py ROUTE_HEADER): ms, speed-up, peak memory of each, the route."""
+    ``tune``'s table (tune.py ROUTE_HEADER): ms, speed-up, peak memory of each, the route."""
     import torch_metal_flash.faces.stock as face_stock
     from torch_metal_flash.faces.functional import kernels_sdpa
-    import torch_metal_flash.tuning.cli as cli
+    import torch_metal_flash.tune as cli
     import torch_metal_flash.tuning.stock as stock
     dtype = torch.float16
     sizes = [(1, 16, 16, 1024, 1024, 64), (1, 16, 16, 4096, 4096, 64), (1, 16, 16, 2048, 2048, 128)] if full \

@@ -28,11 +28,9 @@ LAYERS = [
     {"faces", "flex", "distributed"},
     {"integrations", "nn"},
     {"diagnostics", "testing"},
-    {"doctor", "__main__", "_compose", ""},  # "" is the package's __init__
+    {"doctor", "tune", "__main__", "_compose", ""},  # the commands; "" is the package's __init__
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
-# Commands sit on top whatever folder they live in (`python -m torch_metal_flash tune` runs the faces).
-COMMANDS = {f"{NAME}.tuning.cli"}
 
 
 def _modules():
@@ -61,8 +59,6 @@ def _imports(module: str, is_package: bool, text: str):
 
 
 def _layer(dotted: str) -> str:
-    if dotted in COMMANDS:
-        return "__main__"
     parts = dotted.split(".")
     return parts[1] if len(parts) > 1 else ""
 

@@ -2,7 +2,7 @@
 or TORCH_METAL_FLASH_PROGRESS=1, nothing otherwise; tune's reporter and the emulator's first-use
 builds draw it."""
 from torch_metal_flash.emulator import compiler
-from torch_metal_flash.tuning import cli
+import torch_metal_flash.tune as cli
 
 
 def test_tune_progress_is_quiet_off_a_terminal_and_drawn_when_asked(monkeypatch, capsys):

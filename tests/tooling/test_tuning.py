@@ -205,7 +205,7 @@ def test_tuner_never_chooses_a_variant_with_wrong_results(tuning_cache, launched
     """The gate runs each variant against the oracle first: one that fails (injected here: the
     emulator runs every variant right) is not timed, not chosen, and reported."""
     from torch_metal_flash.testing import tuning_gate as gate
-    from torch_metal_flash.tuning import cli
+    import torch_metal_flash.tune as cli
 
     names = tuning.variants("fwd", dtype=torch.float16, head_dim=64)
     bad = names[-1]
@@ -312,7 +312,7 @@ def test_budget_timer_stops_timing_after_the_budget():
 
 
 def test_cli_list_verify_and_tune_without_a_gpu(capsys):
-    from torch_metal_flash.tuning import cli
+    import torch_metal_flash.tune as cli
     assert cli.main(["--list", "--ops", "bwd", "--dtypes", "bfloat16", "--head-dims", "128"]) == 0
     text = capsys.readouterr().out
     assert ("flash_bwd_dq_bf16_d128_q64_k32, flash_bwd_dq_bf16_d128_q32_k32, flash_bwd_dkv_bf16_d128_k32_q8_m0, "

@@ -14,10 +14,10 @@ import time
 
 import torch
 
-from ..planner.tiles import FAMILIES, HEAD_DIM_BUCKETS
 import torch_metal_flash.progress as progress
-from . import cache_path, tune, variants
-from .space import OPS
+from torch_metal_flash.planner.tiles import FAMILIES, HEAD_DIM_BUCKETS
+from torch_metal_flash.tuning import cache_path, tune, variants
+from torch_metal_flash.tuning.space import OPS
 
 DTYPE_FLAGS = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -143,9 +143,9 @@ def verify(ops, dtypes, head_dims, report=print) -> int:
     import torch_metal_flash as tmf
     from torch_metal_flash import emulator
     from torch_metal_flash.backends.emulator import EmulatorBackend
-    from ..problem.spec import make_spec
+    from torch_metal_flash.problem.spec import make_spec
     from torch_metal_flash.testing import check_backward, check_forward
-    from . import use
+    from torch_metal_flash.tuning import use
 
     names_seen = []
     encode = EmulatorBackend.encode
