@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import harness
 
 import torch_metal_flash as tmf
-from torch_metal_flash import backends, core
+from torch_metal_flash import backends, core, ops
 
 
 def measure(iters: int) -> tuple[float, dict]:
@@ -36,8 +36,12 @@ def measure(iters: int) -> tuple[float, dict]:
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 8, 64, generator=g, dtype=torch.float32).to(torch.float16) for _ in range(3))
     qf, kf, vf = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # flash-attn layout (B, L, H, D)
+    # the ops as a user calls them (the packets), positionally: the names are checked against the schema once
     fwd, bwd = torch.ops.metal_flash.fwd, torch.ops.metal_flash.bwd
-    fwd_args = (q, k, v, None, None, None, 0.125, 0, -1, 0, 0.0, False)
+    fwd_kw = dict(q=q, k=k, v=v, attn_mask=None, alibi_slopes=None, sinks=None, scale=0.125, diag_offset=0,
+                  window_left=-1, window_right=0, softcap=0.0, return_aux=False)
+    ops.fwd_call.prefix(*fwd_kw)
+    fwd_args = tuple(fwd_kw.values())
 
     # decode: one new token appended to a 64-row cache, GQA 2:1
     k_cache = torch.randn(1, 64, 1, 64, generator=g).to(torch.float16)
@@ -53,9 +57,13 @@ def measure(iters: int) -> tuple[float, dict]:
     emulator.encode = lambda launches: None  # plan runs outside the core (none for these calls)
     try:
         with tmf.backend("emulator"):
-            out, _, aux = fwd(*fwd_args[:-1], True)
+            out, _, aux = ops.fwd_call(**{**fwd_kw, "return_aux": True})
             dout = torch.randn(out.shape, generator=g).to(out.dtype)
-            bwd_args = (dout, q, k, v, out, aux, None, None, None, None, 0.125, 0, -1, 0, 0.0, False)
+            bwd_kw = dict(dout=dout, q=q, k=k, v=v, out=out, aux=aux, dlse=None, attn_mask=None, alibi_slopes=None,
+                          sinks=None, scale=0.125, diag_offset=0, window_left=-1, window_right=0, softcap=0.0,
+                          compute_dbias=False)
+            ops.bwd_call.prefix(*bwd_kw)
+            bwd_args = tuple(bwd_kw.values())
             sdpa = (lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), None)
             calls = {
                 "torch_sdpa": (*sdpa, None),

@@ -38,6 +38,7 @@ import torch_metal_flash as tmf
 
 import torch_metal_flash.backends as backends
 import torch_metal_flash.native as native
+import torch_metal_flash.ops as ops
 import torch_metal_flash.progress as progress
 from ._paths import build_info, is_nax_source
 import torch_metal_flash.backends.metal as metal
@@ -291,16 +292,19 @@ def _inputs(p: Probe, device, seed: int):
     return q, k, v, mask, g
 
 
-def _op_args(p: Probe, q, k, v, mask):
+def _op_args(p: Probe, q, k, v, mask) -> dict:
+    """The fwd op's arguments of a probe, by name."""
     Lq, Lk, D = p.dims[3], p.dims[4], p.dims[5]
-    return (q, k, v, mask, None, None, D ** -0.5, Lk - Lq if p.causal else 0, p.window[0],
-            0 if p.causal else p.window[1], p.softcap)
+    return dict(q=q, k=k, v=v, attn_mask=mask, alibi_slopes=None, sinks=None, scale=D ** -0.5,
+                diag_offset=Lk - Lq if p.causal else 0, window_left=p.window[0],
+                window_right=0 if p.causal else p.window[1], softcap=p.softcap)
 
 
-def _spec_of(args):
-    q, k, v, mask, alibi, sinks, scale, diag, wl, wr, softcap = args
-    return make_spec(q, k, v, mask, alibi, sinks, scale=scale, diag_offset=diag, window_left=wl, window_right=wr,
-                     softcap=softcap)
+def _spec_of(args: dict):
+    a = {n: t.detach() if isinstance(t, torch.Tensor) else t for n, t in args.items()}
+    return make_spec(a["q"], a["k"], a["v"], a["attn_mask"], a["alibi_slopes"], a["sinks"], scale=a["scale"],
+                     diag_offset=a["diag_offset"], window_left=a["window_left"], window_right=a["window_right"],
+                     softcap=a["softcap"])
 
 
 def run_probe(p: Probe, name: str, device, seed: int) -> list[tuple[str, float, float]]:
@@ -322,15 +326,15 @@ def run_probe(p: Probe, name: str, device, seed: int) -> list[tuple[str, float, 
                              window_right=0 if p.causal else p.window[1], softcap=p.softcap)
         elif p.kind == "forward":
             args = _op_args(p, q, k, v, mask)
-            out, lse, _ = torch.ops.metal_flash.fwd(*args, False)
+            out, lse, _ = ops.fwd_call(**args, return_aux=False)
             spec = _spec_of(args)
         else:
             q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
             args = _op_args(p, q, k, v, mask)
-            out, lse, _ = torch.ops.metal_flash.fwd(*args, True)
+            out, lse, _ = ops.fwd_call(**args, return_aux=True)
             dout = randn(out.shape, generator=g).to(p.dtype).to(device)
             grads = torch.autograd.grad(out, (q, k, v), dout)
-            spec = _spec_of(tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in args))
+            spec = _spec_of(args)
             return [(n, *e) for n, e in grad_errors(spec, dout, None, (*grads, None, None)).items()]
     if device.type == "mps":
         torch.mps.synchronize()

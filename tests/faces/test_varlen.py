@@ -140,8 +140,8 @@ def test_paged_backward_of_a_direct_op_call_without_aux():
     runs = []
     with tmf.backend("emulator", strict=True), emulator.settings(checked=False):
         for return_aux in (True, False):
-            q, k, v = (t.detach().requires_grad_(True) for t in args[:3])
-            out, _, _ = torch.ops.metal_flash.fwd(q, k, v, *args[3:11], return_aux, *args[12:])
+            q, k, v = (args[n].detach().requires_grad_(True) for n in ("q", "k", "v"))
+            out, _, _ = torch.ops.metal_flash.fwd(**{**args, "q": q, "k": k, "v": v, "return_aux": return_aux})
             runs.append((out, *torch.autograd.grad(out, (q, k, v), x["dout"])))
     assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(*runs))
 

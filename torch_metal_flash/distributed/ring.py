@@ -23,29 +23,32 @@ import torch.distributed as dist
 
 from ..problem.spec import aux_width, stats_dtype
 import torch_metal_flash.distributed.layout as layout
+import torch_metal_flash.ops as ops
 from .transport import Ring, resolve_group
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _band(call: layout.Call) -> tuple[int, int, int]:
-    """The ops' (diag_offset, window_left, window_right) of a call: its causal band, or none."""
-    return (0, -1, -1) if call.diag_offset is None else (call.diag_offset, -1, 0)
+def _band(call: layout.Call) -> dict:
+    """The ops' diag_offset, window_left and window_right of a call: its causal band, or none."""
+    causal = call.diag_offset is not None
+    return dict(diag_offset=call.diag_offset if causal else 0, window_left=-1, window_right=0 if causal else -1)
 
 
 def _block_forward(q, k, v, scale: float, call: layout.Call):
     """(out, lse) of one call, out unrounded (float32 for float16/bfloat16 inputs: aux's output rows)."""
-    out, lse, aux = torch.ops.metal_flash.fwd(q[:, :, call.q], k[:, :, call.k], v[:, :, call.k], None, None, None,
-                                              scale, *_band(call), 0.0, True)
+    out, lse, aux = ops.fwd_call(q=q[:, :, call.q], k=k[:, :, call.k], v=v[:, :, call.k], attn_mask=None,
+                                 alibi_slopes=None, sinks=None, scale=scale, **_band(call), softcap=0.0,
+                                 return_aux=True)
     return (aux[..., 2:] if aux.shape[-1] > 2 else out), lse
 
 
 def _block_backward(dout, q, k, v, out, aux, scale: float, call: layout.Call):
     """(dq, dk, dv) of one call from the rows' global output and row state."""
     qs, ks = call.q, call.k
-    dq, dk, dv, _, _ = torch.ops.metal_flash.bwd(dout[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks], out[:, :, qs],
-                                                 aux[:, :, qs].contiguous(), None, None, None, None, scale,
-                                                 *_band(call), 0.0, False)
+    dq, dk, dv, _, _ = ops.bwd_call(dout=dout[:, :, qs], q=q[:, :, qs], k=k[:, :, ks], v=v[:, :, ks], out=out[:, :, qs],
+                                    aux=aux[:, :, qs].contiguous(), dlse=None, attn_mask=None, alibi_slopes=None,
+                                    sinks=None, scale=scale, **_band(call), softcap=0.0, compute_dbias=False)
     return dq, dk, dv
 
 

@@ -59,24 +59,29 @@ def _attention(q, k, v, mask, alibi_slopes, sinks, scale, diag_offset, window_le
                                                        diag_offset, window_left, window_right, softcap, k.scales,
                                                        k.biases, v.scales, v.biases, *flat_format(k))
         return (out, lse, None) if return_probs else (out, lse)
-    extra = ()  # the schema's defaults (no dropout, no varlen) are left to the op: each argument costs a parse
-    if dropout_p > 0 or varlen is not None:
-        vl = varlen or _NO_VARLEN
-        extra = (float(dropout_p), philox.new_rng_state(q.device) if dropout_p > 0 else None, vl.cu_seqlens_q,
-                 vl.cu_seqlens_k, vl.seqused_k, vl.block_table, vl.max_seqlen_q, vl.max_seqlen_k)
-    out, lse, _ = _FWD(q, k, v, mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right, softcap,
-                       ops.needs_grad(q, k, v, mask, sinks), *extra)
+    if dropout_p == 0 and varlen is None:  # the common call, positionally (each argument costs a parse)
+        out, lse, _ = _FWD(q, k, v, mask, alibi_slopes, sinks, scale, diag_offset, window_left, window_right, softcap,
+                           ops.needs_grad(q, k, v, mask, sinks))
+        return (out, lse, None) if return_probs else (out, lse)
+    vl = varlen or _NO_VARLEN
+    named = dict(q=q, k=k, v=v, attn_mask=mask, alibi_slopes=alibi_slopes, sinks=sinks, scale=scale,
+                 diag_offset=diag_offset, window_left=window_left, window_right=window_right, softcap=softcap,
+                 dropout_p=float(dropout_p), rng_state=philox.new_rng_state(q.device) if dropout_p > 0 else None,
+                 cu_seqlens_q=vl.cu_seqlens_q, cu_seqlens_k=vl.cu_seqlens_k, seqused_k=vl.seqused_k,
+                 block_table=vl.block_table, max_seqlen_q=vl.max_seqlen_q, max_seqlen_k=vl.max_seqlen_k)
+    out, lse, _ = ops.fwd_call(**named, return_aux=ops.needs_grad(q, k, v, mask, sinks))
     if not return_probs:
         return out, lse
     probs = None
     if dropout_p > 0:
-        detached = (t.detach() if isinstance(t, torch.Tensor) else t for t in (q, k, v, mask, alibi_slopes, sinks))
-        probs = torch.ops.metal_flash.fwd_probs(*detached, scale, diag_offset, window_left, window_right, softcap,
-                                                *extra)
+        probs = ops.fwd_probs_call(**{n: t.detach() if isinstance(t, torch.Tensor) else t for n, t in named.items()})
     return out, lse, probs
 
 
-_FWD = torch.ops.metal_flash.fwd.default  # the overload itself: the packet's __call__ costs a lookup per call
+# The hot paths' call: the overload itself (the packet's __call__ costs a lookup per call), its positional
+# arguments checked here against the schema's names.
+_FWD = ops.fwd_call.prefix("q", "k", "v", "attn_mask", "alibi_slopes", "sinks", "scale", "diag_offset",
+                           "window_left", "window_right", "softcap", "return_aux")
 
 
 def _as_4d(t: torch.Tensor) -> torch.Tensor:

@@ -95,8 +95,9 @@ Modules: :mod:`.arguments` (the checks of direct calls), :mod:`.attention` (``fw
 :mod:`.paged` (the backward's gather/scatter of paged K/V), :mod:`.flex` (``flex_fwd`` and
 ``flex_bwd``: FlexAttention with the mods compiled into the kernels; schemas there).
 """
-from .arguments import check_args, check_dropout_varlen
-from .attention import BWD, FWD, FWD_PROBS, bwd, fwd, fwd_probs, needs_grad, unsupported_reason
+from .arguments import OpCall, check_args, check_dropout_varlen
+from .attention import (BWD, FWD, FWD_PROBS, bwd, bwd_call, fwd, fwd_call, fwd_probs, fwd_probs_call, needs_grad,
+                        unsupported_reason)
 from .flex import flex_bwd, flex_fwd
 from .kvcache import FWD_KVCACHE, FWD_KVCACHE_QUANTIZED, fwd_kvcache, fwd_kvcache_quantized
 from .quantized import FWD_QUANTIZED, fwd_quantized

@@ -80,6 +80,51 @@ def schema_args(qualname: str) -> type:
     return collections.namedtuple(f"{name}_args", [a.name for a in schema.arguments])
 
 
+class OpCall:
+    """An op called with its arguments by name -- ``fwd_call(q=q, k=k, v=v, scale=s, ...)``: the
+    schema is the one definition of the names and defaults; arguments left out take the schema's
+    default, a name it does not have or a required one missing is a TypeError.  The op itself is
+    called positionally, up to the last argument given, as the dispatcher parses keywords slower."""
+
+    _REQUIRED = object()
+
+    def __init__(self, qualname: str):
+        namespace, name = qualname.split("::")
+        self.qualname = qualname
+        self.overload = getattr(getattr(torch.ops, namespace), name).default
+        arguments = self.overload._schema.arguments
+        self.names = tuple(a.name for a in arguments)
+        self._defaults = {a.name: a.default_value for a in arguments if a.has_default_value()}
+        self._orders: dict = {}  # the given names, in call order -> (name or default) per position
+
+    def __call__(self, **kwargs):
+        order = self._orders.get(tuple(kwargs))
+        if order is None:
+            order = self._orders.setdefault(tuple(kwargs), self._order(kwargs))
+        return self.overload(*(kwargs[n] if given else n for given, n in order))
+
+    def _order(self, kwargs: dict) -> tuple:
+        unknown = [n for n in kwargs if n not in self.names]
+        if unknown:
+            raise TypeError(f"{self.qualname}: no argument {', '.join(map(repr, unknown))}; its arguments: "
+                            f"{', '.join(self.names)}")
+        missing = [n for n in self.names if n not in kwargs and n not in self._defaults]
+        if missing:
+            raise TypeError(f"{self.qualname}: missing {', '.join(map(repr, missing))}")
+        last = max((self.names.index(n) for n in kwargs), default=-1)
+        return tuple((True, n) if n in kwargs else (False, self._defaults[n]) for n in self.names[:last + 1])
+
+    def prefix(self, *names: str):
+        """The op overload itself, for a hot path that passes exactly ``names`` positionally:
+        checked once, here, to be the schema's first arguments with every required one among them."""
+        if names != self.names[:len(names)]:
+            raise TypeError(f"{self.qualname}: {names} are not its first arguments ({', '.join(self.names)})")
+        missing = [n for n in self.names[len(names):] if n not in self._defaults]
+        if missing:
+            raise TypeError(f"{self.qualname}: a call passing {len(names)} arguments misses {', '.join(missing)}")
+        return self.overload
+
+
 def _index_vector(name: str, t, shape, device) -> None:
     checks.tensor(name, t, ndim=(len(shape),))
     if t.dtype not in (torch.int32, torch.int64):

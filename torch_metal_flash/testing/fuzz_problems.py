@@ -38,6 +38,7 @@ from hypothesis import strategies as st
 
 from torch_metal_flash import backends, emulator
 from torch_metal_flash import nn as tmf_nn
+import torch_metal_flash.ops as ops
 from torch_metal_flash.faces.functional import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
                                                 flash_attn_varlen_func, scaled_dot_product_attention)
 from torch_metal_flash.faces.kvcache import flash_attn_with_kvcache
@@ -684,8 +685,9 @@ def _call_ops(p, x):
                                                    *p["window"], p["softcap"], k.scales, k.biases, v.scales,
                                                    v.biases, *flat_format(k))
     aux = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, mask, sinks))
-    out, lse, _ = torch.ops.metal_flash.fwd(q, k, v, mask, alibi, sinks, p["scale"], p["diag"], *p["window"],
-                                            p["softcap"], aux)
+    out, lse, _ = ops.fwd_call(q=q, k=k, v=v, attn_mask=mask, alibi_slopes=alibi, sinks=sinks, scale=p["scale"],
+                               diag_offset=p["diag"], window_left=p["window"][0], window_right=p["window"][1],
+                               softcap=p["softcap"], return_aux=aux)
     return out, lse
 
 

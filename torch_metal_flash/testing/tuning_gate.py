@@ -25,6 +25,7 @@ def small_problem(problem: dict) -> dict:
 def wrong_result(op: str, problem: dict, device: torch.device) -> Optional[str]:
     """None when ``op`` (with whatever variant is forced) matches the oracle on ``small_problem``,
     else what differs."""
+    import torch_metal_flash.ops as ops
     from ..problem.spec import make_spec
     from ..tuning.space import as_dtype
     from .oracle import check_backward, check_forward, randn
@@ -37,16 +38,17 @@ def wrong_result(op: str, problem: dict, device: torch.device) -> Optional[str]:
     q, k, v, dout = (randn(1, h, L, d, generator=g).to(dtype)
                      for h, L, d in ((H, Lq, D), (1, Lk, D), (1, Lk, Dv), (H, Lq, Dv)))
     causal = bool(p["causal"])
-    scalars = (D ** -0.5, Lk - Lq, -1, 0 if causal else -1, 0.0)
-    rest = (0.0, None, None, None, None)
-    spec = make_spec(q, k, v, scale=scalars[0], diag_offset=scalars[1], window_right=scalars[3])
+    scalars = dict(scale=D ** -0.5, diag_offset=Lk - Lq, window_left=-1, window_right=0 if causal else -1,
+                   softcap=0.0)
+    spec = make_spec(q, k, v, scale=scalars["scale"], diag_offset=scalars["diag_offset"],
+                     window_right=scalars["window_right"])
     dq, dk, dv, ddout = (t.to(device) for t in (q, k, v, dout))
+    none = dict(attn_mask=None, alibi_slopes=None, sinks=None)
     try:
-        out, lse, aux = torch.ops.metal_flash.fwd(dq, dk, dv, None, None, None, *scalars, op == "bwd", *rest,
-                                                  None, 0, 0)
+        out, lse, aux = ops.fwd_call(q=dq, k=dk, v=dv, **none, **scalars, return_aux=op == "bwd")
         if op == "bwd":
-            grads = torch.ops.metal_flash.bwd(ddout, dq, dk, dv, out, aux, None, None, None, None, *scalars,
-                                              False, *rest, 0, 0)
+            grads = ops.bwd_call(dout=ddout, q=dq, k=dk, v=dv, out=out, aux=aux, dlse=None, **none, **scalars,
+                                 compute_dbias=False)
             check_backward(spec, dout, None, (*(t.cpu() for t in grads[:3]), None, None))
         else:
             check_forward(spec, out.cpu(), lse.cpu())

@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from torch_metal_flash import backends, emulator
+import torch_metal_flash.ops as ops
 from torch_metal_flash.problem.spec import make_spec
 from .oracle import check_backward, check_forward, randn
 
@@ -68,8 +69,8 @@ def build(c: dict, seed: Optional[int] = None) -> dict:
     return x
 
 
-def fwd_args(x: dict) -> tuple:
-    """metal_flash.fwd's arguments for case ``x`` (return_aux when it has a backward)."""
+def fwd_args(x: dict) -> dict:
+    """metal_flash.fwd's arguments for case ``x``, by name (return_aux when it has a backward)."""
     c = x["c"]
     wl, wr = c.get("window", (-1, -1))
     q = x["q"].transpose(0, 1)[None]
@@ -77,9 +78,11 @@ def fwd_args(x: dict) -> tuple:
         k, v = x["k_cache"].transpose(1, 2), x["v_cache"].transpose(1, 2)
     else:
         k, v = x["k"].transpose(0, 1)[None], x["v"].transpose(0, 1)[None]
-    return (q, k, v, None, x["alibi"], x["sinks"], x["scale"], 0, wl, wr, float(c.get("softcap", 0.0)),
-            x["table"] is None, float(c.get("dropout", 0.0)), x["rng"], x["cu_q"], x["cu_k"], x["seqused"],
-            x["table"], max(c["lens_q"]), max(c["lens_k"]))
+    return dict(q=q, k=k, v=v, attn_mask=None, alibi_slopes=x["alibi"], sinks=x["sinks"], scale=x["scale"],
+                diag_offset=0, window_left=wl, window_right=wr, softcap=float(c.get("softcap", 0.0)),
+                return_aux=x["table"] is None, dropout_p=float(c.get("dropout", 0.0)), rng_state=x["rng"],
+                cu_seqlens_q=x["cu_q"], cu_seqlens_k=x["cu_k"], seqused_k=x["seqused"], block_table=x["table"],
+                max_seqlen_q=max(c["lens_q"]), max_seqlen_k=max(c["lens_k"]))
 
 
 def run(x: dict, order: str = "forward", checked: bool = True, backend: str = "emulator") -> dict:
@@ -90,18 +93,19 @@ def run(x: dict, order: str = "forward", checked: bool = True, backend: str = "e
     res = {}
     with emulator.settings(order=order, checked=checked), backends.backend(backend, strict=backend != "reference"):
         if x["table"] is None:
-            res["out"], res["lse"], aux = torch.ops.metal_flash.fwd(*args)
-            res["grads"] = torch.ops.metal_flash.bwd(x["dout"], *args[:3], res["out"], aux, None, *args[3:11], False,
-                                                     *args[12:17], *args[18:20])
+            res["out"], res["lse"], aux = ops.fwd_call(**args)
+            shared = {n: a for n, a in args.items() if n not in ("return_aux", "block_table")}
+            res["grads"] = ops.bwd_call(**shared, dout=x["dout"], out=res["out"], aux=aux, dlse=None,
+                                        compute_dbias=False)
         else:
-            q, k, v = (t.detach().requires_grad_(True) for t in args[:3])
-            res["out"], res["lse"], _ = torch.ops.metal_flash.fwd(q, k, v, *args[3:11], True, *args[12:])
+            q, k, v = (args[n].detach().requires_grad_(True) for n in ("q", "k", "v"))
+            res["out"], res["lse"], _ = ops.fwd_call(**{**args, "q": q, "k": k, "v": v, "return_aux": True})
             res["cache_grads"] = torch.autograd.grad(res["out"], (q, k, v), x["dout"])
             dq, dk, dv = res["cache_grads"]
             res["grads"] = (dq, packed_from_cache(x, dk.transpose(1, 2)), packed_from_cache(x, dv.transpose(1, 2)))
             res["out"], res["lse"] = res["out"].detach(), res["lse"].detach()
-        if args[12] > 0:
-            res["probs"] = torch.ops.metal_flash.fwd_probs(*args[:11], *args[12:])
+        if args["dropout_p"] > 0:
+            res["probs"] = ops.fwd_probs_call(**{n: a for n, a in args.items() if n != "return_aux"})
     return res
 
 

@@ -386,11 +386,14 @@ def _runner(problem: dict, device: torch.device, forward_backward: bool = False)
     k = torch.randn(B, Hkv, Lk, D, generator=g).to(dtype).to(device)
     v = torch.randn(B, Hkv, Lk, Dv, generator=g).to(dtype).to(device)
     causal = bool(problem["causal"])
-    scalars = (D ** -0.5, Lk - Lq, -1, 0 if causal else -1, 0.0)  # scale, bottom-right diagonal, window, softcap
-    rest = (0.0, None, None, None, None)  # dropout_p, rng_state, cu_seqlens_q/k, seqused_k
+    import torch_metal_flash.ops as ops
+    # the bottom-right diagonal, causal or no window, no softcap
+    scalars = dict(scale=D ** -0.5, diag_offset=Lk - Lq, window_left=-1, window_right=0 if causal else -1,
+                   softcap=0.0)
 
     def forward(return_aux: bool):
-        return torch.ops.metal_flash.fwd(q, k, v, None, None, None, *scalars, return_aux, *rest, None, 0, 0)
+        return ops.fwd_call(q=q, k=k, v=v, attn_mask=None, alibi_slopes=None, sinks=None, **scalars,
+                            return_aux=return_aux)
     if op != "bwd":
         return lambda: forward(False)
     with torch.no_grad():
@@ -398,7 +401,8 @@ def _runner(problem: dict, device: torch.device, forward_backward: bool = False)
     dout = torch.randn(B, H, Lq, Dv, generator=g).to(dtype).to(device)
 
     def backward(out, aux):
-        return torch.ops.metal_flash.bwd(dout, q, k, v, out, aux, None, None, None, None, *scalars, False, *rest, 0, 0)
+        return ops.bwd_call(dout=dout, q=q, k=k, v=v, out=out, aux=aux, dlse=None, attn_mask=None, alibi_slopes=None,
+                            sinks=None, **scalars, compute_dbias=False)
     if forward_backward:
         return lambda: backward(*forward(True)[::2])
     return lambda: backward(out, aux)
