@@ -51,7 +51,7 @@ import harness
 from torch_metal_flash import backends, emulator, tuning
 from torch_metal_flash.planner.backward_tiles import DSINKS_THREADS, backward_tiles, backward_variants, dkv_variants
 from torch_metal_flash.problem.spec import make_spec
-from torch_metal_flash.testing import backward_cases as bk
+from support import backward_cases as bk
 
 PARAMS_INDEX = {"pre": 6, "dq": 6, "dkv": 6, "dsinks": 6}
 DT = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}

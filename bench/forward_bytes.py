@@ -34,7 +34,7 @@ import torch_metal_flash as tmf
 from torch_metal_flash import emulator
 from torch_metal_flash.planner import forward_variants
 from torch_metal_flash.problem.spec import make_spec
-from torch_metal_flash.testing import forward_cases as fc
+from support import forward_cases as fc
 
 DT = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 

@@ -2,7 +2,8 @@
 sweeps' flags and loop, a timing loop, allocator peaks and markdown rows.
 
 Scripts run as ``python bench/<name>.py`` (so bench/ is on sys.path) and ``import harness``
-first: that makes this checkout's torch_metal_flash the one they import.
+first: that makes this checkout's torch_metal_flash the one they import, and the tests' shared
+case matrices and oracles importable (``from support import forward_cases``).
 """
 from __future__ import annotations
 
@@ -28,6 +29,9 @@ def use_checkout(root: Path = ROOT) -> None:
 
 
 use_checkout()
+# the case matrices and oracles the benches share with the tests: tests/support, imported as `support`
+if str(ROOT / "tests") not in sys.path:
+    sys.path.insert(1, str(ROOT / "tests"))
 
 
 def parser(doc: str, *, results: bool = False, json_summary: bool = False) -> argparse.ArgumentParser:

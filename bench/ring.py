@@ -28,7 +28,7 @@ import harness
 
 import torch_metal_flash as tmf
 from torch_metal_flash.testing import randn
-from torch_metal_flash.testing.ring_cases import run_world
+from support.ring_cases import run_world
 
 HQ, HKV, D, DTYPE = 8, 2, 64, torch.float16
 

@@ -52,9 +52,9 @@ def main() -> None:
     args = ap.parse_args()
     from torch_metal_flash import testing as now
     before = _rule_at(args.against)
-    from torch_metal_flash.testing import backward_cases as bk
-    from torch_metal_flash.testing import forward_cases as fc
-    from torch_metal_flash.testing import precision_cases as tp
+    from support import backward_cases as bk
+    from support import forward_cases as fc
+    from support import precision_cases as tp
     from torch_metal_flash.testing import randn
     torch.randn = randn  # the suite's portable inputs (tests/conftest.py)
 

@@ -17,9 +17,10 @@ import harness  # noqa: F401  (this checkout's torch_metal_flash)
 
 import torch_metal_flash as tmf
 from torch_metal_flash import emulator
-from torch_metal_flash.testing import fuzz_problems as fp
-from torch_metal_flash.testing import portable, randn
-from torch_metal_flash.testing.fuzz_problems import RULE_GAP_CASES
+from support import fuzz_problems as fp
+from support import portable
+from torch_metal_flash.testing import randn
+from support.fuzz_problems import RULE_GAP_CASES
 
 torch.randn, torch.randn_like = randn, portable.randn_like  # the portable inputs the tests draw
 

@@ -19,8 +19,8 @@ import sys
 
 import harness
 
-from torch_metal_flash.testing import backward_cases as bk
-from torch_metal_flash.testing import forward_cases as fc
+from support import backward_cases as bk
+from support import forward_cases as fc
 
 
 def full_matrix(every_combination: bool = False):

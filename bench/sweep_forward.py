@@ -1,4 +1,4 @@
-"""Full forward kernel sweep in the emulator (the matrix of torch_metal_flash/testing/forward_cases.py).
+"""Full forward kernel sweep in the emulator (the matrix of tests/support/forward_cases.py).
 
 The CI test (tests/kernels/test_forward_kernels.py) runs a fixed-seed sample of this
 matrix; this script runs all of it (or a slice), each case in checked mode and
@@ -15,7 +15,7 @@ import sys
 
 import harness
 
-from torch_metal_flash.testing import forward_cases as fc
+from support import forward_cases as fc
 
 
 def main() -> int:

@@ -60,7 +60,7 @@ os.environ.setdefault("TORCH_METAL_FLASH_PLAN_CACHE_VERIFY", "1")
 
 import torch  # noqa: E402
 
-from torch_metal_flash.testing.portable import normal_ as _normal_, randn_like as _randn_like  # noqa: E402
+from support.portable import normal_ as _normal_, randn_like as _randn_like  # noqa: E402
 from torch_metal_flash.testing import randn as _portable_randn  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""Property-based tests: whole problems of every face (torch_metal_flash/testing/fuzz_problems.py)
+"""Property-based tests: whole problems of every face (tests/support/fuzz_problems.py)
 on the kernels (emulator, checked mode, strict) against the float64 oracle under
 the rule of torch_metal_flash.testing, forward and backward, results bit-identical
 across two schedule orders, inputs never modified (but documented in-place caches).
@@ -15,7 +15,7 @@ import time
 import pytest
 from hypothesis import given
 
-from torch_metal_flash.testing import fuzz_problems as fp
+from support import fuzz_problems as fp
 
 pytestmark = pytest.mark.fuzz
 

@@ -2,7 +2,7 @@
 in strict mode, judged against float64 attention over the whole sequence (torch_metal_flash.testing).
 
 One set of processes per world size runs every problem and wrong call of that size
-(testing/ring_cases.py): starting a process costs seconds, a problem milliseconds."""
+(tests/support/ring_cases.py): starting a process costs seconds, a problem milliseconds."""
 import functools
 
 import pytest
@@ -11,7 +11,7 @@ import torch
 import torch_metal_flash as tmf
 from torch_metal_flash.distributed import layout
 from torch_metal_flash.testing import check_backward, check_forward
-from torch_metal_flash.testing.ring_cases import CASES, ERRORS, ring_suite, run_world
+from support.ring_cases import CASES, ERRORS, ring_suite, run_world
 
 WORLDS = sorted(CASES)
 

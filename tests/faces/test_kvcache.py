@@ -1,5 +1,5 @@
 """``flash_attn_with_kvcache`` on the reference path: every argument against an
-independent float64 implementation (torch_metal_flash/testing/kvcache_oracle.py) with the acceptance
+independent float64 implementation (tests/support/kvcache_oracle.py) with the acceptance
 rule of torch_metal_flash/testing/oracle.py, the in-place cache update, and the argument errors."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from torch_metal_flash.testing.kvcache_cases import check_call, make_case
+from support.kvcache_cases import check_call, make_case
 from torch_metal_flash import backends
 from torch_metal_flash.faces.kvcache import flash_attn_with_kvcache
 from torch_metal_flash.planner.decode import route_reason

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from support.host_syncs import host_syncs_raise
-from torch_metal_flash.testing.kvcache_cases import check_against_oracle, check_call, make_case, rotated_rows_exact
+from support.kvcache_cases import check_against_oracle, check_call, make_case, rotated_rows_exact
 from torch_metal_flash import backends, core, emulator
 from torch_metal_flash.backends.emulator import EmulatorBackend
 from torch_metal_flash.faces.kvcache import apply_rotary, flash_attn_with_kvcache

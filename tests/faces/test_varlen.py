@@ -4,7 +4,7 @@ One launch per kernel covers every sequence; the kernels read the boundaries on 
 GPU.  Each case runs forward and backward through the ops in the emulator, in checked
 mode and two schedule orders (bit-identical results), and every sequence is checked
 against its own float64 oracle call with the rule of ``torch_metal_flash.testing``
-(torch_metal_flash/testing/varlen_cases.py).  Then the faces (flash-attn's varlen functions and their
+(tests/support/varlen_cases.py).  Then the faces (flash-attn's varlen functions and their
 packed variants, differentiable, against per-sequence calls), no host synchronisation
 on the varlen path, ``torch.compile(fullgraph=True)`` of a packed training step, and
 transformers' packed-sequence path.
@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torch_metal_flash.testing import varlen_cases as vc
+from support import varlen_cases as vc
 import torch_metal_flash as tmf
 from torch_metal_flash import backends, emulator
 from support.host_syncs import host_syncs_raise

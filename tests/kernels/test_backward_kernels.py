@@ -5,7 +5,7 @@ dv, dbias, dsinks), from the forward kernel's saved state, through
 (poisoned threadgroup memory, bounds and race checks) and in two schedule
 orders per case; the two runs must agree bit for bit (determinism).
 
-The forward matrix (torch_metal_flash/testing/forward_cases.py) is sampled with a fixed
+The forward matrix (tests/support/forward_cases.py) is sampled with a fixed
 seed, plus GQA ratios 1/2/4/8 and MQA, dlse, fully-masked rows, both layouts.
 ``bench/sweep_backward.py`` runs the full sweep.  These tests need the
 emulator: they fail (not skip) when it or its compiler is missing.
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import torch_metal_flash as tmf
-from torch_metal_flash.testing.backward_cases import (DTYPES, ORDER_PAIRS, build_case, case_id, check_grads, grad_buffers, plan_for,
+from support.backward_cases import (DTYPES, ORDER_PAIRS, build_case, case_id, check_grads, grad_buffers, plan_for,
                                     run_and_check, run_backward, sample_cases, saved_forward)
 from torch_metal_flash import reference
 from torch_metal_flash._paths import shaders_dir

@@ -4,7 +4,7 @@ kernel (shaders/kvcache_append.metal) in the emulator.
 ``flash_attn_with_kvcache`` on the emulator backend, checked mode (poisoned
 threadgroup memory, bounds and race checks, exact byte counters), two schedule
 orders per case (results must not change by a bit), against the independent
-float64 implementation of torch_metal_flash/testing/kvcache_oracle.py with the acceptance rule of
+float64 implementation of tests/support/kvcache_oracle.py with the acceptance rule of
 torch_metal_flash/testing/oracle.py.
 These tests need the emulator: they fail (not skip) when its compiler is missing.
 """
@@ -18,7 +18,7 @@ import torch
 
 import torch_metal_flash
 
-from torch_metal_flash.testing.kvcache_cases import check_call, make_case
+from support.kvcache_cases import check_call, make_case
 from torch_metal_flash import backends, emulator
 from torch_metal_flash.backends.emulator import EmulatorBackend
 from torch_metal_flash.faces.kvcache import flash_attn_with_kvcache
@@ -320,7 +320,7 @@ needs_mps = pytest.mark.skipif(not torch.backends.mps.is_available(),
 @pytest.mark.parametrize("i,case", list(enumerate(CASES)))
 def test_mps_kernels_match_oracle(i, case):
     """Strict metal backend (a fallback fails the test), mps tensors, oracle on the CPU."""
-    from torch_metal_flash.testing.kvcache_cases import check_against_oracle
+    from support.kvcache_cases import check_against_oracle
 
     kw = make_case(seed=500 + i, **case["kw"])
     dev = torch.device("mps")

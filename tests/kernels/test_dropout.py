@@ -21,7 +21,7 @@ import zlib
 import pytest
 import torch
 
-from torch_metal_flash.testing import forward_cases as fc
+from support import forward_cases as fc
 import torch_metal_flash as tmf
 from torch_metal_flash import backends, emulator
 from torch_metal_flash.problem import philox

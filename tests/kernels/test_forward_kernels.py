@@ -3,7 +3,7 @@ against the float64 oracle (the acceptance rule of torch_metal_flash/testing/ora
 emulator backend, in checked mode (poisoned threadgroup memory, bounds and
 race checks) and in two schedule orders per case.
 
-The full forward matrix (torch_metal_flash/testing/forward_cases.py) is sampled with a fixed seed (every value of every
+The full forward matrix (tests/support/forward_cases.py) is sampled with a fixed seed (every value of every
 axis appears); ``bench/sweep_forward.py`` runs the whole sweep.  These tests
 need the emulator: they fail (not skip) when it or its compiler is missing.
 """
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from torch_metal_flash import emulator
-from torch_metal_flash.testing import forward_cases as fc
+from support import forward_cases as fc
 from torch_metal_flash._paths import shaders_dir
 from torch_metal_flash.planner.plan import Plan, Unsupported
 from torch_metal_flash.planner import forward_variants

@@ -14,14 +14,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from torch_metal_flash.testing import forward_cases as fc  # noqa: E402
+from support import forward_cases as fc  # noqa: E402
 import test_backward_kernels as bwd  # noqa: E402
 import test_decode_kernels as dec  # noqa: E402
 import test_forward_kernels as fwd  # noqa: E402
 import test_quantized_kernels as quant  # noqa: E402
-from torch_metal_flash.testing import varlen_cases as vc  # noqa: E402
+from support import varlen_cases as vc  # noqa: E402
 from torch_metal_flash import emulator  # noqa: E402
-from torch_metal_flash.testing.kvcache_cases import make_case  # noqa: E402
+from support.kvcache_cases import make_case  # noqa: E402
 from torch_metal_flash.problem.spec import make_spec  # noqa: E402
 
 MODES = ("fast", "relaxed", "safe")

@@ -19,7 +19,7 @@ from torch_metal_flash import emulator, tuning
 from torch_metal_flash.planner import backward_tiles as bt
 from torch_metal_flash.planner import tiles
 from torch_metal_flash.problem.spec import make_spec
-from torch_metal_flash.testing import backward_cases as bk
+from support import backward_cases as bk
 from torch_metal_flash.testing import check_backward, generator_keep_mask, randn
 
 NAX = "apple10"

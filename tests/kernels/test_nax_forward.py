@@ -19,7 +19,7 @@ from torch_metal_flash import emulator, tuning
 from torch_metal_flash.planner import tiles
 from torch_metal_flash.problem.spec import make_spec
 from torch_metal_flash.testing import check_backward, check_forward, generator_keep_mask, randn
-from torch_metal_flash.testing import forward_cases as fc
+from support import forward_cases as fc
 
 NAX = "apple10"
 HALF = {"f16": torch.float16, "bf16": torch.bfloat16}

@@ -26,8 +26,8 @@ from torch_metal_flash.problem.spec import make_spec
 from torch_metal_flash.testing import (Arith, assert_matches_oracle, backward_reference, check_backward,
                                        grad_errors, plain_attention, randn)
 
-from torch_metal_flash.testing.kvcache_cases import check_against_oracle
-from torch_metal_flash.testing.precision_cases import DEFECT_CASES, SWEEP_SHAPES, kernel_grads, sweep_case
+from support.kvcache_cases import check_against_oracle
+from support.precision_cases import DEFECT_CASES, SWEEP_SHAPES, kernel_grads, sweep_case
 
 
 def _leaves(*tensors):
@@ -118,8 +118,8 @@ def test_kvcache_float32_large_scores(splits):
 def test_float32_gradients_at_large_scores(shape, target):
     """Forward and backward kernels of one problem (fast emulator mode: the
     checked runs are elsewhere) within the rule at max |score| = target."""
-    from torch_metal_flash.testing import forward_cases as fc
-    from torch_metal_flash.testing import backward_cases as bk
+    from support import forward_cases as fc
+    from support import backward_cases as bk
     from torch_metal_flash.testing import check_forward
 
     spec, dout, dlse = sweep_case(shape, target, seed=target)
@@ -209,7 +209,7 @@ def test_oracle_gradients_match_autograd():
 _DIGEST = r"""
 import hashlib, json, sys, torch
 sys.path.insert(0, sys.argv[1])
-from torch_metal_flash.testing import forward_cases as fc
+from support import forward_cases as fc
 from torch_metal_flash.testing import backward_reference, randn
 out = {}
 for c in (dict(dtype="f32", d=40, lq=9, lk=23, masking="causal_br", hq=4, hkv=2, feature="all", layout="blhd"),

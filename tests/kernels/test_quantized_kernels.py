@@ -21,7 +21,7 @@ import torch
 import torch_metal_flash as tmf
 
 from support.host_syncs import host_syncs_raise
-from torch_metal_flash.testing.kvcache_cases import check_against_oracle, make_case
+from support.kvcache_cases import check_against_oracle, make_case
 from torch_metal_flash import backends, emulator, testing
 from torch_metal_flash.backends.emulator import EmulatorBackend
 from torch_metal_flash.faces.kvcache import flash_attn_with_kvcache

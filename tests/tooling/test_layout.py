@@ -176,6 +176,14 @@ def test_the_reference_path_never_calls_the_ops():
     assert not calls, f"the reference path calls the ops: {calls}"
 
 
+def test_the_package_never_imports_the_tests_support():
+    """What only tests and benches use lives in tests/support, outside the wheel: nothing shipped imports it."""
+    bad = [(dotted, target, line) for dotted, is_package, path in _modules()
+           for target, _, line in _imports(dotted, is_package, path.read_text())
+           if target.split(".")[0] in ("support", "tests", "hypothesis")]
+    assert not bad, bad
+
+
 def test_at_most_ten_modules_at_the_top_level():
     top = sorted(p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
     assert len(top) <= 10, top

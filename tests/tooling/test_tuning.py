@@ -355,8 +355,8 @@ def test_forced_variants_are_per_thread(launched):
 
 # ----------------------------------------------------------------------------- a sampled matrix
 
-from torch_metal_flash.testing import backward_cases as bk  # noqa: E402
-from torch_metal_flash.testing import forward_cases as fc  # noqa: E402
+from support import backward_cases as bk  # noqa: E402
+from support import forward_cases as fc  # noqa: E402
 
 MATRIX_SEED = 20261202
 

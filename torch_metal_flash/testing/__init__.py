@@ -1,14 +1,10 @@
-"""Judging attention results, and the problems the tests and the benches share.
+"""Judging attention results on a user's machine: what the doctor and the tuner's correctness
+gate run (the case matrices the tests and benches share live in the repository's tests/support).
 
 * :mod:`.oracle`: the acceptance rule against the float64 oracle and the
   machine-independent inputs (:func:`randn`); its names are this package's.
-* Case matrices and problem builders, imported by name so that importing
-  this package stays light: ``forward_cases``, ``backward_cases``,
-  ``precision_cases``, ``varlen_cases``, ``kvcache_cases`` (with the independent
-  float64 implementation ``kvcache_oracle``), ``ring_cases`` (ring attention's problems and
-  a process group of spawned gloo processes to run them), ``fuzz_problems`` (whole problems
-  of every face; needs hypothesis, a test dependency) and ``portable``
-  (``torch.randn_like`` / ``Tensor.normal_`` through :func:`randn`).
+* :mod:`.flex_oracle`: FlexAttention's dense float64 definition (the doctor's flex probe).
+* :mod:`.tuning_gate`: a forced variant checked against the oracle before the tuner keeps it.
 * :func:`inject_faults`: kernels that fail to compile or to build their pipeline, on
   purpose (the doctor checks the fallback with it).
 """

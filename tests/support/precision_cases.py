@@ -8,8 +8,8 @@ import dataclasses
 import torch
 
 from torch_metal_flash.problem.spec import make_spec
-import torch_metal_flash.testing.backward_cases as bk
-from .oracle import backward_reference, randn
+import support.backward_cases as bk
+from torch_metal_flash.testing.oracle import backward_reference, randn
 
 SWEEP_SHAPES = {
     "causal-gqa": dict(d=64, lq=33, lk=33, hq=2, hkv=1, kw=dict(window_right=0)),

@@ -18,7 +18,7 @@ import torch
 from torch_metal_flash import backends, emulator
 import torch_metal_flash.ops as ops
 from torch_metal_flash.problem.spec import make_spec
-from .oracle import check_backward, check_forward, randn
+from torch_metal_flash.testing.oracle import check_backward, check_forward, randn
 
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 

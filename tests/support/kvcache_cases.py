@@ -9,8 +9,8 @@ import torch
 
 from torch_metal_flash import backends
 from torch_metal_flash.faces.kvcache import flash_attn_with_kvcache
-import torch_metal_flash.testing.kvcache_oracle as kvcache_oracle
-from .oracle import assert_matches_oracle
+import support.kvcache_oracle as kvcache_oracle
+from torch_metal_flash.testing.oracle import assert_matches_oracle
 
 
 DT = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "f64": torch.float64}

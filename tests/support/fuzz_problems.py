@@ -47,7 +47,7 @@ from torch_metal_flash.problem import philox
 from torch_metal_flash.problem.quant import QuantizedTensor, flat_format, quantize
 from torch_metal_flash.problem.spec import make_spec
 
-import torch_metal_flash.testing.kvcache_oracle as kvcache_oracle
+import support.kvcache_oracle as kvcache_oracle
 import torch_metal_flash.testing.oracle as oracle
 
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "f64": torch.float64}

@@ -22,11 +22,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..backends import backend as use_backend
-from ..diagnostics import run_counts
-from ..distributed import ring_attention_with_lse, zigzag_shard, zigzag_unshard
-from ..problem.spec import make_spec
-from .oracle import randn
+from torch_metal_flash.backends import backend as use_backend
+from torch_metal_flash.diagnostics import run_counts
+from torch_metal_flash.distributed import ring_attention_with_lse, zigzag_shard, zigzag_unshard
+from torch_metal_flash.problem.spec import make_spec
+from torch_metal_flash.testing.oracle import randn
 
 
 @dataclasses.dataclass(frozen=True)

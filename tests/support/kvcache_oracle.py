@@ -183,7 +183,7 @@ def budget(q, k_cache, v_cache, dtype, **kw):
     ``torch_metal_flash.testing`` for a call: each batch row's problem (:func:`row_problems`)
     as plain math in ``dtype`` (for float64: testing.Arith's plain float64), its magnitudes
     from the same problem in float64."""
-    from .oracle import plain_attention
+    from torch_metal_flash.testing.oracle import plain_attention
 
     rows = [(plain_attention(low, dtype, exact=False), plain_attention(exact, torch.float64).magnitude)
             for low, exact in zip(row_problems(q, k_cache, v_cache, dtype, **kw),

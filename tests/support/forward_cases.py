@@ -17,7 +17,7 @@ import torch
 from torch_metal_flash.planner.plan import Plan
 from torch_metal_flash.planner.forward import plan_forward
 from torch_metal_flash.problem.spec import make_spec
-from .oracle import check_forward, randn
+from torch_metal_flash.testing.oracle import check_forward, randn
 
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 HEAD_DIMS = (32, 64, 80, 96, 128, 256, 72, 40)

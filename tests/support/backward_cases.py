@@ -14,8 +14,8 @@ from torch_metal_flash._paths import shaders_dir
 from torch_metal_flash.problem.layout import empty_in_layout
 from torch_metal_flash.planner.plan import Plan
 from torch_metal_flash.problem.spec import AttentionSpec
-import torch_metal_flash.testing.forward_cases as fc
-from .oracle import check_backward, randn
+import support.forward_cases as fc
+from torch_metal_flash.testing.oracle import check_backward, randn
 
 ORDER_PAIRS = (("forward", "reverse"), ("reverse", "random"), ("random", "forward"))
 DTYPES = fc.DTYPES
