@@ -86,8 +86,6 @@ class OpCall:
     default, a name it does not have or a required one missing is a TypeError.  The op itself is
     called positionally, up to the last argument given, as the dispatcher parses keywords slower."""
 
-    _REQUIRED = object()
-
     def __init__(self, qualname: str):
         namespace, name = qualname.split("::")
         self.qualname = qualname
@@ -95,13 +93,14 @@ class OpCall:
         arguments = self.overload._schema.arguments
         self.names = tuple(a.name for a in arguments)
         self._defaults = {a.name: a.default_value for a in arguments if a.has_default_value()}
-        self._orders: dict = {}  # the given names, in call order -> (name or default) per position
+        # per call shape (the names given, in call order; one per call site): (given, name or default) per position
+        self._orders: dict = {}
 
     def __call__(self, **kwargs):
         order = self._orders.get(tuple(kwargs))
         if order is None:
             order = self._orders.setdefault(tuple(kwargs), self._order(kwargs))
-        return self.overload(*(kwargs[n] if given else n for given, n in order))
+        return self.overload(*(kwargs[x] if given else x for given, x in order))
 
     def _order(self, kwargs: dict) -> tuple:
         unknown = [n for n in kwargs if n not in self.names]
