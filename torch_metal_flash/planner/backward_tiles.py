@@ -182,11 +182,12 @@ _DKV_FUSED = {
 _DKV_FUSED["bf16"] = dict(_DKV_FUSED["f16"])
 
 
+# (BK, BQ) per mode: the fused kernel's (the split pair's tiles where K and V stay in registers), the pair's
+_DKV_BY_MODE = {0: {dt: {**_DKV[dt], **_DKV_FUSED[dt]} for dt in _DKV}, 1: _DKV, 2: _DKV}
+
+
 def _dkv_table(mode: int) -> dict:
-    """The (BK, BQ) table of a dK/dV mode: the split pair's, or the fused kernel's above head dim 64."""
-    if mode != 0:
-        return _DKV
-    return {dt: {**_DKV[dt], **_DKV_FUSED[dt]} for dt in _DKV}
+    return _DKV_BY_MODE[mode]
 
 BACKWARD_TILES = {family: {"dq": _DQ} for family in FAMILIES}
 
