@@ -219,14 +219,9 @@ def test_emulator_threadgroup_memory_of_the_wide_tiles():
 def test_fused_dkv_with_staged_rows(case):
     """The fused dK/dV kernel with its K/V rows in threadgroup memory: partial and empty simdgroups,
     GQA, masks, bias gradients, sinks, float32's unpadded 32 KiB tile."""
-    assert _backward_tiles_of(case).dkv[0].stages_kv
-    run_and_check(case, orders=("forward", "reverse"))
-
-
-def _backward_tiles_of(case):
     from torch_metal_flash.planner.backward_tiles import backward_tiles
-    return backward_tiles({"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[case["dtype"]],
-                          case["d"])
+    assert backward_tiles(DTYPES[case["dtype"]], case["d"]).dkv[0].stages_kv
+    run_and_check(case, orders=("forward", "reverse"))
 
 
 def test_fused_dkv_up_to_256():

@@ -125,7 +125,7 @@ class DKVTile:
     def source(self) -> str:
         if self.nax:
             return NAX_SOURCE
-        default = self.mode in _modes(self.bd) and (self.bk, self.bq) == _dkv_table(self.mode)[self.dtype][self.bd]
+        default = self.mode in _modes(self.bd) and (self.bk, self.bq) == _DKV_BY_MODE[self.mode][self.dtype][self.bd]
         return SOURCE if default else VARIANTS_SOURCE
 
     @property
@@ -181,13 +181,8 @@ _DKV_FUSED = {
 }
 _DKV_FUSED["bf16"] = dict(_DKV_FUSED["f16"])
 
-
-# (BK, BQ) per mode: the fused kernel's (the split pair's tiles where K and V stay in registers), the pair's
+# (BK, BQ) per dK/dV mode: the fused kernel's (up to head dim 64 the same tiles as the pair's), the pair's
 _DKV_BY_MODE = {0: {dt: {**_DKV[dt], **_DKV_FUSED[dt]} for dt in _DKV}, 1: _DKV, 2: _DKV}
-
-
-def _dkv_table(mode: int) -> dict:
-    return _DKV_BY_MODE[mode]
 
 BACKWARD_TILES = {family: {"dq": _DQ} for family in FAMILIES}
 
@@ -225,7 +220,7 @@ def _modes(bd: int, nax: bool = False) -> tuple[int, ...]:
 
 
 def _dkv_tiles(dt: str, bd: int, modes: tuple[int, ...]) -> tuple[DKVTile, ...]:
-    return tuple(DKVTile(dt, bd, *_dkv_table(m)[dt][bd], m) for m in modes)
+    return tuple(DKVTile(dt, bd, *_DKV_BY_MODE[m][dt][bd], m) for m in modes)
 
 
 def dq_variants(dtype: torch.dtype, head_dim: int, family: str = "apple8") -> list[DQTile]:
