@@ -122,14 +122,21 @@ void frag_add(thread simdgroup_float8x8& a, simdgroup_float8x8 b) {
   a.thread_elements()[1] += b.thread_elements()[1];
 }
 
-// S[kk] = Q K^T for 8 query rows (Qf: NF fragments along the head dim) x the
-// keys kk * 8.. of the threadgroup tile Ks (row stride LD): one
-// multiply-accumulate chain over the head dim, in order.  Every kernel that
-// needs the scores (forward, dQ, decode) computes them here, so the backward
-// sees the forward's scores bit for bit.
+// Above head dim 256 the scores are summed as ScoreSlices chains, one per
+// equal slice of the head dim, added in slice order: the head-dim-split
+// kernels give each simdgroup one slice, and every other kernel of the bucket
+// adds the same chains in the same order, so all of them see the same scores.
+template <int BD>
+struct ScoreSlices {
+  static constant constexpr int value = BD > 256 ? 4 : 1;
+};
+
+// S[kk] (+)= Q K^T over NF fragments of the head dim: 8 query rows (Qf) x
+// the keys kk * 8.. of the threadgroup tile Ks (row stride LD), one
+// multiply-accumulate chain, in order.
 template <int NF, int NK, int LD, typename T>
 __attribute__((always_inline)) inline
-void qk_block(thread simdgroup_float8x8* S, const thread simdgroup_float8x8* Qf, const threadgroup T* Ks,
+void qk_chain(thread simdgroup_float8x8* S, const thread simdgroup_float8x8* Qf, const threadgroup T* Ks,
               FragCoord fc) {
   for (int kk = 0; kk < NK; ++kk) {
     S[kk] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
@@ -137,6 +144,52 @@ void qk_block(thread simdgroup_float8x8* S, const thread simdgroup_float8x8* Qf,
       simdgroup_float8x8 Kt;
       load_frag_t(Kt, Ks + kk * 8 * LD + dd * 8, LD, fc);
       simdgroup_multiply_accumulate(S[kk], Qf[dd], Kt, S[kk]);
+    }
+  }
+}
+
+// S[kk] = Q K^T over the whole head dim (NF fragments): the chains of its
+// ScoreSlices slices, added in order.  Every kernel that needs the scores
+// (forward, dQ, decode) computes them here or slice by slice (slice_put /
+// slice_gather), so the backward sees the forward's scores bit for bit.
+template <int NF, int NK, int LD, typename T>
+__attribute__((always_inline)) inline
+void qk_block(thread simdgroup_float8x8* S, const thread simdgroup_float8x8* Qf, const threadgroup T* Ks,
+              FragCoord fc) {
+  constexpr int SL = ScoreSlices<NF * 8>::value;
+  constexpr int NFS = NF / SL;
+  static_assert(NF % SL == 0, "equal slices");
+  qk_chain<NFS, NK, LD>(S, Qf, Ks, fc);
+  for (int s = 1; s < SL; ++s) {
+    simdgroup_float8x8 part[NK];
+    qk_chain<NFS, NK, LD>(part, Qf + s * NFS, Ks + s * NFS * 8, fc);
+    for (int kk = 0; kk < NK; ++kk) frag_add(S[kk], part[kk]);
+  }
+}
+
+// Head-dim split: the simdgroups of a row group each hold the partial
+// products of their slice; slice_put stores a simdgroup's N fragments into
+// its row group's exchange area (DS * N fragments of 64 floats, slice-major),
+// and after a threadgroup barrier slice_gather sums them in slice order, so
+// every simdgroup of the group holds the same totals.
+template <int N>
+inline void slice_put(const thread simdgroup_float8x8* X, threadgroup float* area, int slice, FragCoord fc) {
+  for (int n = 0; n < N; ++n) {
+    threadgroup float* dst = area + (slice * N + n) * 64 + fc.row * 8 + fc.col;
+    dst[0] = X[n].thread_elements()[0];
+    dst[1] = X[n].thread_elements()[1];
+  }
+}
+
+template <int DS, int N>
+inline void slice_gather(thread simdgroup_float8x8* X, const threadgroup float* area, FragCoord fc) {
+  for (int n = 0; n < N; ++n) {
+    const threadgroup float* src = area + n * 64 + fc.row * 8 + fc.col;
+    X[n].thread_elements()[0] = src[0];
+    X[n].thread_elements()[1] = src[1];
+    for (int s = 1; s < DS; ++s) {
+      X[n].thread_elements()[0] += src[s * N * 64];
+      X[n].thread_elements()[1] += src[s * N * 64 + 1];
     }
   }
 }

@@ -24,6 +24,11 @@
 //   SHARED_KV  K and V tiles share one threadgroup buffer (V is loaded after
 //       the scores are computed; two more barriers per step, half the memory,
 //       so twice the keys per step for large head dims / float32)
+//   DS  head-dim split (1, or flash::ScoreSlices<BD> above head dim 256): DS
+//       simdgroups share 8 query rows, each holding BD / DS columns of Q and
+//       O; their partial scores meet in threadgroup memory (flash::slice_put /
+//       slice_gather, one more barrier per step) and every one of them runs
+//       the row's softmax on the same sums
 // Function constants switch the optional features off at compile time.
 //
 // Varlen (cu_seqlens; function constant is_varlen): grid entry z = b is
@@ -123,20 +128,38 @@ inline void load_key_chunks(threadgroup T* dst, int ld, const device T* head, lo
   }
 }
 
-// The scores of a simdgroup's 8 rows x the NK * 8 keys kb.. of the K tile Ks
-// (flash::qk_block, flash::transform_score: the backward's dQ kernel computes
-// them through the same two); invisible elements (past lk, outside the band
+// S = Q K^T of a simdgroup's 8 rows x the NK * 8 keys of the K tile Ks: over
+// the whole head dim (DS = 1, flash::qk_block), or over this simdgroup's slice
+// (NF fragments from column slice * NF * 8) summed with its row group's other
+// slices in the exchange area.  Every simdgroup calls it, active or not (a
+// threadgroup barrier when DS > 1).  The backward's kernels sum the same chains.
+template <int DS, int NF, int NK, int LD, typename T>
+inline void block_qk(thread simdgroup_float8x8* S, const thread simdgroup_float8x8* Qf, const threadgroup T* Ks,
+                     threadgroup float* area, int slice, bool active, flash::FragCoord fc) {
+  if (DS == 1) {
+    if (active) flash::qk_block<NF, NK, LD>(S, Qf, Ks, fc);
+    return;
+  }
+  if (active) {
+    flash::qk_chain<NF, NK, LD>(S, Qf, Ks + slice * NF * 8, fc);
+    flash::slice_put<NK>(S, area, slice, fc);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (active) flash::slice_gather<DS, NK>(S, area, fc);
+}
+
+// The scores S (block_qk's) of a simdgroup's 8 rows x the NK * 8 keys kb..
+// through flash::transform_score (the backward's kernels compute them through
+// the same two); invisible elements (past lk, outside the band
 // when need_band, a bool mask or a -inf float mask) hold -FLT_MAX and have
 // their bit 2 * kk + e set in the result.  FlexAttention (kFlex): flash::flex_score
 // of batch b, query head h for rows inside the problem (row_ok), by the state
 // word of the step's block (`word`, read through `sub`).
-template <typename T, int NF, int NK, int LD>
-inline uint block_scores(thread simdgroup_float8x8* S, const thread simdgroup_float8x8* Qf,
-                         const threadgroup T* Ks, flash::FragCoord fc, int kb, int i, bool row_ok, int lk,
+template <int NK>
+inline uint block_scores(thread simdgroup_float8x8* S, flash::FragCoord fc, int kb, int i, bool row_ok, int lk,
                          bool need_band, flash::Band band, float slope, const device uchar* mask, long mask_row,
                          constant FlashFwdParams& p, int b, int h, uint word, flash::FlexSub sub,
                          thread const flex::Captured& cap) {
-  flash::qk_block<NF, NK, LD>(S, Qf, Ks, fc);
   uint hidden = 0;  // bit 2 * kk + e: element e of S[kk] is invisible
   const bool need_bounds = kb + NK * 8 > lk;
   const bool flex_elements = flash::flex_elements(word);
@@ -167,18 +190,21 @@ inline uint block_scores(thread simdgroup_float8x8* S, const thread simdgroup_fl
 
 }  // namespace fwd_detail
 
-template <typename T, int BD, int BQ, int BK, bool SHARED_KV>
+template <typename T, int BD, int BQ, int BK, bool SHARED_KV, int DS>
 [[kernel]] void flash_fwd(FLASH_FWD_ARGS(T)) {
-  constexpr int WM = BQ / 8;             // simdgroups
+  constexpr int WM = BQ / 8 * DS;        // simdgroups: DS per 8 rows
   constexpr int NT = WM * 32;            // threads
   constexpr int LD = BD + flash::TilePad<T>::value;
   constexpr int TG_ELEMS = (SHARED_KV ? 1 : 2) * BK * LD;  // K tile then V tile, or one shared
-  constexpr int NF = BD / 8;             // fragments along the head dim
+  // (DS > 1) the score exchange: per row group DS partial 8 x BK blocks of floats
+  constexpr int AREA = DS > 1 ? DS * BK * 8 : 0;
+  constexpr int NF = BD / 8 / DS;        // fragments along the head dim a simdgroup holds
   constexpr int NK = BK / 8;             // fragments along the keys
   static_assert(BQ % 8 == 0 && BK % 8 == 0 && BD % 8 == 0, "tile sizes");
   static_assert(NK <= 16, "one bit per score element of a lane in `hidden`");
+  static_assert(DS == 1 || DS == flash::ScoreSlices<BD>::value, "a head-dim split has the scores' slices");
 
-  threadgroup T smem[TG_ELEMS];
+  threadgroup T smem[TG_ELEMS + AREA * BQ / 8 * int(sizeof(float) / sizeof(T))];
   threadgroup T* Ks = smem;
   threadgroup T* Vs = SHARED_KV ? smem : smem + BK * LD;
 
@@ -194,7 +220,11 @@ template <typename T, int BD, int BQ, int BK, bool SHARED_KV>
   if (!tg_live && !has_probs) return;
   const int h0 = int(tgid.y) * pack;     // first query head of the group
   const int kvh = h0 / p.gqa;
-  const int r0 = q0 + int(sg) * 8;       // first packed row of this simdgroup
+  // Head-dim split: simdgroup sg holds columns slice * NF * 8.. of its row group's 8 rows.
+  const int slice = int(sg) % DS;
+  const int col0 = slice * NF * 8;
+  threadgroup float* area = reinterpret_cast<threadgroup float*>(smem + TG_ELEMS) + int(sg) / DS * AREA;
+  const int r0 = q0 + int(sg) / DS * 8;  // first packed row of this simdgroup
   const flash::FragCoord fc = flash::frag_coord(ushort(lane));
   // The row this lane works on: query head h, position i.
   const int my_row = r0 + fc.row;
@@ -217,7 +247,7 @@ template <typename T, int BD, int BQ, int BK, bool SHARED_KV>
   // Q fragments, pre-scaled (zero past Lq and past head_dim).
   simdgroup_float8x8 Qf[NF];
   for (int dd = 0; dd < NF; ++dd) {
-    flash::load_frag_rows(Qf[dd], qrow + dd * 8, row_ok, p.head_dim - dd * 8, fc, p.qk_scale);
+    flash::load_frag_rows(Qf[dd], qrow + col0 + dd * 8, row_ok, p.head_dim - col0 - dd * 8, fc, p.qk_scale);
   }
 
   simdgroup_float8x8 Of[NF];
@@ -303,10 +333,10 @@ template <typename T, int BD, int BQ, int BK, bool SHARED_KV>
     }
     // S = Q K^T for 8 rows x BK keys, then P = exp(S - max) in place.
     simdgroup_float8x8 S[NK];
+    fwd_detail::block_qk<DS, NF, NK, LD>(S, Qf, Ks, area, slice, sg_active, fc);
     if (sg_active) {
-      const uint hidden = fwd_detail::block_scores<T, NF, NK, LD>(S, Qf, Ks, fc, kb, i, row_ok, Lk, need_band,
-                                                                  band, slope, mask, mask_row, p, b, h, word,
-                                                                  steps.sub, cap);
+      const uint hidden = fwd_detail::block_scores<NK>(S, fc, kb, i, row_ok, Lk, need_band, band, slope, mask,
+                                                       mask_row, p, b, h, word, steps.sub, cap);
 
       flash::softmax_step<NK, NF>(S, hidden, m_i, l_i, Of);
       if (has_dropout) {  // after the sum: the softmax sums every probability, dropped or not
@@ -331,7 +361,7 @@ template <typename T, int BD, int BQ, int BK, bool SHARED_KV>
       for (int kk = 0; kk < NK; ++kk) {
         for (int dd = 0; dd < NF; ++dd) {
           simdgroup_float8x8 Vf;
-          flash::load_frag(Vf, Vs + kk * 8 * LD + dd * 8, LD, fc);
+          flash::load_frag(Vf, Vs + kk * 8 * LD + col0 + dd * 8, LD, fc);
           simdgroup_multiply_accumulate(Of[dd], S[kk], Vf, Of[dd]);
         }
       }
@@ -344,11 +374,13 @@ template <typename T, int BD, int BQ, int BK, bool SHARED_KV>
   const float out_scale = flash::inv_row_sum(l_i) * (has_dropout ? p.dropout_scale : 1.0f);
   device T* orow = o + long(sq.bt) * p.o_stride_b + long(h) * p.o_stride_h + long(sq.q0 + i) * p.o_stride_l;
   for (int dd = 0; dd < NF; ++dd) {
-    flash::store_frag_rows(Of[dd], orow + dd * 8, row_ok, p.head_dim_v - dd * 8, fc, out_scale);
+    flash::store_frag_rows(Of[dd], orow + col0 + dd * 8, row_ok, p.head_dim_v - col0 - dd * 8, fc, out_scale);
   }
   // Row of lse / aux: rows of the tensors' batch and head, then the sequence's.
   const long stat_row = (long(sq.bt) * p.heads + h) * long(p.seqlen_q) + sq.q0 + i;
-  if (fc.col == 0 && row_ok) {
+  // The row's statistics: one lane of the row's first slice (every slice holds the same).
+  const bool stat_lane = fc.col == 0 && row_ok && slice == 0;
+  if (stat_lane) {
     flash::store_lse(lse + stat_row, m_i, l_i);
   }
   // The backward's row state: the final max m and sum l, so that it rebuilds
@@ -359,22 +391,24 @@ template <typename T, int BD, int BQ, int BK, bool SHARED_KV>
     constexpr bool kAuxOut = flash::AuxHasOut<T>::value;
     const int pitch = kAuxOut ? 2 + p.head_dim_v : 2;
     device float* arow = aux + stat_row * pitch;
-    if (fc.col == 0 && row_ok) {
+    if (stat_lane) {
       arow[0] = flash::saw_keys(l_i) ? m_i : 0.0f;  // a row that saw nothing: any finite max
       arow[1] = l_i;
     }
     if (kAuxOut) {
       for (int dd = 0; dd < NF; ++dd) {
-        flash::store_frag_rows(Of[dd], arow + 2 + dd * 8, row_ok, p.head_dim_v - dd * 8, fc, out_scale);
+        flash::store_frag_rows(Of[dd], arow + 2 + col0 + dd * 8, row_ok, p.head_dim_v - col0 - dd * 8, fc,
+                               out_scale);
       }
     }
   }
 
   // Debug: flash-attn's S_dmask, exp(s - m) with the final max, from a second
-  // pass over every key block (pack = 1: row i of the probs is my_row).
+  // pass over every key block (pack = 1: row i of the probs is my_row), written
+  // by the row group's first slice.
   if (has_probs) {
     const int pi = my_row;
-    const bool p_row = pi < p.max_seqlen_q;
+    const bool p_row = pi < p.max_seqlen_q && slice == 0;
     device T* prow = probs + ((long(b) * p.heads + h) * p.max_seqlen_q + pi) * long(p.max_seqlen_k);
     for (int kb = 0; kb < p.max_seqlen_k; kb += BK) {
       fwd_detail::load_keys<T, BK, BD, NT>(Ks, LD, kh, p.k_stride_b, p.k_stride_l, sq.k0, bt_row, p, kb, Lk - kb,
@@ -382,10 +416,10 @@ template <typename T, int BD, int BQ, int BK, bool SHARED_KV>
       threadgroup_barrier(mem_flags::mem_threadgroup);
       simdgroup_float8x8 S[NK];
       uint hidden = ~0u;
+      fwd_detail::block_qk<DS, NF, NK, LD>(S, Qf, Ks, area, slice, r0 < rows, fc);
       if (r0 < rows) {
-        hidden = fwd_detail::block_scores<T, NF, NK, LD>(S, Qf, Ks, fc, kb, i, row_ok, Lk, has_band, band, slope,
-                                                        mask, mask_row, p, b, h, flash::kFlexPartialWord,
-                                                        flash::FlexSub{}, cap);
+        hidden = fwd_detail::block_scores<NK>(S, fc, kb, i, row_ok, Lk, has_band, band, slope, mask, mask_row, p, b,
+                                              h, flash::kFlexPartialWord, flash::FlexSub{}, cap);
       }
       for (int kk = 0; kk < NK; ++kk) {
         for (int e = 0; e < 2; ++e) {
@@ -405,20 +439,23 @@ template <typename T, int BD, int BQ, int BK, bool SHARED_KV>
 }
 
 // ---------------------------------------------------------------------------
-// Instantiations: flash_fwd_<dtype>_d<BD>_q<BQ>_k<BK>[_s], "_s" when K and V
-// share one tile buffer.  Every entry of torch_metal_flash/planner/tiles.py
+// Instantiations: flash_fwd_<dtype>_d<BD>_q<BQ>_k<BK>[_s][_ds<DS>], "_s" when K
+// and V share one tile buffer, "_ds4" with the head dim split over 4 simdgroups.  Every entry of torch_metal_flash/planner/tiles.py
 // must appear here (a test checks).
 // ---------------------------------------------------------------------------
 #define FLASH_FWD_INSTANTIATE(tname, T, BD, BQ, BK)                                   \
   template [[host_name("flash_fwd_" #tname "_d" #BD "_q" #BQ "_k" #BK)]] [[kernel]] void \
-  flash_fwd<T, BD, BQ, BK, false>(FLASH_FWD_ARGS(T));
+  flash_fwd<T, BD, BQ, BK, false, 1>(FLASH_FWD_ARGS(T));
 #define FLASH_FWD_INSTANTIATE_SHARED(tname, T, BD, BQ, BK)                                   \
   template [[host_name("flash_fwd_" #tname "_d" #BD "_q" #BQ "_k" #BK "_s")]] [[kernel]] void \
-  flash_fwd<T, BD, BQ, BK, true>(FLASH_FWD_ARGS(T));
+  flash_fwd<T, BD, BQ, BK, true, 1>(FLASH_FWD_ARGS(T));
+#define FLASH_FWD_INSTANTIATE_SPLIT(tname, T, BD, BQ, BK, DS)                                          \
+  template [[host_name("flash_fwd_" #tname "_d" #BD "_q" #BQ "_k" #BK "_s_ds" #DS)]] [[kernel]] void \
+  flash_fwd<T, BD, BQ, BK, true, DS>(FLASH_FWD_ARGS(T));
 
 #ifndef FLASH_FWD_TEMPLATES_ONLY  // the tuning variants' file includes this one for the templates only
 // float32: separate K and V tiles of BK x (BD + 4) floats up to d64, one
-// shared tile above
+// shared tile above; the head dim split over 4 simdgroups at 384 and 512
 FLASH_FWD_INSTANTIATE(f32, float, 32, 32, 32)
 FLASH_FWD_INSTANTIATE(f32, float, 64, 32, 32)
 FLASH_FWD_INSTANTIATE_SHARED(f32, float, 80, 32, 32)
@@ -427,8 +464,8 @@ FLASH_FWD_INSTANTIATE_SHARED(f32, float, 128, 32, 32)
 FLASH_FWD_INSTANTIATE_SHARED(f32, float, 160, 32, 16)
 FLASH_FWD_INSTANTIATE_SHARED(f32, float, 192, 32, 16)
 FLASH_FWD_INSTANTIATE_SHARED(f32, float, 256, 32, 16)
-FLASH_FWD_INSTANTIATE_SHARED(f32, float, 384, 32, 8)
-FLASH_FWD_INSTANTIATE_SHARED(f32, float, 512, 32, 8)
+FLASH_FWD_INSTANTIATE_SPLIT(f32, float, 384, 32, 8, 4)
+FLASH_FWD_INSTANTIATE_SPLIT(f32, float, 512, 32, 8, 4)
 
 // float16: BK x (BD + 8) halves, separate K and V up to d128, shared above
 FLASH_FWD_INSTANTIATE(f16, half, 32, 32, 64)
@@ -439,8 +476,8 @@ FLASH_FWD_INSTANTIATE(f16, half, 128, 32, 32)
 FLASH_FWD_INSTANTIATE_SHARED(f16, half, 160, 32, 32)
 FLASH_FWD_INSTANTIATE_SHARED(f16, half, 192, 32, 32)
 FLASH_FWD_INSTANTIATE_SHARED(f16, half, 256, 32, 32)
-FLASH_FWD_INSTANTIATE_SHARED(f16, half, 384, 32, 16)
-FLASH_FWD_INSTANTIATE_SHARED(f16, half, 512, 32, 16)
+FLASH_FWD_INSTANTIATE_SPLIT(f16, half, 384, 32, 16, 4)
+FLASH_FWD_INSTANTIATE_SPLIT(f16, half, 512, 32, 16, 4)
 
 // bfloat16 (loaded and computed as float), same tiles as float16
 FLASH_FWD_INSTANTIATE(bf16, bfloat, 32, 32, 64)
@@ -451,6 +488,6 @@ FLASH_FWD_INSTANTIATE(bf16, bfloat, 128, 32, 32)
 FLASH_FWD_INSTANTIATE_SHARED(bf16, bfloat, 160, 32, 32)
 FLASH_FWD_INSTANTIATE_SHARED(bf16, bfloat, 192, 32, 32)
 FLASH_FWD_INSTANTIATE_SHARED(bf16, bfloat, 256, 32, 32)
-FLASH_FWD_INSTANTIATE_SHARED(bf16, bfloat, 384, 32, 16)
-FLASH_FWD_INSTANTIATE_SHARED(bf16, bfloat, 512, 32, 16)
+FLASH_FWD_INSTANTIATE_SPLIT(bf16, bfloat, 384, 32, 16, 4)
+FLASH_FWD_INSTANTIATE_SPLIT(bf16, bfloat, 512, 32, 16, 4)
 #endif  // FLASH_FWD_TEMPLATES_ONLY

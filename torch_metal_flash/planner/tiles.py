@@ -12,6 +12,12 @@ Each entry is a template instantiation of ``shaders/flash_fwd.metal`` named
 * ``_s``  (``shared_kv``) K and V take turns in one tile buffer: half the
   threadgroup memory for two more barriers per step, used to keep 32 keys
   per step at large head dims and in float32.
+* ``_ds<DS>`` (``ds``, the buckets 384 and 512) the head dim split over ``DS``
+  simdgroups per 8 query rows (``DS * BQ / 8`` simdgroups), each holding
+  ``BD / DS`` columns of Q and O: a quarter of the undivided kernel's registers
+  for ``DS * 8 * BK`` floats of partial scores per 8 rows in threadgroup memory
+  and one more barrier per step.  The default at those buckets; the undivided
+  tiles stay among the variants.
 
 On GPUs with neural accelerators (family apple10, where the launcher enables
 them) half/bfloat problems run ``shaders/flash_fwd_nax.metal`` instead,
@@ -55,6 +61,7 @@ class ForwardTile:
     bq: int
     bk: int
     shared_kv: bool = False
+    ds: int = 1  # simdgroups that share 8 query rows, each holding a slice of the head dim
     nax: bool = False  # the neural-accelerator kernel (16 rows per simdgroup)
     direct: bool = False  # (nax) K/V fragments read from device memory, no threadgroup tiles
 
@@ -64,7 +71,7 @@ class ForwardTile:
 
     @property
     def simdgroups(self) -> int:
-        return self.bq // self.rows_per_simdgroup
+        return self.bq // self.rows_per_simdgroup * self.ds
 
     @property
     def threads(self) -> int:
@@ -73,7 +80,7 @@ class ForwardTile:
     @property
     def kernel(self) -> str:
         return (f"flash_fwd_{'nax_' if self.nax else ''}{self.dtype}_d{self.bd}_q{self.bq}_k{self.bk}"
-                f"{'_s' if self.shared_kv else ''}{'_r' if self.direct else ''}")
+                f"{'_s' if self.shared_kv else ''}{'_r' if self.direct else ''}{f'_ds{self.ds}' if self.ds > 1 else ''}")
 
     @property
     def source(self) -> str:
@@ -89,22 +96,28 @@ class ForwardTile:
 
     @property
     def threadgroup_memory(self) -> int:
-        """Bytes of threadgroup memory per threadgroup (K and V tiles; a direct tile's
-        16-byte placeholder)."""
+        """Bytes of threadgroup memory per threadgroup (K and V tiles and a split's partial
+        scores; a direct tile's 16-byte placeholder)."""
         if self.direct:
             return 16
         tiles = 1 if self.shared_kv else 2
-        return tiles * self.bk * (self.bd + self.row_pad) * _ELEM_SIZE[self.dtype]
+        partials = self.simdgroups * 8 * self.bk * 4 if self.ds > 1 else 0
+        return tiles * self.bk * (self.bd + self.row_pad) * _ELEM_SIZE[self.dtype] + partials
 
 
-# (dtype, bucket) -> (BQ, BK, shared_kv): the package's starting point (not measured).
+# The head-dim split of the wide buckets (flash::ScoreSlices of flash_frag.h: every kernel of a
+# bucket sums its scores over these slices, so the backward rebuilds the forward's bit for bit).
+SCORE_SLICES = {384: 4, 512: 4}
+
+# (dtype, bucket) -> (BQ, BK, shared_kv[, ds]): the package's starting point (not measured).  The wide
+# buckets split the head dim, which keeps a simdgroup's Q and O at d96 / d128's size.
 _BASE = {
     "f32": {32: (32, 32, False), 64: (32, 32, False), 80: (32, 32, True), 96: (32, 32, True),
             128: (32, 32, True), 160: (32, 16, True), 192: (32, 16, True), 256: (32, 16, True),
-            384: (32, 8, True), 512: (32, 8, True)},
+            384: (32, 8, True, 4), 512: (32, 8, True, 4)},
     "f16": {32: (32, 64, False), 64: (32, 64, False), 80: (32, 32, False), 96: (32, 32, False),
             128: (32, 32, False), 160: (32, 32, True), 192: (32, 32, True), 256: (32, 32, True),
-            384: (32, 16, True), 512: (32, 16, True)},
+            384: (32, 16, True, 4), 512: (32, 16, True, 4)},
 }
 _BASE["bf16"] = dict(_BASE["f16"])
 # MLX's steel attention block choice for half/bfloat (32 query rows, 32 keys per step below
@@ -128,15 +141,17 @@ _PRIMARY = {ForwardTile(dt, bd, *row).kernel for dt, rows in _BASE.items() for b
 # Further tiles the tuner times, per (dtype, bucket >= 64): 64 query rows per threadgroup (each
 # K/V tile feeds 8 simdgroups: half the K/V reads per query row), 16 (more threadgroups for
 # short problems), or another key-block size.  Each stays within 32 KiB of threadgroup memory.
-# The wide buckets (384, 512) keep the head-dim-wide accumulators per simdgroup as every bucket
-# does; their variants trade query rows per K/V tile against threadgroups.
+# The wide buckets (384, 512) add the undivided tiles (head-dim-wide accumulators per simdgroup, as
+# every other bucket) and a split with 16 query rows (half the threads).
 EXTRA_TILES: dict[str, dict[int, list[tuple[int, int, bool]]]] = {
     "f32": {64: [(64, 32, False)], 80: [(64, 32, True)], 96: [(64, 32, True)], 128: [(64, 32, True)],
             160: [(64, 16, True)], 192: [(64, 16, True)], 256: [(64, 16, True)],
-            384: [(64, 8, True), (16, 8, True)], 512: [(64, 8, True), (16, 8, True)]},
+            384: [(32, 8, True), (64, 8, True), (16, 8, True), (16, 8, True, 4)],
+            512: [(32, 8, True), (64, 8, True), (16, 8, True), (16, 8, True, 4)]},
     "f16": {64: [(64, 32, False)], 80: [(64, 32, False), (16, 32, False)], 96: [(64, 32, False), (16, 32, False)],
             128: [(64, 32, False)], 160: [(64, 32, True)], 192: [(64, 32, True)], 256: [(64, 32, True)],
-            384: [(64, 16, True), (16, 16, True)], 512: [(64, 16, True), (16, 16, True)]},
+            384: [(32, 16, True), (64, 16, True), (16, 16, True), (16, 16, True, 4)],
+            512: [(32, 16, True), (64, 16, True), (16, 16, True), (16, 16, True, 4)]},
 }
 EXTRA_TILES["bf16"] = {bd: list(rows) for bd, rows in EXTRA_TILES["f16"].items()}
 
@@ -199,8 +214,7 @@ def forward_tile(dtype: torch.dtype, head_dim: int, family: str = "apple8", nax:
     accel = _nax_tiles(dt, bd, family) if nax else []
     if accel:
         return accel[0]
-    bq, bk, shared = FORWARD_TILES[table_family(family)][dt][bd]
-    return ForwardTile(dt, bd, bq, bk, shared)
+    return ForwardTile(dt, bd, *FORWARD_TILES[table_family(family)][dt][bd])
 
 
 def tile_variants(dtype: torch.dtype, head_dim: int, family: str = "apple8") -> list[ForwardTile]:
@@ -245,4 +259,4 @@ def forward_variants() -> list[ForwardTile]:
             for family in FAMILIES:
                 for t in tile_variants(dtype, bd, family):
                     seen[t.kernel] = t
-    return sorted(seen.values(), key=lambda t: (t.nax, t.dtype, t.bd, t.bq, t.bk, t.shared_kv, t.direct))
+    return sorted(seen.values(), key=lambda t: (t.nax, t.dtype, t.bd, t.bq, t.bk, t.shared_kv, t.ds, t.direct))
