@@ -204,16 +204,19 @@ template <typename T>
       ushort sg [[simdgroup_index_in_threadgroup]],                              \
       ushort lane [[thread_index_in_simdgroup]]
 
-template <typename T, int BD, int BQ, int BK>
+template <typename T, int BD, int BQ, int BK, int DS>
 [[kernel]] void flash_bwd_dq(FLASH_BWD_DQ_ARGS(T)) {
-  constexpr int WM = BQ / 8;
+  constexpr int WM = BQ / 8 * DS;  // simdgroups: DS per 8 rows
   constexpr int NT = WM * 32;
   constexpr int LD = flash::TileLD<T, BD, 2 * BK>::value;
-  constexpr int NF = BD / 8;
+  constexpr int NF = BD / 8 / DS;  // fragments along the head dim a simdgroup holds
   constexpr int NK = BK / 8;
-  static_assert(BQ % 8 == 0 && BK % 8 == 0 && BD % 16 == 0, "tile sizes (two chains over BD)");
+  // (DS > 1) per row group: the slices' partial S, then their partial dP
+  constexpr int AREA = DS > 1 ? 2 * DS * NK * 64 : 0;
+  static_assert(BQ % 8 == 0 && BK % 8 == 0 && (BD / DS) % 16 == 0, "tile sizes (two chains over BD)");
+  static_assert(DS == 1 || DS == flash::ScoreSlices<BD>::value, "a head-dim split has the scores' slices");
 
-  threadgroup T smem[2 * BK * LD];
+  threadgroup T smem[2 * BK * LD + AREA * BQ / 8 * int(sizeof(float) / sizeof(T))];
   threadgroup T* Ks = smem;
   threadgroup T* Vs = smem + BK * LD;
 
@@ -227,15 +230,19 @@ template <typename T, int BD, int BQ, int BK>
   const int Lk = sq.lk;
   const int q0 = int(tgid.x) * BQ;
   if (q0 >= Lq) return;  // past this sequence's rows (varlen); all threads alike
-  const int r0 = q0 + int(sg) * 8;
+  // Head-dim split: simdgroup sg holds columns slice * NF * 8.. of its row group's 8 rows.
+  const int slice = int(sg) % DS;
+  const int col0 = slice * NF * 8;
+  threadgroup float* area = reinterpret_cast<threadgroup float*>(smem + 2 * BK * LD) + int(sg) / DS * AREA;
+  const int r0 = q0 + int(sg) / DS * 8;
   const flash::FragCoord fc = flash::frag_coord(lane);
   const int my_row = r0 + fc.row;
   const bool row_ok = my_row < Lq;
   const int i_last = min(q0 + BQ, Lq) - 1;
 
   const long row0 = long(sq.q0 + r0);  // the simdgroup's first row in the tensors
-  const device T* qp = q + long(sq.bt) * f.q_stride_b + long(h) * f.q_stride_h + row0 * f.q_stride_l;
-  const device T* dop = dout + long(sq.bt) * p.do_stride_b + long(h) * p.do_stride_h + row0 * p.do_stride_l;
+  const device T* qp = q + long(sq.bt) * f.q_stride_b + long(h) * f.q_stride_h + row0 * f.q_stride_l + col0;
+  const device T* dop = dout + long(sq.bt) * p.do_stride_b + long(h) * p.do_stride_h + row0 * p.do_stride_l + col0;
   const device T* kp = k + long(sq.bt) * f.k_stride_b + long(kvh) * f.k_stride_h + long(sq.k0) * f.k_stride_l;
   const device T* vp = v + long(sq.bt) * f.v_stride_b + long(kvh) * f.v_stride_h + long(sq.k0) * f.v_stride_l;
 
@@ -243,9 +250,9 @@ template <typename T, int BD, int BQ, int BK>
   simdgroup_float8x8 dOf[NF];
   simdgroup_float8x8 dQf[NF];
   for (int dd = 0; dd < NF; ++dd) {
-    flash::load_frag_device(Qf[dd], qp + dd * 8, f.q_stride_l, Lq - r0, f.head_dim - dd * 8, fc,
+    flash::load_frag_device(Qf[dd], qp + dd * 8, f.q_stride_l, Lq - r0, f.head_dim - col0 - dd * 8, fc,
                             f.qk_scale);
-    flash::load_frag_device(dOf[dd], dop + dd * 8, p.do_stride_l, Lq - r0, f.head_dim_v - dd * 8, fc,
+    flash::load_frag_device(dOf[dd], dop + dd * 8, p.do_stride_l, Lq - r0, f.head_dim_v - col0 - dd * 8, fc,
                             1.0f);
     dQf[dd] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
   }
@@ -305,13 +312,30 @@ template <typename T, int BD, int BQ, int BK>
       sg_active = kb < hi && kb + BK > lo;
       need_band = !band.block_inside(r0, sg_last, kb, kb + BK - 1);
     }
+    simdgroup_float8x8 S[NK];
+    simdgroup_float8x8 dP[NK];
     if (sg_active) {
-      simdgroup_float8x8 S[NK];
-      simdgroup_float8x8 dP[NK];
-      // S: the forward's scores bit for bit (the same flash::qk_block).
-      flash::qk_block<NF, NK, LD>(S, Qf, Ks, fc);
-      flash_bwd::dp_block<T, NF, NK, LD>(dP, dOf, Vs, fc);
-      // dS, element-wise (kept in S).
+      // S: the forward's scores bit for bit (the same chains: flash::qk_block, or this slice's).
+      if (DS == 1) {
+        flash::qk_block<NF, NK, LD>(S, Qf, Ks, fc);
+      } else {
+        flash::qk_chain<NF, NK, LD>(S, Qf, Ks + col0, fc);
+      }
+      flash_bwd::dp_block<T, NF, NK, LD>(dP, dOf, Vs + col0, fc);
+    }
+    if (DS > 1) {  // the slices' S and dP summed (uniform: every simdgroup reaches the barrier)
+      if (sg_active) {
+        flash::slice_put<NK>(S, area, slice, fc);
+        flash::slice_put<NK>(dP, area + DS * NK * 64, slice, fc);
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      if (sg_active) {
+        flash::slice_gather<DS, NK>(S, area, fc);
+        flash::slice_gather<DS, NK>(dP, area + DS * NK * 64, fc);
+      }
+    }
+    if (sg_active) {
+      // dS, element-wise (kept in S; every slice alike, the first one writes dbias).
       const bool need_bounds = kb + BK > Lk;
       for (int kk = 0; kk < NK; ++kk) {
         float zs[2] = {1.0f, 1.0f};  // dropout: keep / (1 - p)
@@ -340,7 +364,7 @@ template <typename T, int BD, int BQ, int BK>
             ds = pr * (dP[kk].thread_elements()[e] * zs[e] - my_delta);
             flash::flex_line_grads<0>(row_acc, ds, sc.s, b, h, my_row, j, cap);
           }
-          if (has_dbias && row_ok && j < Lk) db_row[j] = ds;
+          if (has_dbias && row_ok && j < Lk && slice == 0) db_row[j] = ds;
           if (has_softcap) ds *= 1.0f - sc.th * sc.th;
           if (kFlex) ds *= grad;
           S[kk].thread_elements()[e] = ds * p.scale;
@@ -352,12 +376,12 @@ template <typename T, int BD, int BQ, int BK>
         simdgroup_float8x8 acc = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
         for (int kk = 0; kk < NK; ++kk) {
           simdgroup_float8x8 Kf;
-          flash::load_frag(Kf, Ks + kk * 8 * LD + dd * 8, LD, fc);
+          flash::load_frag(Kf, Ks + kk * 8 * LD + col0 + dd * 8, LD, fc);
           simdgroup_multiply_accumulate(acc, S[kk], Kf, acc);
         }
         flash::frag_add(dQf[dd], acc);
       }
-    } else if (has_dbias && row_ok) {
+    } else if (has_dbias && row_ok && slice == 0) {
       for (int kk = 0; kk < NK; ++kk) {
         for (int e = 0; e < 2; ++e) {
           const int j = kb + kk * 8 + fc.col + e;
@@ -369,7 +393,7 @@ template <typename T, int BD, int BQ, int BK>
   }
 
   // dbias is zero outside the key blocks the band touches.
-  if (has_dbias) {
+  if (has_dbias && slice == 0) {
     const int hi_start = min(kb_end, Lk);
     for (int rr = 0; rr < 8; ++rr) {
       const int i = r0 + rr;
@@ -380,11 +404,11 @@ template <typename T, int BD, int BQ, int BK>
     }
   }
 
-  flash::flex_store_lines<0>(FLEX_GRADS, row_acc, b, h, my_row, row_ok, fc, f, cap);
+  flash::flex_store_lines<0>(FLEX_GRADS, row_acc, b, h, my_row, row_ok && slice == 0, fc, f, cap);
 
-  device T* dqp = dq + long(sq.bt) * p.dq_stride_b + long(h) * p.dq_stride_h + row0 * p.dq_stride_l;
+  device T* dqp = dq + long(sq.bt) * p.dq_stride_b + long(h) * p.dq_stride_h + row0 * p.dq_stride_l + col0;
   for (int dd = 0; dd < NF; ++dd) {
-    flash::store_frag_device(dQf[dd], dqp + dd * 8, p.dq_stride_l, Lq - r0, f.head_dim - dd * 8, fc, 1.0f);
+    flash::store_frag_device(dQf[dd], dqp + dd * 8, p.dq_stride_l, Lq - r0, f.head_dim - col0 - dd * 8, fc, 1.0f);
   }
 }
 
@@ -405,32 +429,37 @@ template <typename T, int BD, int BQ, int BK>
       ushort sg [[simdgroup_index_in_threadgroup]],                              \
       ushort lane [[thread_index_in_simdgroup]]
 
-template <typename T, int BD, int BK, int BQ, int MODE>
+template <typename T, int BD, int BK, int BQ, int MODE, int DS>
 [[kernel]] void flash_bwd_dkv(FLASH_BWD_DKV_ARGS(T)) {
-  constexpr int WM = BK / 8;
+  constexpr int WM = BK / 8 * DS;  // simdgroups: DS per 8 key rows
   constexpr int NT = WM * 32;
-  constexpr int NF = BD / 8;
+  constexpr int NF = BD / 8 / DS;  // fragments along the head dim a simdgroup holds
   constexpr int NQ = BQ / 8;
   constexpr bool kDK = MODE != 2;
   constexpr bool kDV = MODE != 1;
-  // The fused kernel above head dim 64 keeps only the dK and dV accumulators in
-  // registers: its K and V rows wait in threadgroup memory (read as fragments per
-  // query block), which keeps one kernel -- S and dP computed once -- within a
-  // thread's registers up to head dim 256.
-  constexpr bool kStageKV = MODE == 0 && BD > flash_bwd::kRegisterKVMaxBD;
+  // The undivided fused kernel above head dim 64 keeps only the dK and dV
+  // accumulators in registers: its K and V rows wait in threadgroup memory (read
+  // as fragments per query block), which keeps one kernel -- S and dP computed
+  // once -- within a thread's registers up to head dim 256.  A head-dim split
+  // holds its slices of K and V in registers.
+  constexpr bool kStageKV = MODE == 0 && BD > flash_bwd::kRegisterKVMaxBD && DS == 1;
   constexpr int KV_ROWS = kStageKV ? 2 * BK : 0;
   constexpr int LD = flash::TileLD<T, BD, 2 * BQ + KV_ROWS>::value;
   constexpr int TILE_ELEMS = (2 * BQ + KV_ROWS) * LD;
+  // (DS > 1) per row group: the slices' partial S^T, then their partial dP^T
+  constexpr int AREA = DS > 1 ? 2 * DS * NQ * 64 : 0;
+  constexpr int AREA_ELEMS = AREA * BK / 8 * int(sizeof(float) / sizeof(T));
   // The block's row statistics are staged in threadgroup memory where they fit
   // next to the tiles, else read from device memory where used.
-  constexpr bool kStatsStaged = TILE_ELEMS * int(sizeof(T)) + BQ * 12 <= flash::kThreadgroupBytes;
-  static_assert(BQ % 8 == 0 && BK % 8 == 0 && BD % 16 == 0, "tile sizes (two chains over BD)");
+  constexpr bool kStatsStaged = (TILE_ELEMS + AREA_ELEMS) * int(sizeof(T)) + BQ * 12 <= flash::kThreadgroupBytes;
+  static_assert(BQ % 8 == 0 && BK % 8 == 0 && (BD / DS) % 16 == 0, "tile sizes (two chains over BD)");
+  static_assert(DS == 1 || DS == flash::ScoreSlices<BD>::value, "a head-dim split has the scores' slices");
 
-  // One buffer: the Q and dO tiles, the staged K and V rows, then (when staged) the
-  // row statistics m, 1/l and delta.
+  // One buffer: the Q and dO tiles, the staged K and V rows, the split's exchange
+  // area, then (when staged) the row statistics m, 1/l and delta.
   constexpr int STAT_ELEMS = kStatsStaged ? BQ * 12 / int(sizeof(T)) : 0;
-  threadgroup T smem[TILE_ELEMS + STAT_ELEMS];
-  threadgroup float2* stat_tile = reinterpret_cast<threadgroup float2*>(smem + TILE_ELEMS);
+  threadgroup T smem[TILE_ELEMS + AREA_ELEMS + STAT_ELEMS];
+  threadgroup float2* stat_tile = reinterpret_cast<threadgroup float2*>(smem + TILE_ELEMS + AREA_ELEMS);
   threadgroup float* delta_tile = reinterpret_cast<threadgroup float*>(stat_tile + BQ);
   threadgroup T* Qs = smem;
   threadgroup T* dOs = smem + BQ * LD;
@@ -447,14 +476,18 @@ template <typename T, int BD, int BK, int BQ, int MODE>
   const int kb0 = int(tgid.x) * BK;
   // Past this sequence's key rows (varlen); key rows in [lk, lk_rows) get zero gradients.
   if (kb0 >= sq.lk_rows) return;
-  const int c0 = kb0 + int(sg) * 8;  // first key row of this simdgroup
+  // Head-dim split: simdgroup sg holds columns slice * NF * 8.. of its row group's 8 key rows.
+  const int slice = int(sg) % DS;
+  const int col0 = slice * NF * 8;
+  threadgroup float* area = reinterpret_cast<threadgroup float*>(smem + TILE_ELEMS) + int(sg) / DS * AREA;
+  const int c0 = kb0 + int(sg) / DS * 8;  // first key row of this simdgroup
   const flash::FragCoord fc = flash::frag_coord(lane);
   const int my_key = c0 + fc.row;
   const bool key_ok = my_key < Lk;
 
   const long key0 = long(sq.k0 + c0);  // the simdgroup's first key row in the tensors
-  const device T* kp = k + long(sq.bt) * f.k_stride_b + long(kvh) * f.k_stride_h + key0 * f.k_stride_l;
-  const device T* vp = v + long(sq.bt) * f.v_stride_b + long(kvh) * f.v_stride_h + key0 * f.v_stride_l;
+  const device T* kp = k + long(sq.bt) * f.k_stride_b + long(kvh) * f.k_stride_h + key0 * f.k_stride_l + col0;
+  const device T* vp = v + long(sq.bt) * f.v_stride_b + long(kvh) * f.v_stride_h + key0 * f.v_stride_l + col0;
 
   constexpr int NR = kStageKV ? 1 : NF;  // K and V fragments held in registers
   simdgroup_float8x8 Kf[NR];
@@ -471,14 +504,18 @@ template <typename T, int BD, int BK, int BQ, int MODE>
   }
   for (int dd = 0; dd < NF; ++dd) {
     if (!kStageKV) {
-      flash::load_frag_device(Kf[dd], kp + dd * 8, f.k_stride_l, Lk - c0, f.head_dim - dd * 8, fc, 1.0f);
-      if (kDK) flash::load_frag_device(Vf[dd], vp + dd * 8, f.v_stride_l, Lk - c0, f.head_dim_v - dd * 8, fc, 1.0f);
+      flash::load_frag_device(Kf[dd], kp + dd * 8, f.k_stride_l, Lk - c0, f.head_dim - col0 - dd * 8, fc, 1.0f);
+      if (kDK) {
+        flash::load_frag_device(Vf[dd], vp + dd * 8, f.v_stride_l, Lk - c0, f.head_dim_v - col0 - dd * 8, fc, 1.0f);
+      }
     }
     if (kDK) dKf[dd] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
     if (kDV) dVf[dd] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
   }
   const threadgroup T* Ksg = Ks + int(sg) * 8 * LD;  // (kStageKV) this simdgroup's rows
   const threadgroup T* Vsg = Vs + int(sg) * 8 * LD;
+  const threadgroup T* Qsl = Qs + col0;  // this simdgroup's columns of the streamed tiles
+  const threadgroup T* dOsl = dOs + col0;
 
   // Query rows whose band reaches this threadgroup's keys, and this simdgroup's.
   const flash::Band band{sq.diag, f.window_left, f.window_right};
@@ -538,36 +575,58 @@ template <typename T, int BD, int BK, int BQ, int MODE>
         sg_active = qb < sq_hi && qb + BQ > sq_lo;
         need_band = !band.block_inside(qb, qb + BQ - 1, c0, c0 + 7);
       }
+      // S^T (8 keys x BQ queries) = K Q^T; dP^T = V dO^T.
+      simdgroup_float8x8 St[NQ];
+      simdgroup_float8x8 dPt[NQ];
       if (sg_active) {
-        // S^T (8 keys x BQ queries) = K Q^T; dP^T = V dO^T.
-        simdgroup_float8x8 St[NQ];
-        simdgroup_float8x8 dPt[NQ];
+        // S^T: the forward's chains, transposed (q pre-scaled as it is there, k
+        // as loaded; a product of two floats is commutative, so every score
+        // equals the forward's bit for bit): one per score slice, added in order
+        // (DS > 1: this simdgroup's slice, the others' added below).
+        constexpr int SL = DS == 1 ? flash::ScoreSlices<BD>::value : 1;
+        constexpr int NFS = NF / SL;
         for (int qq = 0; qq < NQ; ++qq) {
-          // S^T: the forward's chain, transposed (q pre-scaled as it is
-          // there, k as loaded; a product of two floats is commutative, so
-          // every score equals the forward's bit for bit).  dP^T: two chains,
-          // as in the dQ kernel.
-          simdgroup_float8x8 p1 = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-          St[qq] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-          if (kDK) dPt[qq] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-          for (int dd = 0; dd < NF; dd += 2) {
-            simdgroup_float8x8 Qt;
-            flash::load_frag_t(Qt, Qs + qq * 8 * LD + dd * 8, LD, fc);
-            flash::frag_scale(Qt, f.qk_scale);
-            simdgroup_multiply_accumulate(St[qq], flash_bwd::row_frag<kStageKV>(Kf, Ksg, LD, dd, fc), Qt, St[qq]);
-            flash::load_frag_t(Qt, Qs + qq * 8 * LD + dd * 8 + 8, LD, fc);
-            flash::frag_scale(Qt, f.qk_scale);
-            simdgroup_multiply_accumulate(St[qq], flash_bwd::row_frag<kStageKV>(Kf, Ksg, LD, dd + 1, fc), Qt, St[qq]);
-            if (kDK) {
-              simdgroup_float8x8 dOt;
-              flash::load_frag_t(dOt, dOs + qq * 8 * LD + dd * 8, LD, fc);
-              simdgroup_multiply_accumulate(dPt[qq], flash_bwd::row_frag<kStageKV>(Vf, Vsg, LD, dd, fc), dOt, dPt[qq]);
-              flash::load_frag_t(dOt, dOs + qq * 8 * LD + dd * 8 + 8, LD, fc);
-              simdgroup_multiply_accumulate(p1, flash_bwd::row_frag<kStageKV>(Vf, Vsg, LD, dd + 1, fc), dOt, p1);
+          for (int sl = 0; sl < SL; ++sl) {
+            simdgroup_float8x8 part = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+            for (int dd = sl * NFS; dd < (sl + 1) * NFS; ++dd) {
+              simdgroup_float8x8 Qt;
+              flash::load_frag_t(Qt, Qsl + qq * 8 * LD + dd * 8, LD, fc);
+              flash::frag_scale(Qt, f.qk_scale);
+              simdgroup_multiply_accumulate(part, flash_bwd::row_frag<kStageKV>(Kf, Ksg, LD, dd, fc), Qt, part);
+            }
+            if (sl == 0) {
+              St[qq] = part;
+            } else {
+              flash::frag_add(St[qq], part);
             }
           }
-          if (kDK) flash::frag_add(dPt[qq], p1);
+          // dP^T: two chains, as in the dQ kernel.
+          if (kDK) {
+            simdgroup_float8x8 p1 = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+            dPt[qq] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+            for (int dd = 0; dd < NF; dd += 2) {
+              simdgroup_float8x8 dOt;
+              flash::load_frag_t(dOt, dOsl + qq * 8 * LD + dd * 8, LD, fc);
+              simdgroup_multiply_accumulate(dPt[qq], flash_bwd::row_frag<kStageKV>(Vf, Vsg, LD, dd, fc), dOt, dPt[qq]);
+              flash::load_frag_t(dOt, dOsl + qq * 8 * LD + dd * 8 + 8, LD, fc);
+              simdgroup_multiply_accumulate(p1, flash_bwd::row_frag<kStageKV>(Vf, Vsg, LD, dd + 1, fc), dOt, p1);
+            }
+            flash::frag_add(dPt[qq], p1);
+          }
         }
+      }
+      if (DS > 1) {  // the slices' S^T and dP^T summed (uniform: every simdgroup reaches the barrier)
+        if (sg_active) {
+          flash::slice_put<NQ>(St, area, slice, fc);
+          if (kDK) flash::slice_put<NQ>(dPt, area + DS * NQ * 64, slice, fc);
+        }
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        if (sg_active) {
+          flash::slice_gather<DS, NQ>(St, area, fc);
+          if (kDK) flash::slice_gather<DS, NQ>(dPt, area + DS * NQ * 64, fc);
+        }
+      }
+      if (sg_active) {
         const bool need_bounds = qb + BQ > Lq || c0 + 8 > Lk;
         for (int qq = 0; qq < NQ; ++qq) {
           for (int e = 0; e < 2; ++e) {
@@ -612,7 +671,7 @@ template <typename T, int BD, int BK, int BQ, int MODE>
             simdgroup_float8x8 acc = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
             for (int qq = 0; qq < NQ; ++qq) {
               simdgroup_float8x8 dOf;
-              flash::load_frag(dOf, dOs + qq * 8 * LD + dd * 8, LD, fc);
+              flash::load_frag(dOf, dOsl + qq * 8 * LD + dd * 8, LD, fc);
               simdgroup_multiply_accumulate(acc, St[qq], dOf, acc);
             }
             flash::frag_add(dVf[dd], acc);
@@ -621,7 +680,7 @@ template <typename T, int BD, int BK, int BQ, int MODE>
             simdgroup_float8x8 acc = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
             for (int qq = 0; qq < NQ; ++qq) {
               simdgroup_float8x8 Qf;
-              flash::load_frag(Qf, Qs + qq * 8 * LD + dd * 8, LD, fc);
+              flash::load_frag(Qf, Qsl + qq * 8 * LD + dd * 8, LD, fc);
               simdgroup_multiply_accumulate(acc, dPt[qq], Qf, acc);
             }
             flash::frag_add(dKf[dd], acc);
@@ -630,20 +689,21 @@ template <typename T, int BD, int BK, int BQ, int MODE>
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);
     }
-    if (kDK) flash::flex_store_lines<1>(FLEX_GRADS, col_acc, b, h, my_key, key_ok, fc, f, cap);
+    if (kDK) flash::flex_store_lines<1>(FLEX_GRADS, col_acc, b, h, my_key, key_ok && slice == 0, fc, f, cap);
   }
 
   const int rows_out = sq.lk_rows - c0;  // zeros past seqused_k
   if (kDK) {
-    device T* dkp = dk + long(sq.bt) * p.dk_stride_b + long(kvh) * p.dk_stride_h + key0 * p.dk_stride_l;
+    device T* dkp = dk + long(sq.bt) * p.dk_stride_b + long(kvh) * p.dk_stride_h + key0 * p.dk_stride_l + col0;
     for (int dd = 0; dd < NF; ++dd) {
-      flash::store_frag_device(dKf[dd], dkp + dd * 8, p.dk_stride_l, rows_out, f.head_dim - dd * 8, fc, 1.0f);
+      flash::store_frag_device(dKf[dd], dkp + dd * 8, p.dk_stride_l, rows_out, f.head_dim - col0 - dd * 8, fc, 1.0f);
     }
   }
   if (kDV) {
-    device T* dvp = dv + long(sq.bt) * p.dv_stride_b + long(kvh) * p.dv_stride_h + key0 * p.dv_stride_l;
+    device T* dvp = dv + long(sq.bt) * p.dv_stride_b + long(kvh) * p.dv_stride_h + key0 * p.dv_stride_l + col0;
     for (int dd = 0; dd < NF; ++dd) {
-      flash::store_frag_device(dVf[dd], dvp + dd * 8, p.dv_stride_l, rows_out, f.head_dim_v - dd * 8, fc, 1.0f);
+      flash::store_frag_device(dVf[dd], dvp + dd * 8, p.dv_stride_l, rows_out, f.head_dim_v - col0 - dd * 8, fc,
+                               1.0f);
     }
   }
 }
@@ -831,11 +891,17 @@ template <typename T, int BD, int BQ, int BK>
 
 #define FLASH_BWD_DQ_INSTANTIATE(tname, T, BD, BQ, BK)                                          \
   template [[host_name("flash_bwd_dq_" #tname "_d" #BD "_q" #BQ "_k" #BK)]] [[kernel]] void     \
-  flash_bwd_dq<T, BD, BQ, BK>(FLASH_BWD_DQ_ARGS(T));
+  flash_bwd_dq<T, BD, BQ, BK, 1>(FLASH_BWD_DQ_ARGS(T));
+#define FLASH_BWD_DQ_INSTANTIATE_SPLIT(tname, T, BD, BQ, BK, DS)                                         \
+  template [[host_name("flash_bwd_dq_" #tname "_d" #BD "_q" #BQ "_k" #BK "_ds" #DS)]] [[kernel]] void   \
+  flash_bwd_dq<T, BD, BQ, BK, DS>(FLASH_BWD_DQ_ARGS(T));
 
 #define FLASH_BWD_DKV_INSTANTIATE(tname, T, BD, BK, BQ, MODE)                                           \
   template [[host_name("flash_bwd_dkv_" #tname "_d" #BD "_k" #BK "_q" #BQ "_m" #MODE)]] [[kernel]] void \
-  flash_bwd_dkv<T, BD, BK, BQ, MODE>(FLASH_BWD_DKV_ARGS(T));
+  flash_bwd_dkv<T, BD, BK, BQ, MODE, 1>(FLASH_BWD_DKV_ARGS(T));
+#define FLASH_BWD_DKV_INSTANTIATE_SPLIT(tname, T, BD, BK, BQ, MODE, DS)                                          \
+  template [[host_name("flash_bwd_dkv_" #tname "_d" #BD "_k" #BK "_q" #BQ "_m" #MODE "_ds" #DS)]] [[kernel]] void \
+  flash_bwd_dkv<T, BD, BK, BQ, MODE, DS>(FLASH_BWD_DKV_ARGS(T));
 
 #define FLASH_BWD_DIAG_INSTANTIATE(tname, T, BD, BQ, BK)                                          \
   template [[host_name("flash_bwd_diag_" #tname "_d" #BD "_q" #BQ "_k" #BK)]] [[kernel]] void     \
@@ -848,7 +914,8 @@ FLASH_BWD_PRE_INSTANTIATE(f32, float)
 FLASH_BWD_PRE_INSTANTIATE(f16, half)
 FLASH_BWD_PRE_INSTANTIATE(bf16, bfloat)
 
-// dQ (T, BD, BQ, BK): K + V tiles of BK x (BD + pad) elements.
+// dQ (T, BD, BQ, BK[, DS]): K + V tiles of BK x (BD + pad) elements (and the
+// head-dim split's partial S and dP at 384/512).
 FLASH_BWD_DQ_INSTANTIATE(f32, float, 32, 64, 32)
 FLASH_BWD_DQ_INSTANTIATE(f32, float, 64, 64, 32)
 FLASH_BWD_DQ_INSTANTIATE(f32, float, 80, 64, 16)
@@ -857,7 +924,7 @@ FLASH_BWD_DQ_INSTANTIATE(f32, float, 128, 64, 16)
 FLASH_BWD_DQ_INSTANTIATE(f32, float, 160, 32, 8)
 FLASH_BWD_DQ_INSTANTIATE(f32, float, 192, 32, 8)
 FLASH_BWD_DQ_INSTANTIATE(f32, float, 256, 32, 8)
-FLASH_BWD_DQ_INSTANTIATE(f32, float, 384, 32, 8)
+FLASH_BWD_DQ_INSTANTIATE_SPLIT(f32, float, 384, 16, 8, 4)
 FLASH_BWD_DQ_INSTANTIATE(f32, float, 512, 32, 8)
 FLASH_BWD_DQ_INSTANTIATE(f16, half, 32, 64, 32)
 FLASH_BWD_DQ_INSTANTIATE(f16, half, 64, 64, 32)
@@ -867,8 +934,8 @@ FLASH_BWD_DQ_INSTANTIATE(f16, half, 128, 64, 32)
 FLASH_BWD_DQ_INSTANTIATE(f16, half, 160, 32, 16)
 FLASH_BWD_DQ_INSTANTIATE(f16, half, 192, 32, 16)
 FLASH_BWD_DQ_INSTANTIATE(f16, half, 256, 32, 16)
-FLASH_BWD_DQ_INSTANTIATE(f16, half, 384, 32, 8)
-FLASH_BWD_DQ_INSTANTIATE(f16, half, 512, 32, 8)
+FLASH_BWD_DQ_INSTANTIATE_SPLIT(f16, half, 384, 32, 8, 4)
+FLASH_BWD_DQ_INSTANTIATE_SPLIT(f16, half, 512, 32, 8, 4)
 FLASH_BWD_DQ_INSTANTIATE(bf16, bfloat, 32, 64, 32)
 FLASH_BWD_DQ_INSTANTIATE(bf16, bfloat, 64, 64, 32)
 FLASH_BWD_DQ_INSTANTIATE(bf16, bfloat, 80, 64, 32)
@@ -877,12 +944,15 @@ FLASH_BWD_DQ_INSTANTIATE(bf16, bfloat, 128, 64, 32)
 FLASH_BWD_DQ_INSTANTIATE(bf16, bfloat, 160, 32, 16)
 FLASH_BWD_DQ_INSTANTIATE(bf16, bfloat, 192, 32, 16)
 FLASH_BWD_DQ_INSTANTIATE(bf16, bfloat, 256, 32, 16)
-FLASH_BWD_DQ_INSTANTIATE(bf16, bfloat, 384, 32, 8)
-FLASH_BWD_DQ_INSTANTIATE(bf16, bfloat, 512, 32, 8)
+FLASH_BWD_DQ_INSTANTIATE_SPLIT(bf16, bfloat, 384, 32, 8, 4)
+FLASH_BWD_DQ_INSTANTIATE_SPLIT(bf16, bfloat, 512, 32, 8, 4)
 
 // dK/dV (T, BD, BK, BQ, MODE): Q + dO tiles of BQ x (BD + pad) elements, plus (fused
 // above head dim 64) the K and V rows, BK x (BD + pad) each; fused (MODE 0) up to
-// BD 256, split into a dK (MODE 1) and a dV (MODE 2) kernel above.
+// BD 256 and with the head dim split over 4 simdgroups above (DS 4: K, V and the
+// accumulators in registers, partial S^T and dP^T in threadgroup memory), float32
+// at 512 (whose Q and dO tiles fill 32 KiB) split into a dK (MODE 1) and a dV
+// (MODE 2) kernel.
 FLASH_BWD_DKV_INSTANTIATE(f32, float, 32, 64, 32, 0)
 FLASH_BWD_DKV_INSTANTIATE(f32, float, 64, 64, 32, 0)
 FLASH_BWD_DKV_INSTANTIATE(f32, float, 80, 32, 8, 0)
@@ -891,8 +961,7 @@ FLASH_BWD_DKV_INSTANTIATE(f32, float, 128, 16, 8, 0)
 FLASH_BWD_DKV_INSTANTIATE(f32, float, 160, 16, 8, 0)
 FLASH_BWD_DKV_INSTANTIATE(f32, float, 192, 8, 8, 0)
 FLASH_BWD_DKV_INSTANTIATE(f32, float, 256, 8, 8, 0)
-FLASH_BWD_DKV_INSTANTIATE(f32, float, 384, 32, 8, 1)
-FLASH_BWD_DKV_INSTANTIATE(f32, float, 384, 32, 8, 2)
+FLASH_BWD_DKV_INSTANTIATE_SPLIT(f32, float, 384, 16, 8, 0, 4)
 FLASH_BWD_DKV_INSTANTIATE(f32, float, 512, 32, 8, 1)
 FLASH_BWD_DKV_INSTANTIATE(f32, float, 512, 32, 8, 2)
 FLASH_BWD_DKV_INSTANTIATE(f16, half, 32, 64, 32, 0)
@@ -903,10 +972,8 @@ FLASH_BWD_DKV_INSTANTIATE(f16, half, 128, 32, 8, 0)
 FLASH_BWD_DKV_INSTANTIATE(f16, half, 160, 16, 8, 0)
 FLASH_BWD_DKV_INSTANTIATE(f16, half, 192, 16, 8, 0)
 FLASH_BWD_DKV_INSTANTIATE(f16, half, 256, 16, 8, 0)
-FLASH_BWD_DKV_INSTANTIATE(f16, half, 384, 32, 8, 1)
-FLASH_BWD_DKV_INSTANTIATE(f16, half, 384, 32, 8, 2)
-FLASH_BWD_DKV_INSTANTIATE(f16, half, 512, 32, 8, 1)
-FLASH_BWD_DKV_INSTANTIATE(f16, half, 512, 32, 8, 2)
+FLASH_BWD_DKV_INSTANTIATE_SPLIT(f16, half, 384, 32, 8, 0, 4)
+FLASH_BWD_DKV_INSTANTIATE_SPLIT(f16, half, 512, 32, 8, 0, 4)
 FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 32, 64, 32, 0)
 FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 64, 64, 32, 0)
 FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 80, 32, 16, 0)
@@ -915,8 +982,6 @@ FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 128, 32, 8, 0)
 FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 160, 16, 8, 0)
 FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 192, 16, 8, 0)
 FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 256, 16, 8, 0)
-FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 384, 32, 8, 1)
-FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 384, 32, 8, 2)
-FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 512, 32, 8, 1)
-FLASH_BWD_DKV_INSTANTIATE(bf16, bfloat, 512, 32, 8, 2)
+FLASH_BWD_DKV_INSTANTIATE_SPLIT(bf16, bfloat, 384, 32, 8, 0, 4)
+FLASH_BWD_DKV_INSTANTIATE_SPLIT(bf16, bfloat, 512, 32, 8, 0, 4)
 #endif  // FLASH_BWD_TEMPLATES_ONLY

@@ -250,11 +250,13 @@ def test_every_table_entry_is_instantiated():
     declared = {}
     for source in ("flash_bwd.metal", "flash_bwd_variants.metal"):
         src = (shaders_dir() / source).read_text()
-        for t, bd, bq, bk in re.findall(r"^FLASH_BWD_DQ_INSTANTIATE\((\w+), \w+, (\d+), (\d+), (\d+)\)", src, re.M):
-            declared[f"flash_bwd_dq_{t}_d{bd}_q{bq}_k{bk}"] = source
-        for t, bd, bk, bq, m in re.findall(r"^FLASH_BWD_DKV_INSTANTIATE\((\w+), \w+, (\d+), (\d+), (\d+), (\d)\)",
-                                           src, re.M):
-            declared[f"flash_bwd_dkv_{t}_d{bd}_k{bk}_q{bq}_m{m}"] = source
+        split = r"(?:, (\d+))?\)"  # the head-dim split's DS
+        for t, bd, bq, bk, ds in re.findall(r"^FLASH_BWD_DQ_INSTANTIATE(?:_SPLIT)?\((\w+), \w+, (\d+), (\d+), (\d+)"
+                                            + split, src, re.M):
+            declared[f"flash_bwd_dq_{t}_d{bd}_q{bq}_k{bk}{f'_ds{ds}' if ds else ''}"] = source
+        for t, bd, bk, bq, m, ds in re.findall(r"^FLASH_BWD_DKV_INSTANTIATE(?:_SPLIT)?\((\w+), \w+, (\d+), (\d+), (\d+), "
+                                               r"(\d)" + split, src, re.M):
+            declared[f"flash_bwd_dkv_{t}_d{bd}_k{bk}_q{bq}_m{m}{f'_ds{ds}' if ds else ''}"] = source
     # the accelerator file instantiates one tile list per dtype
     src = (shaders_dir() / "flash_bwd_nax.metal").read_text()
     dq_rows = re.findall(r"^\s*FLASH_BWD_DQ_NAX_INSTANTIATE(_SHARED)?\(tname, T, (\d+), (\d+), (\d+)\)", src, re.M)

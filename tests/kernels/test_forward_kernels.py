@@ -183,9 +183,11 @@ def test_instantiations_match_tile_table():
     declared = {}
     for source in ("flash_fwd.metal", "flash_fwd_variants.metal"):
         src = (shaders_dir() / source).read_text()
-        for shared, t, _, bd, bq, bk in re.findall(
-                r"^FLASH_FWD_INSTANTIATE(_SHARED)?\((\w+),\s*(\w+),\s*(\d+),\s*(\d+),\s*(\d+)\)", src, re.M):
-            declared[f"flash_fwd_{t}_d{bd}_q{bq}_k{bk}{'_s' if shared else ''}"] = source
+        for kind, t, _, bd, bq, bk, ds in re.findall(
+                r"^FLASH_FWD_INSTANTIATE(_SHARED|_SPLIT)?\((\w+),\s*(\w+),\s*(\d+),\s*(\d+),\s*(\d+)(?:,\s*(\d+))?\)",
+                src, re.M):
+            suffix = {"": "", "_SHARED": "_s", "_SPLIT": f"_s_ds{ds}"}[kind]
+            declared[f"flash_fwd_{t}_d{bd}_q{bq}_k{bk}{suffix}"] = source
     # the accelerator file instantiates one tile list per dtype
     src = (shaders_dir() / "flash_fwd_nax.metal").read_text()
     rows = re.findall(r"^\s*FLASH_FWD_NAX_INSTANTIATE(_SHARED|_DIRECT)?\(tname, T, (\d+), (\d+), (\d+)\)", src,
@@ -199,8 +201,10 @@ def test_instantiations_match_tile_table():
 
 
 def test_threadgroup_memory_budget():
+    """Room for a second threadgroup per core, except the head-dim splits (their partial scores buy
+    registers, the scarcer resource at 384 and 512); all within 32 KiB."""
     for t in forward_variants():
-        assert t.threadgroup_memory <= 20 * 1024, (t.kernel, t.threadgroup_memory)
+        assert t.threadgroup_memory <= (32 if t.ds > 1 else 20) * 1024, (t.kernel, t.threadgroup_memory)
 
 
 def test_emulator_threadgroup_memory_matches_table():

@@ -47,7 +47,8 @@ import dataclasses
 
 import torch
 
-from .tiles import DTYPE_NAMES, FAMILIES, HEAD_DIM_BUCKETS, MAX_HEAD_DIM, NAX_FAMILY, head_dim_bucket, table_family
+from .tiles import (DTYPE_NAMES, FAMILIES, HEAD_DIM_BUCKETS, MAX_HEAD_DIM, NAX_FAMILY, SCORE_SLICES, head_dim_bucket,
+                    table_family)
 
 _ELEM_SIZE = {"f32": 4, "f16": 2, "bf16": 2}
 PRE_THREADS = 256
@@ -81,26 +82,28 @@ class DQTile:
     bk: int
     nax: bool = False  # the neural-accelerator kernel (16 rows per simdgroup)
     shared_kv: bool = False  # (nax) K and V take turns in one tile buffer
+    ds: int = 1  # simdgroups that share 8 query rows, each holding a slice of the head dim
 
     @property
     def threads(self) -> int:
-        return (2 if self.nax else 4) * self.bq
+        return (2 if self.nax else 4) * self.bq * self.ds
 
     @property
     def kernel(self) -> str:
         return (f"flash_bwd_dq_{'nax_' if self.nax else ''}{self.dtype}_d{self.bd}_q{self.bq}_k{self.bk}"
-                f"{'_s' if self.shared_kv else ''}")
+                f"{'_s' if self.shared_kv else ''}{_split_suffix(self.ds)}")
 
     @property
     def source(self) -> str:
         if self.nax:
             return NAX_SOURCE
-        return SOURCE if (self.bq, self.bk) == _DQ[self.dtype][self.bd] else VARIANTS_SOURCE
+        return SOURCE if self == _table_tiles(self.dtype, self.bd, FAMILIES[0]).dq else VARIANTS_SOURCE
 
     @property
     def threadgroup_memory(self) -> int:
         tiles = 1 if self.shared_kv else 2
-        return tiles * self.bk * tile_ld(self.dtype, self.bd, tiles * self.bk) * _ELEM_SIZE[self.dtype]
+        partials = 2 * self.ds * self.bq * self.bk * 4 if self.ds > 1 else 0  # each row group's S and dP slices
+        return tiles * self.bk * tile_ld(self.dtype, self.bd, tiles * self.bk) * _ELEM_SIZE[self.dtype] + partials
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,32 +114,33 @@ class DKVTile:
     bq: int
     mode: int  # 0 fused dK+dV, 1 dK only, 2 dV only
     nax: bool = False  # the neural-accelerator kernel (16 rows per simdgroup)
+    ds: int = 1  # simdgroups that share 8 key rows, each holding a slice of the head dim
 
     @property
     def threads(self) -> int:
-        return (2 if self.nax else 4) * self.bk
+        return (2 if self.nax else 4) * self.bk * self.ds
 
     @property
     def kernel(self) -> str:
         return (f"flash_bwd_dkv_{'nax_' if self.nax else ''}{self.dtype}_d{self.bd}_k{self.bk}_q{self.bq}"
-                f"_m{self.mode}")
+                f"_m{self.mode}{_split_suffix(self.ds)}")
 
     @property
     def source(self) -> str:
         if self.nax:
             return NAX_SOURCE
-        default = self.mode in _modes(self.bd) and (self.bk, self.bq) == _DKV_BY_MODE[self.mode][self.dtype][self.bd]
-        return SOURCE if default else VARIANTS_SOURCE
+        return SOURCE if self in _table_tiles(self.dtype, self.bd, FAMILIES[0]).dkv else VARIANTS_SOURCE
 
     @property
     def stages_kv(self) -> bool:
-        """The fused kernel above head dim 64 reads its K and V rows from threadgroup memory."""
-        return self.mode == 0 and self.bd > REGISTER_KV_MAX_BD and not self.nax
+        """The undivided fused kernel above head dim 64 reads its K and V rows from threadgroup memory."""
+        return self.mode == 0 and self.bd > REGISTER_KV_MAX_BD and not self.nax and self.ds == 1
 
     @property
     def threadgroup_memory(self) -> int:
         rows = 2 * self.bq + (2 * self.bk if self.stages_kv else 0)
         tiles = rows * tile_ld(self.dtype, self.bd, rows) * _ELEM_SIZE[self.dtype]
+        tiles += 2 * self.ds * self.bq * self.bk * 4 if self.ds > 1 else 0  # each row group's S^T and dP^T slices
         stats = 3 * self.bq * 4
         return tiles + stats if tiles + stats <= THREADGROUP_BYTES else tiles  # else read from device
 
@@ -181,6 +185,15 @@ _DKV_FUSED = {
 }
 _DKV_FUSED["bf16"] = dict(_DKV_FUSED["f16"])
 
+# The head-dim split of the wide buckets (tiles.SCORE_SLICES simdgroups per 8 rows, each holding its
+# slice of Q, dO and dQ, or of K, V, dK and dV; partial S and dP summed through threadgroup memory):
+# dQ (BQ, BK) and fused dK/dV (BK, BQ), the default where the streamed tiles leave room for the
+# partials.  Float32 at 512 keeps the undivided kernels: its 8-row K/V (Q/dO) tiles alone fill 32 KiB.
+_SPLIT_DQ = {"f32": {384: (16, 8)}, "f16": {384: (32, 8), 512: (32, 8)}}
+_SPLIT_DQ["bf16"] = dict(_SPLIT_DQ["f16"])
+_SPLIT_DKV = {"f32": {384: (16, 8)}, "f16": {384: (32, 8), 512: (32, 8)}}
+_SPLIT_DKV["bf16"] = dict(_SPLIT_DKV["f16"])
+
 # (BK, BQ) per dK/dV mode: the fused kernel's (up to head dim 64 the same tiles as the pair's), the pair's
 _DKV_BY_MODE = {0: {dt: {**_DKV[dt], **_DKV_FUSED[dt]} for dt in _DKV}, 1: _DKV, 2: _DKV}
 
@@ -223,13 +236,20 @@ def _dkv_tiles(dt: str, bd: int, modes: tuple[int, ...]) -> tuple[DKVTile, ...]:
     return tuple(DKVTile(dt, bd, *_DKV_BY_MODE[m][dt][bd], m) for m in modes)
 
 
+def _split_suffix(ds: int) -> str:
+    return f"_ds{ds}" if ds > 1 else ""
+
+
 def dq_variants(dtype: torch.dtype, head_dim: int, family: str = "apple8") -> list[DQTile]:
     """The dQ tiles the tuner may choose, the family's default first."""
     first = backward_tiles(dtype, head_dim, family).dq
     simd = _table_tiles(first.dtype, first.bd, family).dq
-    out = [first, *_nax_dq(first.dtype, first.bd, family), simd]
-    if first.bd in EXTRA_BUCKETS:
-        out.append(DQTile(first.dtype, first.bd, simd.bq // 2, simd.bk))
+    undivided = DQTile(first.dtype, first.bd, *BACKWARD_TILES[table_family(family)]["dq"][first.dtype][first.bd])
+    out = [first, *_nax_dq(first.dtype, first.bd, family)]
+    for t in dict.fromkeys((simd, undivided)):
+        out.append(t)
+        if first.bd in EXTRA_BUCKETS:
+            out.append(dataclasses.replace(t, bq=t.bq // 2))
     return list({t.kernel: t for t in out}.values())
 
 
@@ -237,13 +257,18 @@ def dkv_variants(dtype: torch.dtype, head_dim: int, family: str = "apple8") -> l
     """The dK/dV tiles (one fused kernel, or the dK and the dV kernel) the tuner may choose,
     the family's default first."""
     first = backward_tiles(dtype, head_dim, family).dkv
-    simd = _table_tiles(first[0].dtype, first[0].bd, family).dkv
-    out = [first, *_nax_dkv(first[0].dtype, first[0].bd, family), simd]
-    t = simd[0]
-    if t.mode == 0 and t.bd > REGISTER_KV_MAX_BD:
-        out.append(_dkv_tiles(t.dtype, t.bd, (1, 2)))  # the split pair, for Macs where it wins
-    if t.bd in EXTRA_BUCKETS and t.bk >= 16:
-        out.append(tuple(DKVTile(x.dtype, x.bd, x.bk // 2, x.bq, x.mode) for x in simd))
+    dt, bd = first[0].dtype, first[0].bd
+    simd = _table_tiles(dt, bd, family).dkv
+    out = [first, *_nax_dkv(dt, bd, family), simd]
+    if simd[0].stages_kv:
+        out.append(_dkv_tiles(dt, bd, (1, 2)))  # the split pair, for Macs where it wins
+    owned = [simd]  # tiles that also come with half the owned key rows
+    if simd[0].ds > 1:
+        owned.append(_dkv_tiles(dt, bd, _modes(bd)))  # the undivided kernels
+        out.append(owned[-1])
+    for tiles in owned:
+        if bd in EXTRA_BUCKETS and tiles[0].bk >= 16:
+            out.append(tuple(dataclasses.replace(x, bk=x.bk // 2) for x in tiles))
     return list({pair[0].kernel: pair for pair in out}.values())
 
 
@@ -251,7 +276,15 @@ def _table_tiles(dt: str, bd: int, family: str) -> BackwardTiles:
     """The family table's simdgroup tiles."""
     # appleN newer than the tables -> the newest table; no simdgroup matrices -> ValueError.
     bq, bk = BACKWARD_TILES[table_family(family)]["dq"][dt][bd]
-    return BackwardTiles(DQTile(dt, bd, bq, bk), _dkv_tiles(dt, bd, _modes(bd)))
+    if bd in _SPLIT_DQ[dt]:
+        dq = DQTile(dt, bd, *_SPLIT_DQ[dt][bd], ds=SCORE_SLICES[bd])
+    else:
+        dq = DQTile(dt, bd, bq, bk)
+    if bd in _SPLIT_DKV[dt]:
+        dkv = (DKVTile(dt, bd, *_SPLIT_DKV[dt][bd], 0, ds=SCORE_SLICES[bd]),)
+    else:
+        dkv = _dkv_tiles(dt, bd, _modes(bd))
+    return BackwardTiles(dq, dkv)
 
 
 def backward_tiles(dtype: torch.dtype, head_dim: int, family: str = "apple8", dq_variant: str | None = None,
