@@ -131,27 +131,34 @@ struct ScoreSlices {
   static constant constexpr int value = BD > 256 ? 4 : 1;
 };
 
-// S[kk] (+)= Q K^T over NF fragments of the head dim: 8 query rows (Qf) x
-// the keys kk * 8.. of the threadgroup tile Ks (row stride LD), one
+// One score fragment: Q K^T over NF fragments of the head dim, 8 query rows
+// (Qf) x the 8 keys of the threadgroup tile rows Kr (row stride LD), one
 // multiply-accumulate chain, in order.
+template <int NF, int LD, typename T>
+__attribute__((always_inline)) inline
+simdgroup_float8x8 qk_frag(const thread simdgroup_float8x8* Qf, const threadgroup T* Kr, FragCoord fc) {
+  simdgroup_float8x8 acc = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  for (int dd = 0; dd < NF; ++dd) {
+    simdgroup_float8x8 Kt;
+    load_frag_t(Kt, Kr + dd * 8, LD, fc);
+    simdgroup_multiply_accumulate(acc, Qf[dd], Kt, acc);
+  }
+  return acc;
+}
+
+// S[kk] = Q K^T over NF fragments for the keys kk * 8.. of the tile Ks: one
+// chain per fragment (a head-dim split's share of the scores).
 template <int NF, int NK, int LD, typename T>
 __attribute__((always_inline)) inline
 void qk_chain(thread simdgroup_float8x8* S, const thread simdgroup_float8x8* Qf, const threadgroup T* Ks,
               FragCoord fc) {
-  for (int kk = 0; kk < NK; ++kk) {
-    S[kk] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-    for (int dd = 0; dd < NF; ++dd) {
-      simdgroup_float8x8 Kt;
-      load_frag_t(Kt, Ks + kk * 8 * LD + dd * 8, LD, fc);
-      simdgroup_multiply_accumulate(S[kk], Qf[dd], Kt, S[kk]);
-    }
-  }
+  for (int kk = 0; kk < NK; ++kk) S[kk] = qk_frag<NF, LD>(Qf, Ks + kk * 8 * LD, fc);
 }
 
 // S[kk] = Q K^T over the whole head dim (NF fragments): the chains of its
 // ScoreSlices slices, added in order.  Every kernel that needs the scores
-// (forward, dQ, decode) computes them here or slice by slice (slice_put /
-// slice_gather), so the backward sees the forward's scores bit for bit.
+// (forward, dQ, decode) computes them here or slice by slice (qk_chain,
+// slice_put / slice_gather), so the backward sees the forward's scores bit for bit.
 template <int NF, int NK, int LD, typename T>
 __attribute__((always_inline)) inline
 void qk_block(thread simdgroup_float8x8* S, const thread simdgroup_float8x8* Qf, const threadgroup T* Ks,
@@ -159,11 +166,9 @@ void qk_block(thread simdgroup_float8x8* S, const thread simdgroup_float8x8* Qf,
   constexpr int SL = ScoreSlices<NF * 8>::value;
   constexpr int NFS = NF / SL;
   static_assert(NF % SL == 0, "equal slices");
-  qk_chain<NFS, NK, LD>(S, Qf, Ks, fc);
-  for (int s = 1; s < SL; ++s) {
-    simdgroup_float8x8 part[NK];
-    qk_chain<NFS, NK, LD>(part, Qf + s * NFS, Ks + s * NFS * 8, fc);
-    for (int kk = 0; kk < NK; ++kk) frag_add(S[kk], part[kk]);
+  for (int kk = 0; kk < NK; ++kk) {
+    S[kk] = qk_frag<NFS, LD>(Qf, Ks + kk * 8 * LD, fc);
+    for (int s = 1; s < SL; ++s) frag_add(S[kk], qk_frag<NFS, LD>(Qf + s * NFS, Ks + kk * 8 * LD + s * NFS * 8, fc));
   }
 }
 

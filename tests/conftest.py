@@ -76,6 +76,21 @@ def _portable_inputs(request, monkeypatch):
     monkeypatch.setattr(torch.Tensor, "normal_", _normal_)
 
 
+@pytest.fixture
+def launched(monkeypatch):
+    """The kernel names of every emulator launch made while the test runs."""
+    from torch_metal_flash.backends.emulator import EmulatorBackend
+    names = []
+    encode = EmulatorBackend.encode
+
+    def recording_encode(self, launches):
+        names.extend(prepared[1] for prepared, _ in launches)  # prepared: (source, kernel, ...)
+        encode(self, launches)
+
+    monkeypatch.setattr(EmulatorBackend, "encode", recording_encode)
+    return names
+
+
 def pytest_configure(config):
     from torch_metal_flash import core
     core.load()

@@ -20,6 +20,7 @@ from .tiles import ForwardTile
 
 SIMD_FRAG = 2  # 32-bit registers per lane of an 8x8 float fragment
 NAX_ELEMS = 8  # elements per lane of a 16x16 accelerator fragment
+SCORE_SLICE_BUCKET = 256  # above, the scores are summed over head-dim slices (one more fragment live)
 
 
 def _nax_frag(dtype: str) -> int:
@@ -27,25 +28,31 @@ def _nax_frag(dtype: str) -> int:
     return NAX_ELEMS if dtype == "f32" else NAX_ELEMS // 2
 
 
+def _slice_sum(bd: int, ds: int) -> int:
+    """The fragment of the next score slice, live while an undivided kernel adds it (a head-dim
+    split sums the slices in threadgroup memory)."""
+    return int(bd > SCORE_SLICE_BUCKET and ds == 1)
+
+
 def forward(t: ForwardTile) -> int:
     if t.nax:  # Qf[BD/16] (input type), Of[BD/16] and S[BK/16] (float), K^T / V temporaries Kt[2] or Vf[2]
         nf, nk = t.bd // 16, t.bk // 16
         return (nf + 2) * _nax_frag(t.dtype) + (nf + nk) * _nax_frag("f32")
-    # Qf[BD/8] and Of[BD/8] held, S[BK/8] per key block, one K or V fragment loaded at a time
-    return (2 * (t.bd // 8) + t.bk // 8 + 1) * SIMD_FRAG
+    # Qf[BD/8/DS] and Of[BD/8/DS] held, S[BK/8] per key block, one K or V fragment loaded at a time
+    return (2 * (t.bd // 8 // t.ds) + t.bk // 8 + 1 + _slice_sum(t.bd, t.ds)) * SIMD_FRAG
 
 
 def decode(t: DecodeTile) -> int:
     # Qf[BD/8], Of[BDV/8], S[BK/8], one K or V fragment at a time (as the forward)
-    return (t.bd // 8 + (t.bdv or t.bd) // 8 + t.bk // 8 + 1) * SIMD_FRAG
+    return (t.bd // 8 + (t.bdv or t.bd) // 8 + t.bk // 8 + 1 + _slice_sum(t.bd, 1)) * SIMD_FRAG
 
 
 def dq(t: DQTile) -> int:
     if t.nax:  # Qf, dOf[BD/16] (input type), dQf[BD/16], S, dP[BK/16] (float), two K/V temporaries
         nf, nk = t.bd // 16, t.bk // 16
         return (2 * nf + 2) * _nax_frag(t.dtype) + (nf + 2 * nk) * _nax_frag("f32")
-    # Qf, dOf, dQf[BD/8] held; S, dP[BK/8] per key block; the block's dQ product and one K fragment
-    return (3 * (t.bd // 8) + 2 * (t.bk // 8) + 2) * SIMD_FRAG
+    # Qf, dOf, dQf[BD/8/DS] held; S, dP[BK/8] per key block; the block's dQ product and one K fragment
+    return (3 * (t.bd // 8 // t.ds) + 2 * (t.bk // 8) + 2 + _slice_sum(t.bd, t.ds)) * SIMD_FRAG
 
 
 def dkv(t: DKVTile) -> int:
@@ -54,12 +61,13 @@ def dkv(t: DKVTile) -> int:
         nf, nq = t.bd // 16, t.bq // 16
         held = nf * (1 + dk)
         return (held + 2) * _nax_frag(t.dtype) + (nf * (dk + dv) + nq * (1 + dk)) * _nax_frag("f32")
-    nf, nq = t.bd // 8, t.bq // 8
+    nf, nq = t.bd // 8 // t.ds, t.bq // 8
     # K (and V, which dP needs for dK) in registers unless staged in threadgroup memory; the
     # accumulators dKf / dVf; S^T (and dP^T) of one query block; dP^T's second chain, one Q or
-    # dO fragment, the block's product (and, staged, the K/V fragment read back)
+    # dO fragment, the block's product (and, staged, the K/V fragment read back; undivided
+    # above 256, the score slice being added)
     held = 0 if t.stages_kv else nf * (1 + dk)
-    temps = 2 + dk + t.stages_kv
+    temps = 2 + dk + t.stages_kv + _slice_sum(t.bd, t.ds)
     return (held + nf * (dk + dv) + nq * (1 + dk) + temps) * SIMD_FRAG
 
 
