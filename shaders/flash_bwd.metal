@@ -25,6 +25,10 @@
 //     memory.  Per key block: S = Q K^T, P = exp(S - m) / l, dP = dO V^T,
 //     dS = P (dP - delta) (written to dbias when asked), softcap chain rule,
 //     dQ += scale * dS K.  Also writes the zeros of dbias outside the band.
+//     `_ds<DS>` (head dims 384, 512): DS simdgroups per 8 rows, each holding
+//     a slice of Q, dO and dQ; their partial S and dP meet in threadgroup
+//     memory (flash::slice_put / slice_gather) and every slice computes the
+//     same dS (the first one writes dbias).
 //  3. flash_bwd_dkv_<dt>_d<BD>_k<BK>_q<BQ>_m<MODE>: grid (ceil(Lk/BK), Hkv, B),
 //     one simdgroup per 8 key rows, the dK / dV accumulators in registers;
 //     loops over every query head of the GQA group and over the query blocks
@@ -32,8 +36,10 @@
 //     threadgroup memory (Q pre-scaled as its fragments load).  Every dK / dV
 //     row has exactly one writer.  MODE 0 computes dK and dV (K and V in
 //     registers up to head dim 64, staged once in threadgroup memory above),
-//     MODE 1 only dK, MODE 2 only dV (a split pair, K and V in registers: the
-//     default above head dim 256, a tuning variant below).
+//     MODE 1 only dK, MODE 2 only dV (a split pair, K and V in registers: a
+//     tuning variant, float32's default at head dim 512).  `_ds<DS>` (head dims
+//     384, 512): DS simdgroups per 8 key rows, each holding a slice of K, V,
+//     dK and dV in registers, partial S^T and dP^T summed as in the dQ kernel.
 //  4. flash_bwd_dsinks: one threadgroup per head, a fixed-order reduction
 //     dsinks[h] = -sum_{b,i} exp(sink[h] - m[b,h,i]) / l[b,h,i] * delta[b,h,i].
 //  5. flash_bwd_diag_<dt>_d<BD>_q<BQ>_k<BK> (FlexAttention sources only): the

@@ -227,14 +227,15 @@ def test_fused_dkv_with_staged_rows(case):
 def test_fused_dkv_up_to_256():
     """One dK/dV kernel up to head dim 256: K and V in registers to 64, staged in threadgroup memory
     above (the emulator's count equals the table's, float32 at 256 the whole 32 KiB); the split pair
-    stays a tuning variant."""
+    stays a tuning variant.  Above 256 the fused kernel splits the head dim (tests/kernels/
+    test_head_dim_split.py), but for float32 at 512."""
     from torch_metal_flash.backends.emulator import EmulatorBackend
     from torch_metal_flash.planner.backward_tiles import backward_tiles, dkv_variants
     backend = EmulatorBackend()
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         for d in (64, 80, 128, 256, 384):
             (t, *rest) = backward_tiles(dtype, d).dkv
-            assert (t.mode, len(rest)) == ((0, 0) if d <= 256 else (1, 1)), t
+            assert (t.mode, len(rest), t.ds) == ((0, 0, 1) if d <= 256 else (0, 0, 4)), t
             assert t.stages_kv == (64 < d <= 256), t
             if d in (80, 256):
                 info = backend.pipeline_info(t.source, t.kernel, {})

@@ -179,8 +179,12 @@ def test_what_stays_on_the_simdgroup_kernels():
             half = dtype != torch.float32
             assert t.dq.nax == (half and bd not in (80, 384, 512)), t
             assert all(x.nax == (half and bd in (32, 64, 96, 128)) for x in t.dkv), t
-            fused_up_to = 64 if t.dkv[0].nax else 256  # the accelerator kernels fuse while K and V fit registers
-            assert [x.mode for x in t.dkv] == ([0] if bd <= fused_up_to else [1, 2])
+            # the accelerator kernels fuse while K and V fit registers; above 256 the simdgroup kernels
+            # split the head dim (float32 at 512: the dK / dV pair)
+            fused_up_to = 64 if t.dkv[0].nax else 256
+            fused = bd <= fused_up_to or (bd > 256 and not (dtype == torch.float32 and bd == 512))
+            assert [x.mode for x in t.dkv] == ([0] if fused else [1, 2])
+            assert all(x.ds == (4 if bd > 256 and fused else 1) for x in t.dkv), t
             # the simdgroup tiles stay variants
             assert any(not x.nax for x in bt.dq_variants(dtype, bd, NAX))
             assert any(not p[0].nax for p in bt.dkv_variants(dtype, bd, NAX))

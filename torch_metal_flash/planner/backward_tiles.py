@@ -13,9 +13,13 @@ Two tiled kernels of ``shaders/flash_bwd.metal`` per problem:
   stages its K and V rows in threadgroup memory (``2 * BK`` more tile rows) and keeps
   only the dK and dV accumulators in registers, so it computes FlashAttention-2's
   four dK/dV-side products once at every head dim up to 256 (:data:`FUSED_MAX_BD`).
-  The split pair (a dK and a dV kernel, each recomputing S) stays among the variants
-  up to 256 and is the default above, where two head-dim-wide accumulators no longer
-  fit a thread's registers.
+  The split pair (a dK and a dV kernel, each recomputing S) stays among the variants.
+* Head dims 384 and 512 split the head dim (``_ds4``, :data:`_SPLIT_DQ`, :data:`_SPLIT_DKV`): four
+  simdgroups per 8 rows, each holding a quarter of the row's fragments (Q, dO, dQ; or K, V, dK, dV),
+  their partial S and dP summed through threadgroup memory, so the fused dK/dV kernel fits a
+  thread's registers there too.  The undivided kernels (dQ, and the split pair, where two
+  head-dim-wide accumulators no longer fit) stay among the variants, and are float32's default at
+  512, whose streamed tiles leave no room for the partials.
 
 On GPUs with neural accelerators (family apple10) half/bfloat problems run the
 accelerator kernels of ``shaders/flash_bwd_nax.metal`` where the register budget
@@ -32,8 +36,8 @@ The table's values (the default of every family, not measured; sources:
 docs/tuning.md) keep the dQ and split dK/dV tiles at or under ~17.5 KiB of threadgroup
 memory up to head dim 256 (``threads`` = 4 x the owned block: 256 for 64-row blocks), the
 fused dK/dV tiles that stage K and V within 32 KiB (:data:`_DKV_FUSED`); the wide
-buckets 384 and 512 take 8-row streamed tiles, which float32 at 512 fills to the
-32 KiB with unpadded rows (its dK/dV kernel then reads the row statistics from
+buckets 384 and 512 take 8-row streamed tiles (the head-dim splits add their partials, up to
+29 KiB), which float32 at 512 fills to the 32 KiB with unpadded rows (its dK/dV kernel then reads the row statistics from
 device memory instead of staging them).  The tuner
 (:mod:`torch_metal_flash.tuning`) chooses the dQ and the dK/dV tile among
 :func:`dq_variants` / :func:`dkv_variants`: the table's plus half-height owned

@@ -28,7 +28,8 @@ head-dim buckets that are multiples of 32 and 32 or 64 keys per step
 
 The family tables are the defaults of an untuned machine (their sources:
 docs/tuning.md); the table of apple7/apple8 keeps threadgroup memory under
-~18 KiB (so at least one more threadgroup fits next to it in 32 KiB).  The
+~18 KiB (so at least one more threadgroup fits next to it in 32 KiB) up to head
+dim 256; the head-dim splits of 384 and 512 take up to ~25 KiB for registers.  The
 tuner (:mod:`torch_metal_flash.tuning`) chooses among :func:`tile_variants`:
 the family tables' tiles plus :data:`EXTRA_TILES`.  Tiles of the apple8 table
 are instantiated in ``shaders/flash_fwd.metal``, all others in
