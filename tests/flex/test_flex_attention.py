@@ -313,6 +313,25 @@ def test_sub_blocks_forward_and_backward_with_a_learned_bias(block_size):
     check_flex(q, mods, got, flex_reference(q, k, v, mods, None, dout, dlse))
 
 
+def test_head_dim_split_kernels_with_learned_biases(launched):
+    """Head dim 384 runs the kernels that split the head dim over 4 simdgroups: learned biases read
+    along rows, columns and diagonals (each line's gradient written once, by the row's first slice),
+    BlockMask blocks of 32 skipped -- against the float64 oracle."""
+    B, H, L, D = 1, 2, 75, 384
+    g = torch.Generator().manual_seed(3)
+    diag, row, col = randn(H, 2 * L - 1, generator=g), randn(H, L, generator=g), randn(L, generator=g)
+    captured = tuple(t.mul_(0.5).requires_grad_() for t in (diag, row, col))
+    mods = FlexMods(score=lambda d, r, c: (lambda s, b, h, q, kv: s + d[h, q - kv + L - 1] + r[h, q] + c[kv]),
+                    mask=lambda *_: and_masks(causal, lambda b, h, q, kv: q - kv < 40), captured=captured)
+    block_mask = block_mask_of(mods, 1, H, L, L, BLOCK_SIZE=32)
+    q, k, v = inputs(B, H, H, L, L, D, torch.float16, grad=True)
+    with tmf.backend("emulator", strict=True):
+        got, dout, dlse = run_flex(q, k, v, mods, block_mask)
+    split = {n.split("_f16_")[0] for n in launched if n.endswith("_ds4")}
+    assert split == {"flash_fwd", "flash_bwd_dq", "flash_bwd_dkv"}, launched
+    check_flex(q, mods, got, flex_reference(q, k, v, mods, None, dout, dlse))
+
+
 @pytest.mark.parametrize("block_size", [16, (32, 48), 256])
 def test_block_sizes_the_kernels_cannot_use_are_remapped(block_size):
     B, H, L, D = 1, 2, 140, 32

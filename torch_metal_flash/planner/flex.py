@@ -51,11 +51,14 @@ WALKS = ("row", "col", "diag")
 
 _TYPES = {"f32": "float", "f16": "half", "bf16": "bfloat"}
 # kernel host name -> (template file, instantiation macro, the groups holding its query and key tiles)
+# (the last group: a head-dim split's DS, instantiated by the *_SPLIT macro)
 _KERNELS = (
-    (re.compile(r"flash_fwd_(f32|f16|bf16)_d(\d+)_q(\d+)_k(\d+)(_s)?"), "flash_fwd.metal", "FLASH_FWD", 3, 4),
-    (re.compile(r"flash_bwd_dq_(f32|f16|bf16)_d(\d+)_q(\d+)_k(\d+)()"), "flash_bwd.metal", "FLASH_BWD_DQ", 3, 4),
-    (re.compile(r"flash_bwd_dkv_(f32|f16|bf16)_d(\d+)_k(\d+)_q(\d+)_m(\d)"), "flash_bwd.metal", "FLASH_BWD_DKV",
-     4, 3),
+    (re.compile(r"flash_fwd_(f32|f16|bf16)_d(\d+)_q(\d+)_k(\d+)(_s)?(?:_ds(\d))?"), "flash_fwd.metal", "FLASH_FWD",
+     3, 4),
+    (re.compile(r"flash_bwd_dq_(f32|f16|bf16)_d(\d+)_q(\d+)_k(\d+)()(?:_ds(\d))?"), "flash_bwd.metal",
+     "FLASH_BWD_DQ", 3, 4),
+    (re.compile(r"flash_bwd_dkv_(f32|f16|bf16)_d(\d+)_k(\d+)_q(\d+)_m(\d)(?:_ds(\d))?"), "flash_bwd.metal",
+     "FLASH_BWD_DKV", 4, 3),
 )
 SEGMENT_SUM_KERNEL = "flash_bwd_segment_sum"
 SEGMENT_SUM_THREADS = 256
@@ -149,13 +152,11 @@ def _kernel_of(launch: Launch):
         m = pattern.fullmatch(launch.kernel)  # (a tuned tile of *_variants.metal: the same template)
         if m is None:
             continue
-        dt, nums = m.group(1), [m.group(i) for i in range(2, 5)]
-        if macro == "FLASH_FWD":
-            line = f"{macro}_INSTANTIATE{'_SHARED' if m.group(5) else ''}({dt}, {_TYPES[dt]}, {', '.join(nums)})"
-        elif macro == "FLASH_BWD_DKV":
-            line = f"{macro}_INSTANTIATE({dt}, {_TYPES[dt]}, {', '.join(nums)}, {m.group(5)})"
-        else:
-            line = f"{macro}_INSTANTIATE({dt}, {_TYPES[dt]}, {', '.join(nums)})"
+        dt, nums, ds = m.group(1), [m.group(i) for i in range(2, 5)], m.group(6)
+        if macro == "FLASH_BWD_DKV":
+            nums.append(m.group(5))  # the mode
+        kind = "_SPLIT" if ds else "_SHARED" if macro == "FLASH_FWD" and m.group(5) else ""
+        line = f"{macro}_INSTANTIATE{kind}({dt}, {_TYPES[dt]}, {', '.join(nums + ([ds] if ds else []))})"
         return source, line, int(m.group(qg)), int(m.group(kg)), dt, int(nums[0])
     return None
 
