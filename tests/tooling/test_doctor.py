@@ -59,7 +59,7 @@ def test_planted_compile_failure_fails(monkeypatch, capsys):
     monkeypatch.setattr(EmulatorBackend, "pipeline_info", failing)
     assert doctor.main(["--skip", "probes,timing"]) == 1
     out = capsys.readouterr().out
-    assert "| flash_bwd.metal | 350 | 5 |" in out
+    assert "| flash_bwd.metal | 325 | 5 |" in out
     assert "- compile flash_bwd_dsinks" in out and "internal error" in out
 
 
