@@ -140,7 +140,7 @@ def mma_table(L: int = 256) -> str:
             ran = [s.kernel for s in stats if "_dkv_" in s.kernel]
             assert ran == [t.kernel for t in pair], (ran, pair)
             mma = sum(s.mma for s in stats)
-            kind = "fused" if pair[0].mode == 0 else "split"
+            kind = "fused" if pair[0].mode == 0 else "dK + dV pair"
             kind += f", head dim over {pair[0].ds} simdgroups" if pair[0].ds > 1 else ""
             rows.append(f"| {D} | {' + '.join(f'`{t.kernel}`' for t in pair)} | {kind}{' (default)' if i == 0 else ''} "
                         f"| `{dq}` | {mma} | **{mma * 512 / fa2:.3f}** |")

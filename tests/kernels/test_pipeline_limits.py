@@ -148,6 +148,26 @@ def test_backward_takes_the_tiles_of_a_larger_bucket_when_its_own_need_too_many_
                    (*(g.transpose(1, 2) for g in fitted), None, None))
 
 
+@pytest.mark.parametrize("allowed,forward,backward", [
+    (256, "flash_fwd_f16_d512_q16_k16_s_ds4",
+     ["flash_bwd_dq_f16_d512_q16_k8_ds4", "flash_bwd_dkv_f16_d512_k16_q8_m0_ds4"]),
+    (128, "flash_fwd_f16_d512_q32_k16_s",
+     ["flash_bwd_dq_f16_d512_q32_k8", "flash_bwd_dkv_f16_d512_k32_q8_m1", "flash_bwd_dkv_f16_d512_k32_q8_m2"]),
+])
+def test_head_dim_splits_give_way_to_the_buckets_tiles_with_fewer_threads(lowered, allowed, forward, backward):
+    """The widest bucket has no larger one to fall back to: where a pipeline allows fewer threads than
+    a head-dim split's 512, the split with half the rows, then the undivided kernels run."""
+    ran = lowered({prefix: {"max_total_threads_per_threadgroup": allowed}
+                   for prefix in ("flash_fwd_f16_d512_", "flash_bwd_dq_f16_d512_", "flash_bwd_dkv_f16_d512_")})
+    q, k, v = _qkv(1, 2, 1, 19, 23, 512, torch.float16, seed=5)
+    fitted = _grads(q, k, v, True, "emulator")
+    assert [launch.kernel for launch in ran[0].launches] == [forward]
+    assert [launch.kernel for launch in ran[-1].launches][1:] == backward
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(7)).to(q.dtype)  # as _grads draws it
+    check_backward(_spec(q, k, v, True), dout.transpose(1, 2), None,
+                   (*(g.transpose(1, 2) for g in fitted), None, None))
+
+
 def test_backward_falls_back_whole_when_a_late_launch_cannot_fit(lowered):
     # below every dK/dV tile's threads (the fewest: one simdgroup, float32's fused kernel from d128)
     ran = lowered({"flash_bwd_dkv_f32_": {"max_total_threads_per_threadgroup": 16}})

@@ -315,7 +315,8 @@ def backward_tiles(dtype: torch.dtype, head_dim: int, family: str = "apple8", dq
 def backward_candidates(dtype: torch.dtype, head_dim: int, family: str = "apple8", dq_variant: str | None = None,
                         dkv_variant: str | None = None) -> list[BackwardTiles]:
     """The tiles the planner may use for ``head_dim``, preferred first: the table's
-    (or the named variants, see :func:`backward_tiles`),
+    (or the named variants, see :func:`backward_tiles`), after a head-dim split the
+    split with half the owned rows and the bucket's undivided kernels,
     then those of larger buckets (head dim zero-padded) whose dQ or dK/dV kernels
     need fewer threads or less threadgroup memory, for pipelines whose limits the
     first exceeds."""
@@ -325,8 +326,20 @@ def backward_candidates(dtype: torch.dtype, head_dim: int, family: str = "apple8
         return (t.dq.threads, max(x.threads for x in t.dkv), t.dq.threadgroup_memory,
                 max(x.threadgroup_memory for x in t.dkv))
 
+    same = []
+    if first.dq.ds > 1 or first.dkv[0].ds > 1:
+        # A head-dim split needs 4x the threads of the bucket's undivided kernels (and the widest bucket
+        # has no larger one): the split with half the owned rows, then the undivided kernels.
+        dt, bd = first.dq.dtype, first.dq.bd
+        halved = BackwardTiles(dataclasses.replace(first.dq, bq=first.dq.bq // 2),
+                               tuple(dataclasses.replace(x, bk=x.bk // 2) for x in first.dkv))
+        undivided = BackwardTiles(DQTile(dt, bd, *BACKWARD_TILES[table_family(family)]["dq"][dt][bd]),
+                                  _dkv_tiles(dt, bd, _modes(bd)))
+        built = {t.kernel for t in dq_variants(dtype, head_dim, family)} | {
+            t.kernel for pair in dkv_variants(dtype, head_dim, family) for t in pair}
+        same = [t for t in (halved, undivided) if {x.kernel for x in (t.dq, *t.dkv)} <= built]
     larger = (backward_tiles(dtype, bd, family) for bd in HEAD_DIM_BUCKETS if bd > first.dq.bd)
-    return [first] + [t for t in larger if any(a < b for a, b in zip(needs(t), needs(first)))]
+    return [first] + [t for t in (*same, *larger) if any(a < b for a, b in zip(needs(t), needs(first)))]
 
 
 def backward_variants() -> list:

@@ -238,7 +238,8 @@ def tile_variants(dtype: torch.dtype, head_dim: int, family: str = "apple8") -> 
 def forward_candidates(dtype: torch.dtype, head_dim: int, family: str = "apple8",
                        variant: str | None = None, nax: bool = True) -> list[ForwardTile]:
     """The tiles the planner may use for ``head_dim``, preferred first: ``variant``
-    (a kernel name of :func:`tile_variants`) or the table's, then those of larger
+    (a kernel name of :func:`tile_variants`) or the table's, then (after a head-dim
+    split) the bucket's tiles with fewer threads, then those of larger
     buckets (head dim zero-padded) that need fewer threads or less threadgroup
     memory, for pipelines whose limits the first exceeds.  ``nax=False`` (a feature
     the accelerator kernel lacks): simdgroup tiles only, a forced accelerator
@@ -247,9 +248,13 @@ def forward_candidates(dtype: torch.dtype, head_dim: int, family: str = "apple8"
     if variant is not None:
         forced = next(t for t in tile_variants(dtype, head_dim, family) if t.kernel == variant)
         first = forced if nax or not forced.nax else first
+    # A head-dim split needs 4x the threads of the bucket's other tiles (and the widest bucket has no
+    # larger one): the same bucket's tiles with fewer threads come next, splits first.
+    same = [t for t in tile_variants(dtype, head_dim, family)
+            if first.ds > 1 and not t.nax and t.threads < first.threads]
     larger = (forward_tile(dtype, bd, family, nax) for bd in HEAD_DIM_BUCKETS if bd > first.bd)
-    return [first] + [t for t in larger
-                      if t.threads < first.threads or t.threadgroup_memory < first.threadgroup_memory]
+    return [first] + sorted(same, key=lambda t: -t.ds) + [
+        t for t in larger if t.threads < first.threads or t.threadgroup_memory < first.threadgroup_memory]
 
 
 def forward_variants() -> list[ForwardTile]:
