@@ -319,7 +319,9 @@ def backward_candidates(dtype: torch.dtype, head_dim: int, family: str = "apple8
     split with half the owned rows and the bucket's undivided kernels,
     then those of larger buckets (head dim zero-padded) whose dQ or dK/dV kernels
     need fewer threads or less threadgroup memory, for pipelines whose limits the
-    first exceeds."""
+    first exceeds.  (Zero columns leave the scores' chains unchanged, so a larger bucket
+    rebuilds the forward's scores bit for bit, except across 256 -> 384 and 384 -> 512, whose
+    score slices differ: there they agree to rounding.)"""
     first = backward_tiles(dtype, head_dim, family, dq_variant, dkv_variant)
 
     def needs(t: BackwardTiles) -> tuple[int, int, int, int]:
