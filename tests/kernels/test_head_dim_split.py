@@ -9,8 +9,8 @@ two schedule orders:
   varlen included: every kernel of the bucket sums the same slice chains, so the split changes
   where the scores are added, not their value;
 * the backward (split dQ and fused dK/dV) is within the float64 oracle's budget with partial and
-  empty row groups, GQA, every score feature, dbias, dlse, dropout and varlen, and bitwise
-  reproducible;
+  empty row groups, GQA, every score feature, dbias, dlse, dropout, packed sequences and paged
+  K/V, and bitwise reproducible (FlexAttention at head dim 384: tests/flex);
 * the planner's defaults, threads and threadgroup bytes agree with the kernels.
 """
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 
 import torch_metal_flash as tmf
 from support.backward_cases import DTYPES, case_id, run_and_check
+from support import varlen_cases as vc
 from torch_metal_flash import emulator, ops, tuning
 from torch_metal_flash.backends.emulator import EmulatorBackend
 from torch_metal_flash.planner import backward_tiles, tiles
@@ -118,27 +119,27 @@ def test_split_backward_with_dropout(launched):
     assert all(torch.equal(a, b) for a, b in zip(*grads.values())), "the backward is not bitwise reproducible"
 
 
-def test_split_kernels_with_varlen(launched):
-    """Packed sequences (rows of a sequence past the grid's longest return early, all simdgroups alike)."""
-    g = torch.Generator().manual_seed(7)
-    lens = (13, 30, 5)
-    H, D = 2, 384
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-    q, k, v = (torch.randn(sum(lens), H, D, generator=g).to(torch.bfloat16).requires_grad_() for _ in range(3))
-    dout = torch.randn(sum(lens), H, D, generator=g).to(torch.bfloat16)
-    launched.clear()
-    with tmf.backend("emulator", strict=True), emulator.settings(checked=True):
-        out, lse, _ = tmf.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True,
-                                                 return_attn_probs=True)
-        grads = torch.autograd.grad(out, (q, k, v), dout)
-    assert {"flash_fwd_bf16_d384_q32_k16_s_ds4", "flash_bwd_dq_bf16_d384_q32_k8_ds4",
-            "flash_bwd_dkv_bf16_d384_k32_q8_m0_ds4"} <= set(launched), launched
-    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        seq = [t[a:b].detach().transpose(0, 1)[None] for t in (q, k, v)]
-        spec = make_spec(*seq, scale=D ** -0.5, window_right=0)
-        check_forward(spec, out[a:b].detach().transpose(0, 1)[None], lse[:, a:b][None])
-        check_backward(spec, dout[a:b].transpose(0, 1)[None], None,
-                       tuple(x[a:b].transpose(0, 1)[None] for x in grads) + (None, None), False)
+VARLEN_CASES = [
+    # paged K/V (pages of 16, shuffled), dropout, softcap, a causal band
+    dict(dtype="f16", h=4, hkv=2, d=384, lens_q=[13, 40, 5], lens_k=[13, 52, 9], window=(-1, 0), softcap=30.0,
+         page=16, dropout=0.2),
+    # keys used per sequence, sinks, per-sequence ALiBi, MQA, v wider than q/k
+    dict(dtype="bf16", h=3, hkv=1, d=320, dv=512, lens_q=[33, 7], lens_k=[29, 40], seqused=[20, 40], sinks=True,
+         alibi="bh"),
+]
+
+
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=vc.case_id)
+def test_split_kernels_with_varlen(case, launched):
+    """Packed sequences through the split forward and backward (threadgroups past a sequence's rows
+    return early, all simdgroups alike), sequence by sequence against the oracle, both orders alike."""
+    x = vc.build(case)
+    first = vc.run(x)
+    assert sum(n.endswith("_ds4") for n in set(launched)) == 3, launched  # forward, dQ, dK/dV
+    vc.check(x, first)
+    again = vc.run(x, order="reverse")
+    for a, b in zip((first["out"], first["lse"], *first["grads"]), (again["out"], again["lse"], *again["grads"])):
+        assert torch.equal(a, b), "the schedule order changed a bit"
 
 
 def test_split_tiles_threads_and_bytes():
