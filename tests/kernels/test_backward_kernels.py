@@ -255,8 +255,8 @@ def test_every_table_entry_is_instantiated():
         for t, bd, bq, bk, ds in re.findall(r"^FLASH_BWD_DQ_INSTANTIATE(?:_SPLIT)?\((\w+), \w+, (\d+), (\d+), (\d+)"
                                             + split, src, re.M):
             declared[f"flash_bwd_dq_{t}_d{bd}_q{bq}_k{bk}{f'_ds{ds}' if ds else ''}"] = source
-        for t, bd, bk, bq, m, ds in re.findall(r"^FLASH_BWD_DKV_INSTANTIATE(?:_SPLIT)?\((\w+), \w+, (\d+), (\d+), (\d+), "
-                                               r"(\d)" + split, src, re.M):
+        for t, bd, bk, bq, m, ds in re.findall(r"^FLASH_BWD_DKV_INSTANTIATE(?:_SPLIT)?\((\w+), \w+, (\d+), (\d+), "
+                                               r"(\d+), (\d)" + split, src, re.M):
             declared[f"flash_bwd_dkv_{t}_d{bd}_k{bk}_q{bq}_m{m}{f'_ds{ds}' if ds else ''}"] = source
     # the accelerator file instantiates one tile list per dtype
     src = (shaders_dir() / "flash_bwd_nax.metal").read_text()

@@ -36,9 +36,9 @@ The table's values (the default of every family, not measured; sources:
 docs/tuning.md) keep the dQ and split dK/dV tiles at or under ~17.5 KiB of threadgroup
 memory up to head dim 256 (``threads`` = 4 x the owned block: 256 for 64-row blocks), the
 fused dK/dV tiles that stage K and V within 32 KiB (:data:`_DKV_FUSED`); the wide
-buckets 384 and 512 take 8-row streamed tiles (the head-dim splits add their partials, up to
-29 KiB), which float32 at 512 fills to the 32 KiB with unpadded rows (its dK/dV kernel then reads the row statistics from
-device memory instead of staging them).  The tuner
+buckets 384 and 512 take 8-row streamed tiles (the head-dim splits add their partials, up
+to 29 KiB), which float32 at 512 fills to the 32 KiB with unpadded rows (its dK/dV kernel
+then reads the row statistics from device memory instead of staging them).  The tuner
 (:mod:`torch_metal_flash.tuning`) chooses the dQ and the dK/dV tile among
 :func:`dq_variants` / :func:`dkv_variants`: the table's plus half-height owned
 blocks (:data:`EXTRA_BUCKETS`) and, up to head dim 256, the split dK/dV pair, instantiated in
@@ -51,7 +51,7 @@ import dataclasses
 
 import torch
 
-from .tiles import (DTYPE_NAMES, FAMILIES, HEAD_DIM_BUCKETS, MAX_HEAD_DIM, NAX_FAMILY, SCORE_SLICES, head_dim_bucket,
+from .tiles import (DTYPE_NAMES, FAMILIES, HEAD_DIM_BUCKETS, MAX_HEAD_DIM, NAX_FAMILY, head_dim_bucket, score_slices,
                     table_family)
 
 _ELEM_SIZE = {"f32": 4, "f16": 2, "bf16": 2}
@@ -189,7 +189,7 @@ _DKV_FUSED = {
 }
 _DKV_FUSED["bf16"] = dict(_DKV_FUSED["f16"])
 
-# The head-dim split of the wide buckets (tiles.SCORE_SLICES simdgroups per 8 rows, each holding its
+# The head-dim split of the wide buckets (tiles.score_slices simdgroups per 8 rows, each holding its
 # slice of Q, dO and dQ, or of K, V, dK and dV; partial S and dP summed through threadgroup memory):
 # dQ (BQ, BK) and fused dK/dV (BK, BQ), the default where the streamed tiles leave room for the
 # partials.  Float32 at 512 keeps the undivided kernels: its 8-row K/V (Q/dO) tiles alone fill 32 KiB.
@@ -281,11 +281,11 @@ def _table_tiles(dt: str, bd: int, family: str) -> BackwardTiles:
     # appleN newer than the tables -> the newest table; no simdgroup matrices -> ValueError.
     bq, bk = BACKWARD_TILES[table_family(family)]["dq"][dt][bd]
     if bd in _SPLIT_DQ[dt]:
-        dq = DQTile(dt, bd, *_SPLIT_DQ[dt][bd], ds=SCORE_SLICES[bd])
+        dq = DQTile(dt, bd, *_SPLIT_DQ[dt][bd], ds=score_slices(bd))
     else:
         dq = DQTile(dt, bd, bq, bk)
     if bd in _SPLIT_DKV[dt]:
-        dkv = (DKVTile(dt, bd, *_SPLIT_DKV[dt][bd], 0, ds=SCORE_SLICES[bd]),)
+        dkv = (DKVTile(dt, bd, *_SPLIT_DKV[dt][bd], 0, ds=score_slices(bd)),)
     else:
         dkv = _dkv_tiles(dt, bd, _modes(bd))
     return BackwardTiles(dq, dkv)

@@ -16,11 +16,10 @@ from typing import Union
 
 from .backward_tiles import DKVTile, DQTile
 from .decode import DecodeTile
-from .tiles import ForwardTile
+from .tiles import ForwardTile, score_slices
 
 SIMD_FRAG = 2  # 32-bit registers per lane of an 8x8 float fragment
 NAX_ELEMS = 8  # elements per lane of a 16x16 accelerator fragment
-SCORE_SLICE_BUCKET = 256  # above, the scores are summed over head-dim slices (one more fragment live)
 
 
 def _nax_frag(dtype: str) -> int:
@@ -31,7 +30,7 @@ def _nax_frag(dtype: str) -> int:
 def _slice_sum(bd: int, ds: int) -> int:
     """The fragment of the next score slice, live while an undivided kernel adds it (a head-dim
     split sums the slices in threadgroup memory)."""
-    return int(bd > SCORE_SLICE_BUCKET and ds == 1)
+    return int(score_slices(bd) > 1 and ds == 1)
 
 
 def forward(t: ForwardTile) -> int:

@@ -81,7 +81,8 @@ class ForwardTile:
     @property
     def kernel(self) -> str:
         return (f"flash_fwd_{'nax_' if self.nax else ''}{self.dtype}_d{self.bd}_q{self.bq}_k{self.bk}"
-                f"{'_s' if self.shared_kv else ''}{'_r' if self.direct else ''}{f'_ds{self.ds}' if self.ds > 1 else ''}")
+                f"{'_s' if self.shared_kv else ''}{'_r' if self.direct else ''}"
+                f"{f'_ds{self.ds}' if self.ds > 1 else ''}")
 
     @property
     def source(self) -> str:
@@ -106,9 +107,12 @@ class ForwardTile:
         return tiles * self.bk * (self.bd + self.row_pad) * _ELEM_SIZE[self.dtype] + partials
 
 
-# The head-dim split of the wide buckets (flash::ScoreSlices of flash_frag.h: every kernel of a
-# bucket sums its scores over these slices, so the backward rebuilds the forward's bit for bit).
-SCORE_SLICES = {384: 4, 512: 4}
+def score_slices(bd: int) -> int:
+    """The slices of the head dim whose score chains every kernel of bucket ``bd`` adds in order
+    (``flash::ScoreSlices`` of flash_frag.h), so the backward rebuilds the forward's scores bit for
+    bit; a head-dim split gives each its own simdgroup."""
+    return 4 if bd > 256 else 1
+
 
 # (dtype, bucket) -> (BQ, BK, shared_kv[, ds]): the package's starting point (not measured).  The wide
 # buckets split the head dim, which keeps a simdgroup's Q and O at d96 / d128's size.
