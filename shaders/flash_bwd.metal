@@ -27,8 +27,8 @@
 //     dQ += scale * dS K.  Also writes the zeros of dbias outside the band.
 //     `_ds<DS>` (head dims 384, 512): DS simdgroups per 8 rows, each holding
 //     a slice of Q, dO and dQ; their partial S and dP meet in threadgroup
-//     memory (flash::slice_put / slice_gather) and every slice computes the
-//     same dS (the first one writes dbias).
+//     memory (flash::slice_sum) and every slice computes the same dS (the
+//     first one writes dbias).
 //  3. flash_bwd_dkv_<dt>_d<BD>_k<BK>_q<BQ>_m<MODE>: grid (ceil(Lk/BK), Hkv, B),
 //     one simdgroup per 8 key rows, the dK / dV accumulators in registers;
 //     loops over every query head of the GQA group and over the query blocks
@@ -321,25 +321,12 @@ template <typename T, int BD, int BQ, int BK, int DS>
     simdgroup_float8x8 S[NK];
     simdgroup_float8x8 dP[NK];
     if (sg_active) {
-      // S: the forward's scores bit for bit (the same chains: flash::qk_block, or this slice's).
-      if (DS == 1) {
-        flash::qk_block<NF, NK, LD>(S, Qf, Ks, fc);
-      } else {
-        flash::qk_chain<NF, NK, LD>(S, Qf, Ks + col0, fc);
-      }
+      // S: the forward's scores bit for bit (the same chains: flash::qk_share).
+      flash::qk_share<DS, NF, NK, LD>(S, Qf, Ks, slice, fc);
       flash_bwd::dp_block<T, NF, NK, LD>(dP, dOf, Vs + col0, fc);
     }
-    if (DS > 1) {  // the slices' S and dP summed (uniform: every simdgroup reaches the barrier)
-      if (sg_active) {
-        flash::slice_put<NK>(S, area, slice, fc);
-        flash::slice_put<NK>(dP, area + DS * NK * 64, slice, fc);
-      }
-      threadgroup_barrier(mem_flags::mem_threadgroup);
-      if (sg_active) {
-        flash::slice_gather<DS, NK>(S, area, fc);
-        flash::slice_gather<DS, NK>(dP, area + DS * NK * 64, fc);
-      }
-    }
+    // (DS > 1) the slices' S and dP summed; every simdgroup reaches the barrier
+    if (DS > 1) flash::slice_sum<DS, NK, true>(S, dP, area, slice, sg_active, fc);
     if (sg_active) {
       // dS, element-wise (kept in S; every slice alike, the first one writes dbias).
       const bool need_bounds = kb + BK > Lk;
@@ -621,17 +608,8 @@ template <typename T, int BD, int BK, int BQ, int MODE, int DS>
           }
         }
       }
-      if (DS > 1) {  // the slices' S^T and dP^T summed (uniform: every simdgroup reaches the barrier)
-        if (sg_active) {
-          flash::slice_put<NQ>(St, area, slice, fc);
-          if (kDK) flash::slice_put<NQ>(dPt, area + DS * NQ * 64, slice, fc);
-        }
-        threadgroup_barrier(mem_flags::mem_threadgroup);
-        if (sg_active) {
-          flash::slice_gather<DS, NQ>(St, area, fc);
-          if (kDK) flash::slice_gather<DS, NQ>(dPt, area + DS * NQ * 64, fc);
-        }
-      }
+      // (DS > 1) the slices' S^T and dP^T summed; every simdgroup reaches the barrier
+      if (DS > 1) flash::slice_sum<DS, NQ, kDK>(St, dPt, area, slice, sg_active, fc);
       if (sg_active) {
         const bool need_bounds = qb + BQ > Lq || c0 + 8 > Lk;
         for (int qq = 0; qq < NQ; ++qq) {

@@ -172,6 +172,20 @@ void qk_block(thread simdgroup_float8x8* S, const thread simdgroup_float8x8* Qf,
   }
 }
 
+// This simdgroup's share of S = Q K^T: the whole head dim's scores (DS = 1,
+// qk_block), or the chain of its slice (NF fragments from column slice * NF * 8),
+// which slice_sum adds to the other slices'.
+template <int DS, int NF, int NK, int LD, typename T>
+__attribute__((always_inline)) inline
+void qk_share(thread simdgroup_float8x8* S, const thread simdgroup_float8x8* Qf, const threadgroup T* Ks, int slice,
+              FragCoord fc) {
+  if (DS == 1) {
+    qk_block<NF, NK, LD>(S, Qf, Ks, fc);
+  } else {
+    qk_chain<NF, NK, LD>(S, Qf, Ks + slice * NF * 8, fc);
+  }
+}
+
 // Head-dim split: the simdgroups of a row group each hold the partial
 // products of their slice; slice_put stores a simdgroup's N fragments into
 // its row group's exchange area (DS * N fragments of 64 floats, slice-major),
@@ -196,6 +210,24 @@ inline void slice_gather(thread simdgroup_float8x8* X, const threadgroup float* 
       X[n].thread_elements()[0] += src[s * N * 64];
       X[n].thread_elements()[1] += src[s * N * 64 + 1];
     }
+  }
+}
+
+// The row group's sums of its slices' partials X (and Y, when TWO: the area
+// then holds 2 * DS * N fragments), in slice order.  Every simdgroup calls it,
+// `active` (holding partials) or not: it contains a threadgroup barrier.  The
+// caller's next write to the area must come after another barrier.
+template <int DS, int N, bool TWO>
+inline void slice_sum(thread simdgroup_float8x8* X, thread simdgroup_float8x8* Y, threadgroup float* area, int slice,
+                      bool active, FragCoord fc) {
+  if (active) {
+    slice_put<N>(X, area, slice, fc);
+    if (TWO) slice_put<N>(Y, area + DS * N * 64, slice, fc);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (active) {
+    slice_gather<DS, N>(X, area, fc);
+    if (TWO) slice_gather<DS, N>(Y, area + DS * N * 64, fc);
   }
 }
 

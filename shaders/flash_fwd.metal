@@ -26,8 +26,8 @@
 //       so twice the keys per step for large head dims / float32)
 //   DS  head-dim split (1, or flash::ScoreSlices<BD> above head dim 256): DS
 //       simdgroups share 8 query rows, each holding BD / DS columns of Q and
-//       O; their partial scores meet in threadgroup memory (flash::slice_put /
-//       slice_gather, one more barrier per step) and every one of them runs
+//       O; their partial scores meet in threadgroup memory (flash::slice_sum,
+//       one more barrier per step) and every one of them runs
 //       the row's softmax on the same sums
 // Function constants switch the optional features off at compile time.
 //
@@ -129,23 +129,15 @@ inline void load_key_chunks(threadgroup T* dst, int ld, const device T* head, lo
 }
 
 // S = Q K^T of a simdgroup's 8 rows x the NK * 8 keys of the K tile Ks: over
-// the whole head dim (DS = 1, flash::qk_block), or over this simdgroup's slice
-// (NF fragments from column slice * NF * 8) summed with its row group's other
-// slices in the exchange area.  Every simdgroup calls it, active or not (a
-// threadgroup barrier when DS > 1).  The backward's kernels sum the same chains.
+// the whole head dim (DS = 1), or this simdgroup's slice summed with its row
+// group's other slices in the exchange area.  Every simdgroup calls it, active
+// or not (a threadgroup barrier when DS > 1).  The backward's kernels sum the
+// same chains.
 template <int DS, int NF, int NK, int LD, typename T>
 inline void block_qk(thread simdgroup_float8x8* S, const thread simdgroup_float8x8* Qf, const threadgroup T* Ks,
                      threadgroup float* area, int slice, bool active, flash::FragCoord fc) {
-  if (DS == 1) {
-    if (active) flash::qk_block<NF, NK, LD>(S, Qf, Ks, fc);
-    return;
-  }
-  if (active) {
-    flash::qk_chain<NF, NK, LD>(S, Qf, Ks + slice * NF * 8, fc);
-    flash::slice_put<NK>(S, area, slice, fc);
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  if (active) flash::slice_gather<DS, NK>(S, area, fc);
+  if (active) flash::qk_share<DS, NF, NK, LD>(S, Qf, Ks, slice, fc);
+  if (DS > 1) flash::slice_sum<DS, NK, false>(S, S, area, slice, active, fc);
 }
 
 // The scores S (block_qk's) of a simdgroup's 8 rows x the NK * 8 keys kb..
@@ -440,8 +432,9 @@ template <typename T, int BD, int BQ, int BK, bool SHARED_KV, int DS>
 
 // ---------------------------------------------------------------------------
 // Instantiations: flash_fwd_<dtype>_d<BD>_q<BQ>_k<BK>[_s][_ds<DS>], "_s" when K
-// and V share one tile buffer, "_ds4" with the head dim split over 4 simdgroups.  Every entry of torch_metal_flash/planner/tiles.py
-// must appear here (a test checks).
+// and V share one tile buffer, "_ds4" with the head dim split over 4 simdgroups.
+// Every entry of torch_metal_flash/planner/tiles.py must appear here (a test
+// checks).
 // ---------------------------------------------------------------------------
 #define FLASH_FWD_INSTANTIATE(tname, T, BD, BQ, BK)                                   \
   template [[host_name("flash_fwd_" #tname "_d" #BD "_q" #BQ "_k" #BK)]] [[kernel]] void \

@@ -1,6 +1,6 @@
 """The head-dim-split kernels of the wide buckets (384, 512): DS simdgroups share 8 rows, each
 holding a slice of the head dim, their partial scores (and dP) summed in slice order through
-threadgroup memory (``flash::slice_put`` / ``slice_gather``, shaders/flash_frag.h).
+threadgroup memory (``flash::slice_sum``, shaders/flash_frag.h).
 
 In the emulator, checked mode (poisoned threadgroup memory, bounds, races, divergent barriers),
 two schedule orders:

@@ -248,7 +248,7 @@ def dq_variants(dtype: torch.dtype, head_dim: int, family: str = "apple8") -> li
     """The dQ tiles the tuner may choose, the family's default first."""
     first = backward_tiles(dtype, head_dim, family).dq
     simd = _table_tiles(first.dtype, first.bd, family).dq
-    undivided = DQTile(first.dtype, first.bd, *BACKWARD_TILES[table_family(family)]["dq"][first.dtype][first.bd])
+    undivided = _undivided_tiles(first.dtype, first.bd, family).dq
     out = [first, *_nax_dq(first.dtype, first.bd, family)]
     for t in dict.fromkeys((simd, undivided)):
         out.append(t)
@@ -268,7 +268,7 @@ def dkv_variants(dtype: torch.dtype, head_dim: int, family: str = "apple8") -> l
         out.append(_dkv_tiles(dt, bd, (1, 2)))  # the split pair, for Macs where it wins
     owned = [simd]  # tiles that also come with half the owned key rows
     if simd[0].ds > 1:
-        owned.append(_dkv_tiles(dt, bd, _modes(bd)))  # the undivided kernels
+        owned.append(_undivided_tiles(dt, bd, family).dkv)
         out.append(owned[-1])
     for tiles in owned:
         if bd in EXTRA_BUCKETS and tiles[0].bk >= 16:
@@ -276,19 +276,21 @@ def dkv_variants(dtype: torch.dtype, head_dim: int, family: str = "apple8") -> l
     return list({pair[0].kernel: pair for pair in out}.values())
 
 
-def _table_tiles(dt: str, bd: int, family: str) -> BackwardTiles:
-    """The family table's simdgroup tiles."""
+def _undivided_tiles(dt: str, bd: int, family: str) -> BackwardTiles:
+    """The family table's simdgroup tiles with each simdgroup holding the whole head dim."""
     # appleN newer than the tables -> the newest table; no simdgroup matrices -> ValueError.
     bq, bk = BACKWARD_TILES[table_family(family)]["dq"][dt][bd]
+    return BackwardTiles(DQTile(dt, bd, bq, bk), _dkv_tiles(dt, bd, _modes(bd)))
+
+
+def _table_tiles(dt: str, bd: int, family: str) -> BackwardTiles:
+    """The family table's simdgroup tiles: the undivided ones, or the head-dim splits where they fit."""
+    tiles = _undivided_tiles(dt, bd, family)
     if bd in _SPLIT_DQ[dt]:
-        dq = DQTile(dt, bd, *_SPLIT_DQ[dt][bd], ds=score_slices(bd))
-    else:
-        dq = DQTile(dt, bd, bq, bk)
+        tiles = dataclasses.replace(tiles, dq=DQTile(dt, bd, *_SPLIT_DQ[dt][bd], ds=score_slices(bd)))
     if bd in _SPLIT_DKV[dt]:
-        dkv = (DKVTile(dt, bd, *_SPLIT_DKV[dt][bd], 0, ds=score_slices(bd)),)
-    else:
-        dkv = _dkv_tiles(dt, bd, _modes(bd))
-    return BackwardTiles(dq, dkv)
+        tiles = dataclasses.replace(tiles, dkv=(DKVTile(dt, bd, *_SPLIT_DKV[dt][bd], 0, ds=score_slices(bd)),))
+    return tiles
 
 
 def backward_tiles(dtype: torch.dtype, head_dim: int, family: str = "apple8", dq_variant: str | None = None,
@@ -332,11 +334,9 @@ def backward_candidates(dtype: torch.dtype, head_dim: int, family: str = "apple8
     if first.dq.ds > 1 or first.dkv[0].ds > 1:
         # A head-dim split needs 4x the threads of the bucket's undivided kernels (and the widest bucket
         # has no larger one): the split with half the owned rows, then the undivided kernels.
-        dt, bd = first.dq.dtype, first.dq.bd
         halved = BackwardTiles(dataclasses.replace(first.dq, bq=first.dq.bq // 2),
                                tuple(dataclasses.replace(x, bk=x.bk // 2) for x in first.dkv))
-        undivided = BackwardTiles(DQTile(dt, bd, *BACKWARD_TILES[table_family(family)]["dq"][dt][bd]),
-                                  _dkv_tiles(dt, bd, _modes(bd)))
+        undivided = _undivided_tiles(first.dq.dtype, first.dq.bd, family)
         built = {t.kernel for t in dq_variants(dtype, head_dim, family)} | {
             t.kernel for pair in dkv_variants(dtype, head_dim, family) for t in pair}
         same = [t for t in (halved, undivided) if {x.kernel for x in (t.dq, *t.dkv)} <= built]
